@@ -1,0 +1,301 @@
+//! The one way troupe serves and calls gRPC.
+//!
+//! [`serve`] runs every service of a process on one listener with `grpc.health.v1` (a status
+//! per service), server reflection v1 and v1alpha (grpcurl 1.8 only speaks v1alpha), a span
+//! per request parented on the caller's W3C `traceparent`, a default request deadline, and a
+//! graceful shutdown: health flips to NOT_SERVING first, then in-flight calls drain within a
+//! bound. [`channel`] and [`coordinator_client`] build outbound clients that carry a default
+//! deadline and the current trace context. [`worker`] is the claim → heartbeat → report loop
+//! the executor, validator and test-runner share.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
+use tonic_health::ServingStatus;
+
+pub mod worker;
+
+/// Fully qualified gRPC name of the health service, as health checks and grpcurl spell it.
+pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
+
+/// Errors of serving or connecting.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The reflection service could not be built from the descriptor set.
+    #[error("reflection: {0}")]
+    Reflection(#[from] tonic_reflection::server::Error),
+    /// The transport failed (bind, accept, connect).
+    #[error("transport: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    /// The listener's address could not be read.
+    #[error("listener: {0}")]
+    Listener(#[source] std::io::Error),
+    /// An outbound URL is not a valid URI.
+    #[error("invalid url {url:?}: {reason}")]
+    InvalidUrl {
+        /// The URL as given.
+        url: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A call to the coordinator failed.
+    #[error("coordinator call {rpc} failed: {status}")]
+    Call {
+        /// The RPC name.
+        rpc: &'static str,
+        /// The status returned.
+        status: Box<tonic::Status>,
+    },
+}
+
+/// The gRPC services one server exposes, with their names for health reporting.
+#[derive(Debug, Default)]
+pub struct Services {
+    routes: tonic::service::RoutesBuilder,
+    names: Vec<&'static str>,
+}
+
+impl Services {
+    /// Returns an empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a generated tonic server, such as `CoordinatorServer::new(adapter)`.
+    pub fn add<S>(&mut self, service: S) -> &mut Self
+    where
+        S: tower::Service<
+                http::Request<tonic::body::Body>,
+                Error = Infallible,
+            > + tonic::server::NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Response: axum::response::IntoResponse,
+        S::Future: Send + 'static,
+    {
+        self.names.push(S::NAME);
+        self.routes.add_service(service);
+        self
+    }
+
+    /// Returns the fully qualified names of the services added so far.
+    pub fn names(&self) -> &[&'static str] {
+        &self.names
+    }
+}
+
+/// How [`serve`] behaves.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// How long in-flight calls may run after shutdown begins before they are dropped.
+    pub drain_timeout: Duration,
+    /// Deadline for requests that carry no `grpc-timeout` of their own; a shorter client
+    /// deadline always wins.
+    pub default_deadline: Option<Duration>,
+}
+
+impl Default for ServeOptions {
+    fn default() -> Self {
+        Self {
+            drain_timeout: Duration::from_secs(10),
+            default_deadline: Some(Duration::from_secs(300)),
+        }
+    }
+}
+
+/// Serves `services` plus health and reflection on `listener` until `shutdown` is cancelled,
+/// then drains in-flight calls for at most `options.drain_timeout`.
+pub async fn serve(
+    listener: TcpListener,
+    services: Services,
+    shutdown: CancellationToken,
+    options: ServeOptions,
+) -> Result<(), Error> {
+    let local_addr = listener.local_addr().map_err(Error::Listener)?;
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    for name in &services.names {
+        health_reporter
+            .set_service_status(*name, ServingStatus::Serving)
+            .await;
+    }
+    // The empty name is the server's overall health, what `grpc_health_probe` asks by default.
+    health_reporter
+        .set_service_status("", ServingStatus::Serving)
+        .await;
+
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(troupe_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(troupe_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()?;
+
+    let mut routes = services.routes;
+    routes
+        .add_service(health_service)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
+
+    let mut builder = tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .trace_fn(request_span);
+    if let Some(deadline) = options.default_deadline {
+        builder = builder.timeout(deadline);
+    }
+    tracing::info!(
+        addr = %local_addr,
+        services = ?services.names,
+        "grpc server listening"
+    );
+
+    let stop_accepting = CancellationToken::new();
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let server = builder
+        .add_routes(routes.routes())
+        .serve_with_incoming_shutdown(incoming, stop_accepting.clone().cancelled_owned());
+    tokio::pin!(server);
+
+    tokio::select! {
+        result = &mut server => return result.map_err(Error::from),
+        () = shutdown.cancelled() => {}
+    }
+    // Health first, so load balancers and probes stop sending before we stop answering.
+    for name in services.names.iter().copied().chain([""]) {
+        health_reporter
+            .set_service_status(name, ServingStatus::NotServing)
+            .await;
+    }
+    tracing::info!(addr = %local_addr, drain_timeout = ?options.drain_timeout, "shutting down, draining in-flight calls");
+    stop_accepting.cancel();
+    match tokio::time::timeout(options.drain_timeout, &mut server).await {
+        Ok(result) => result.map_err(Error::from),
+        Err(_) => {
+            tracing::warn!(addr = %local_addr, "drain timed out, dropping remaining calls");
+            Ok(())
+        }
+    }
+}
+
+fn request_span(request: &http::Request<()>) -> tracing::Span {
+    let span = tracing::info_span!(
+        "grpc",
+        otel.kind = "server",
+        rpc = %request.uri().path(),
+    );
+    troupe_telemetry::set_parent_from(&span, request.headers());
+    span
+}
+
+/// Returns `http://<addr>` for a bound address, the form outbound clients take.
+pub fn url_for(addr: SocketAddr) -> String {
+    format!("http://{addr}")
+}
+
+/// Builds a lazy channel to `url` with a bounded connect time. Build once and clone it.
+pub fn channel(url: &str) -> Result<Channel, Error> {
+    let endpoint = Endpoint::from_shared(url.to_owned()).map_err(|err| Error::InvalidUrl {
+        url: url.to_owned(),
+        reason: err.to_string(),
+    })?;
+    Ok(endpoint
+        .connect_timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(30))
+        .keep_alive_while_idle(true)
+        .connect_lazy())
+}
+
+/// Adds a default deadline and the current W3C trace context to every outbound call.
+#[derive(Clone, Debug)]
+pub struct Outbound {
+    deadline: Duration,
+}
+
+impl Outbound {
+    /// An interceptor whose calls time out after `deadline` unless the caller set one.
+    pub fn new(deadline: Duration) -> Self {
+        Self { deadline }
+    }
+}
+
+impl tonic::service::Interceptor for Outbound {
+    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if !request.metadata().contains_key("grpc-timeout") {
+            request.set_timeout(self.deadline);
+        }
+        troupe_telemetry::inject_context(request.metadata_mut());
+        Ok(request)
+    }
+}
+
+/// A coordinator client with troupe's outbound interceptor.
+pub type CoordinatorClient = troupe_proto::v1::coordinator_client::CoordinatorClient<
+    InterceptedService<Channel, Outbound>,
+>;
+
+/// Returns a coordinator client for `url` whose calls default to a 90 s deadline (long enough
+/// for the longest `ClaimTasks` long-poll).
+pub fn coordinator_client(url: &str) -> Result<CoordinatorClient, Error> {
+    let channel = channel(url)?;
+    Ok(
+        troupe_proto::v1::coordinator_client::CoordinatorClient::with_interceptor(
+            channel,
+            Outbound::new(Duration::from_secs(90)),
+        ),
+    )
+}
+
+/// Whether a failed call may succeed if repeated unchanged.
+pub fn is_transient(status: &tonic::Status) -> bool {
+    matches!(
+        status.code(),
+        tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::Aborted
+    )
+}
+
+/// Completes when the process receives SIGTERM or SIGINT (Kubernetes sends SIGTERM).
+pub async fn shutdown_signal() {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut signal) => {
+                signal.recv().await;
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "cannot listen for SIGTERM");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    tokio::select! {
+        () = terminate => tracing::info!("received SIGTERM"),
+        result = tokio::signal::ctrl_c() => {
+            if result.is_ok() {
+                tracing::info!("received SIGINT");
+            }
+        }
+    }
+}
+
+/// Returns a token cancelled on the first SIGTERM/SIGINT; a second signal exits at once.
+pub fn shutdown_token() -> CancellationToken {
+    let token = CancellationToken::new();
+    let signalled = token.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        signalled.cancel();
+        shutdown_signal().await;
+        tracing::warn!("second shutdown signal, exiting immediately");
+        std::process::exit(130);
+    });
+    token
+}
