@@ -1,0 +1,177 @@
+//! The gRPC adapter: tonic types stop here. Each method unwraps the request, calls the domain
+//! [`Coordinator`] and maps [`Error`] to a status once (`From<Error> for Status`).
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use futures::{Stream, StreamExt};
+use tonic::{Request, Response, Status};
+use troupe_proto::v1::{self as pb, coordinator_server};
+
+use crate::Error;
+use crate::service::Coordinator;
+
+impl From<Error> for Status {
+    fn from(err: Error) -> Self {
+        match &err {
+            Error::InvalidPlan(_) | Error::InvalidArgument(_) => {
+                Status::invalid_argument(err.to_string())
+            }
+            Error::NotFound(_) => Status::not_found(err.to_string()),
+            Error::FailedPrecondition(_) => Status::failed_precondition(err.to_string()),
+            Error::Database(sqlx::Error::PoolTimedOut) => Status::unavailable(err.to_string()),
+            Error::Git(_)
+            | Error::Database(_)
+            | Error::Corrupt(_)
+            | Error::Io { .. }
+            | Error::Serve(_) => {
+                tracing::error!(error = %err, "internal error");
+                Status::internal(err.to_string())
+            }
+        }
+    }
+}
+
+/// Returns the tonic server for `coordinator`.
+pub(crate) fn server(
+    coordinator: Arc<Coordinator>,
+) -> coordinator_server::CoordinatorServer<Adapter> {
+    coordinator_server::CoordinatorServer::new(Adapter { coordinator })
+}
+
+/// Implements the generated service trait over the domain coordinator.
+#[derive(Debug, Clone)]
+pub(crate) struct Adapter {
+    coordinator: Arc<Coordinator>,
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<pb::SessionEvent, Status>> + Send + 'static>>;
+
+#[tonic::async_trait]
+impl coordinator_server::Coordinator for Adapter {
+    async fn create_session(
+        &self,
+        request: Request<pb::CreateSessionRequest>,
+    ) -> Result<Response<pb::CreateSessionResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator
+                .create_session(request.into_inner())
+                .await?,
+        ))
+    }
+
+    async fn get_session(
+        &self,
+        request: Request<pb::GetSessionRequest>,
+    ) -> Result<Response<pb::GetSessionResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator
+                .get_session(&request.into_inner().session_id)
+                .await?,
+        ))
+    }
+
+    async fn list_sessions(
+        &self,
+        request: Request<pb::ListSessionsRequest>,
+    ) -> Result<Response<pb::ListSessionsResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.list_sessions(request.into_inner()).await?,
+        ))
+    }
+
+    async fn cancel_session(
+        &self,
+        request: Request<pb::CancelSessionRequest>,
+    ) -> Result<Response<pb::CancelSessionResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator
+                .cancel_session(request.into_inner())
+                .await?,
+        ))
+    }
+
+    async fn claim_tasks(
+        &self,
+        request: Request<pb::ClaimTasksRequest>,
+    ) -> Result<Response<pb::ClaimTasksResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.claim_tasks(request.into_inner()).await?,
+        ))
+    }
+
+    async fn heartbeat(
+        &self,
+        request: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.heartbeat(request.into_inner()).await?,
+        ))
+    }
+
+    async fn complete_task(
+        &self,
+        request: Request<pb::CompleteTaskRequest>,
+    ) -> Result<Response<pb::CompleteTaskResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.complete_task(request.into_inner()).await?,
+        ))
+    }
+
+    async fn fail_task(
+        &self,
+        request: Request<pb::FailTaskRequest>,
+    ) -> Result<Response<pb::FailTaskResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.fail_task(request.into_inner()).await?,
+        ))
+    }
+
+    async fn log_message(
+        &self,
+        request: Request<pb::LogMessageRequest>,
+    ) -> Result<Response<pb::LogMessageResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.log_message(request.into_inner()).await?,
+        ))
+    }
+
+    async fn list_messages(
+        &self,
+        request: Request<pb::ListMessagesRequest>,
+    ) -> Result<Response<pb::ListMessagesResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.list_messages(request.into_inner()).await?,
+        ))
+    }
+
+    async fn get_state(
+        &self,
+        request: Request<pb::GetStateRequest>,
+    ) -> Result<Response<pb::GetStateResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.get_state(request.into_inner()).await?,
+        ))
+    }
+
+    async fn update_state(
+        &self,
+        request: Request<pb::UpdateStateRequest>,
+    ) -> Result<Response<pb::UpdateStateResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.update_state(request.into_inner()).await?,
+        ))
+    }
+
+    type WatchSessionStream = EventStream;
+
+    async fn watch_session(
+        &self,
+        request: Request<pb::WatchSessionRequest>,
+    ) -> Result<Response<Self::WatchSessionStream>, Status> {
+        let events = self.coordinator.watch_session(request.into_inner()).await?;
+        Ok(Response::new(Box::pin(
+            events.map(|event| event.map_err(Status::from)),
+        )))
+    }
+}

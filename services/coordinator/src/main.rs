@@ -1,0 +1,33 @@
+//! `troupe-coordinator`: serves the Coordinator gRPC service.
+
+use anyhow::Context as _;
+use clap::Parser;
+
+/// The troupe coordinator: sessions, task DAG scheduling, leases and the message bus.
+#[derive(Debug, Parser)]
+#[command(name = "troupe-coordinator", version)]
+struct Cli {
+    #[command(flatten)]
+    config: troupe_coordinator::Config,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let telemetry = troupe_telemetry::init("troupe-coordinator").context("telemetry init")?;
+    let result = serve(cli.config).await;
+    if let Err(err) = &result {
+        tracing::error!(error = %format!("{err:#}"), "coordinator stopped");
+    }
+    telemetry.shutdown().await;
+    result
+}
+
+async fn serve(config: troupe_coordinator::Config) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("bind {}", config.listen))?;
+    let shutdown = troupe_grpc::shutdown_token();
+    troupe_coordinator::run(config, listener, shutdown).await?;
+    Ok(())
+}

@@ -1,0 +1,401 @@
+//! The task state machine, free of I/O: the rows a transaction loaded go in, the transitions to
+//! record come out. The store calls these inside its transactions.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use rand::Rng;
+use troupe_plan::{Mode, OnFailure};
+use troupe_proto::v1::{self as pb, SessionState, TaskState};
+
+/// Longest retry delay.
+const BACKOFF_CAP: Duration = Duration::from_secs(60);
+
+/// One task as stored.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct TaskRow {
+    pub(crate) session_id: String,
+    pub(crate) id: String,
+    /// Index in the plan's topological order.
+    pub(crate) position: i64,
+    pub(crate) title: String,
+    pub(crate) description: String,
+    pub(crate) role: pb::Role,
+    pub(crate) priority: pb::Priority,
+    pub(crate) repo: String,
+    pub(crate) wave: u32,
+    pub(crate) critical_path: u32,
+    pub(crate) depends_on: Vec<String>,
+    pub(crate) files: Vec<pb::FileChange>,
+    pub(crate) spec: serde_json::Map<String, serde_json::Value>,
+    pub(crate) state: TaskState,
+    pub(crate) attempt: u32,
+    pub(crate) max_attempts: u32,
+    pub(crate) fencing_token: u64,
+    pub(crate) worker_id: String,
+    pub(crate) lease_ms: i64,
+    pub(crate) lease_expires_at: Option<i64>,
+    pub(crate) not_before: Option<i64>,
+    pub(crate) created_at: i64,
+    pub(crate) started_at: Option<i64>,
+    pub(crate) finished_at: Option<i64>,
+    pub(crate) progress: String,
+    pub(crate) result: Option<pb::TaskResult>,
+    pub(crate) last_error: Option<pb::TaskError>,
+}
+
+/// Returns true for states a task never leaves on its own.
+pub(crate) fn is_terminal(state: TaskState) -> bool {
+    matches!(
+        state,
+        TaskState::Completed
+            | TaskState::Failed
+            | TaskState::Skipped
+            | TaskState::Cancelled
+            | TaskState::TimedOut
+            | TaskState::Blocked
+    )
+}
+
+/// Returns true for session states that end scheduling.
+pub(crate) fn is_session_terminal(state: SessionState) -> bool {
+    matches!(
+        state,
+        SessionState::Completed | SessionState::Failed | SessionState::Cancelled
+    )
+}
+
+/// Records a state change on `task` and returns its event payload.
+pub(crate) fn transition(
+    task: &mut TaskRow,
+    to: TaskState,
+    reason: impl Into<String>,
+    now_ms: i64,
+) -> pb::TaskTransition {
+    let from = task.state;
+    task.state = to;
+    if is_terminal(to) {
+        task.finished_at = Some(now_ms);
+        task.lease_expires_at = None;
+    }
+    if to != TaskState::Running {
+        task.lease_expires_at = None;
+    }
+    pb::TaskTransition {
+        task_id: task.id.clone(),
+        from: from as i32,
+        to: to as i32,
+        attempt: task.attempt,
+        worker_id: task.worker_id.clone(),
+        reason: reason.into(),
+    }
+}
+
+/// Moves tasks the dependency graph decides: pending tasks downstream of a terminal failure
+/// become skipped or blocked (transitively), and pending tasks whose dependencies completed
+/// (and, in `waves` mode, whose earlier waves are all terminal) become ready once their retry
+/// backoff has passed. `tasks` must be in topological order.
+pub(crate) fn settle(
+    tasks: &mut [TaskRow],
+    mode: Mode,
+    on_failure: OnFailure,
+    now_ms: i64,
+) -> Vec<pb::TaskTransition> {
+    let mut transitions = Vec::new();
+    let index: HashMap<String, usize> = tasks
+        .iter()
+        .enumerate()
+        .map(|(position, task)| (task.id.clone(), position))
+        .collect();
+
+    // Topological order makes one pass enough for transitive propagation.
+    for position in 0..tasks.len() {
+        if tasks[position].state != TaskState::Pending {
+            continue;
+        }
+        let failed_dep = tasks[position].depends_on.iter().find_map(|dep| {
+            let dep_task = &tasks[*index.get(dep)?];
+            let failed = is_terminal(dep_task.state) && dep_task.state != TaskState::Completed;
+            failed.then(|| (dep.clone(), dep_task.state))
+        });
+        if let Some((dep, dep_state)) = failed_dep {
+            let to = match on_failure {
+                OnFailure::Skip => TaskState::Skipped,
+                OnFailure::Block => TaskState::Blocked,
+            };
+            let reason = format!("dependency {dep} is {}", state_name(dep_state));
+            transitions.push(transition(&mut tasks[position], to, reason, now_ms));
+        }
+    }
+
+    let min_open_wave = tasks
+        .iter()
+        .filter(|task| !is_terminal(task.state))
+        .map(|task| task.wave)
+        .min()
+        .unwrap_or(u32::MAX);
+    for position in 0..tasks.len() {
+        let task = &tasks[position];
+        if task.state != TaskState::Pending {
+            continue;
+        }
+        let deps_done = task.depends_on.iter().all(|dep| {
+            index
+                .get(dep)
+                .is_some_and(|&dep_index| tasks[dep_index].state == TaskState::Completed)
+        });
+        let due = task.not_before.is_none_or(|at| at <= now_ms);
+        let barrier_open = mode == Mode::Eager || task.wave <= min_open_wave;
+        if deps_done && due && barrier_open {
+            let reason = if task.attempt == 0 {
+                "dependencies completed"
+            } else {
+                "retry backoff elapsed"
+            };
+            let task = &mut tasks[position];
+            task.not_before = None;
+            transitions.push(transition(task, TaskState::Ready, reason, now_ms));
+        }
+    }
+    transitions
+}
+
+/// Returns the state a session reaches when every task is terminal, else `None`.
+pub(crate) fn session_outcome(tasks: &[TaskRow]) -> Option<SessionState> {
+    if !tasks.iter().all(|task| is_terminal(task.state)) {
+        return None;
+    }
+    if tasks.iter().all(|task| task.state == TaskState::Completed) {
+        Some(SessionState::Completed)
+    } else {
+        Some(SessionState::Failed)
+    }
+}
+
+/// Returns the delay before retry number `attempt` (the attempt that just failed, 1-based):
+/// 1 s · 2^(attempt-1), capped at 60 s, with ±20 % jitter so retries do not march in step.
+pub(crate) fn backoff(attempt: u32, rng: &mut impl Rng) -> Duration {
+    let exponent = attempt.saturating_sub(1).min(16);
+    let base = Duration::from_secs(1u64 << exponent).min(BACKOFF_CAP);
+    let jitter: f64 = rng.random_range(0.8..=1.2);
+    base.mul_f64(jitter).min(BACKOFF_CAP)
+}
+
+/// Returns the transitive dependencies of `task_id` that completed, in topological order.
+pub(crate) fn completed_upstream<'a>(tasks: &'a [TaskRow], task_id: &str) -> Vec<&'a TaskRow> {
+    let index: HashMap<&str, usize> = tasks
+        .iter()
+        .enumerate()
+        .map(|(position, task)| (task.id.as_str(), position))
+        .collect();
+    let mut seen: HashSet<usize> = HashSet::new();
+    let mut stack: Vec<usize> = index.get(task_id).copied().into_iter().collect();
+    while let Some(node) = stack.pop() {
+        for dep in &tasks[node].depends_on {
+            if let Some(&dep_index) = index.get(dep.as_str())
+                && seen.insert(dep_index)
+            {
+                stack.push(dep_index);
+            }
+        }
+    }
+    let mut upstream: Vec<&TaskRow> = seen
+        .into_iter()
+        .map(|position| &tasks[position])
+        .filter(|task| task.state == TaskState::Completed)
+        .collect();
+    upstream.sort_by_key(|task| task.position);
+    upstream
+}
+
+/// Returns the lowercase name of a task state, for reasons and messages.
+pub(crate) fn state_name(state: TaskState) -> &'static str {
+    match state {
+        TaskState::Unspecified => "unspecified",
+        TaskState::Pending => "pending",
+        TaskState::Ready => "ready",
+        TaskState::Running => "running",
+        TaskState::Completed => "completed",
+        TaskState::Failed => "failed",
+        TaskState::Skipped => "skipped",
+        TaskState::Cancelled => "cancelled",
+        TaskState::TimedOut => "timed out",
+        TaskState::Blocked => "blocked",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::SeedableRng;
+
+    use super::*;
+
+    fn row(id: &str, deps: &[&str], wave: u32, position: i64) -> TaskRow {
+        TaskRow {
+            session_id: "s".into(),
+            id: id.into(),
+            position,
+            title: id.into(),
+            description: String::new(),
+            role: pb::Role::Executor,
+            priority: pb::Priority::P1,
+            repo: "app".into(),
+            wave,
+            critical_path: 1,
+            depends_on: deps.iter().map(|d| (*d).to_owned()).collect(),
+            files: Vec::new(),
+            spec: serde_json::Map::new(),
+            state: TaskState::Pending,
+            attempt: 0,
+            max_attempts: 2,
+            fencing_token: 0,
+            worker_id: String::new(),
+            lease_ms: 0,
+            lease_expires_at: None,
+            not_before: None,
+            created_at: 0,
+            started_at: None,
+            finished_at: None,
+            progress: String::new(),
+            result: None,
+            last_error: None,
+        }
+    }
+
+    fn states(tasks: &[TaskRow]) -> Vec<TaskState> {
+        tasks.iter().map(|task| task.state).collect()
+    }
+
+    #[test]
+    fn eager_releases_tasks_whose_own_deps_completed() {
+        // A -> B ; C (wave 1) ; D depends on C.
+        let mut tasks = vec![
+            row("A", &[], 1, 0),
+            row("C", &[], 1, 1),
+            row("B", &["A"], 2, 2),
+            row("D", &["C"], 2, 3),
+        ];
+        settle(&mut tasks, Mode::Eager, OnFailure::Skip, 0);
+        assert_eq!(
+            states(&tasks),
+            vec![
+                TaskState::Ready,
+                TaskState::Ready,
+                TaskState::Pending,
+                TaskState::Pending
+            ]
+        );
+        tasks[1].state = TaskState::Completed;
+        let transitions = settle(&mut tasks, Mode::Eager, OnFailure::Skip, 0);
+        assert_eq!(transitions.len(), 1);
+        assert_eq!(tasks[3].state, TaskState::Ready);
+        assert_eq!(tasks[2].state, TaskState::Pending);
+    }
+
+    #[test]
+    fn waves_wait_for_the_whole_earlier_wave() {
+        let mut tasks = vec![
+            row("A", &[], 1, 0),
+            row("C", &[], 1, 1),
+            row("B", &["A"], 2, 2),
+            row("D", &["C"], 2, 3),
+        ];
+        tasks[0].state = TaskState::Ready;
+        tasks[1].state = TaskState::Completed;
+        settle(&mut tasks, Mode::Waves, OnFailure::Skip, 0);
+        assert_eq!(
+            tasks[3].state,
+            TaskState::Pending,
+            "A of wave 1 is still open"
+        );
+        tasks[0].state = TaskState::Completed;
+        settle(&mut tasks, Mode::Waves, OnFailure::Skip, 0);
+        assert_eq!(tasks[2].state, TaskState::Ready);
+        assert_eq!(tasks[3].state, TaskState::Ready);
+    }
+
+    #[test]
+    fn failure_skips_or_blocks_downstream_transitively() {
+        for (policy, expected) in [
+            (OnFailure::Skip, TaskState::Skipped),
+            (OnFailure::Block, TaskState::Blocked),
+        ] {
+            let mut tasks = vec![
+                row("A", &[], 1, 0),
+                row("B", &["A"], 2, 1),
+                row("C", &["B"], 3, 2),
+                row("X", &[], 1, 3),
+            ];
+            tasks[0].state = TaskState::Failed;
+            tasks[3].state = TaskState::Completed;
+            let transitions = settle(&mut tasks, Mode::Eager, policy, 5);
+            assert_eq!(transitions.len(), 2);
+            assert_eq!(tasks[1].state, expected);
+            assert_eq!(tasks[2].state, expected);
+            assert_eq!(tasks[2].finished_at, Some(5));
+            assert!(
+                transitions[1].reason.contains('B'),
+                "{}",
+                transitions[1].reason
+            );
+            assert_eq!(session_outcome(&tasks), Some(SessionState::Failed));
+        }
+    }
+
+    #[test]
+    fn backoff_respects_not_before() {
+        let mut tasks = vec![row("A", &[], 1, 0)];
+        tasks[0].not_before = Some(100);
+        tasks[0].attempt = 1;
+        settle(&mut tasks, Mode::Eager, OnFailure::Skip, 99);
+        assert_eq!(tasks[0].state, TaskState::Pending);
+        settle(&mut tasks, Mode::Eager, OnFailure::Skip, 100);
+        assert_eq!(tasks[0].state, TaskState::Ready);
+        assert_eq!(tasks[0].not_before, None);
+    }
+
+    #[test]
+    fn outcome_needs_every_task_terminal() {
+        let mut tasks = vec![row("A", &[], 1, 0), row("B", &[], 1, 1)];
+        tasks[0].state = TaskState::Completed;
+        assert_eq!(session_outcome(&tasks), None);
+        tasks[1].state = TaskState::Completed;
+        assert_eq!(session_outcome(&tasks), Some(SessionState::Completed));
+    }
+
+    #[test]
+    fn backoff_grows_with_jitter_and_cap() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        for _ in 0..100 {
+            let first = backoff(1, &mut rng);
+            assert!(
+                first >= Duration::from_millis(800) && first <= Duration::from_millis(1200),
+                "{first:?}"
+            );
+            let third = backoff(3, &mut rng);
+            assert!(
+                third >= Duration::from_millis(3200) && third <= Duration::from_millis(4800),
+                "{third:?}"
+            );
+            assert!(backoff(30, &mut rng) <= BACKOFF_CAP);
+        }
+    }
+
+    #[test]
+    fn upstream_is_transitive_and_completed_only() {
+        let mut tasks = vec![
+            row("A", &[], 1, 0),
+            row("B", &["A"], 2, 1),
+            row("X", &[], 1, 2),
+            row("C", &["B", "X"], 3, 3),
+        ];
+        tasks[0].state = TaskState::Completed;
+        tasks[1].state = TaskState::Completed;
+        tasks[2].state = TaskState::Failed;
+        let ids: Vec<&str> = completed_upstream(&tasks, "C")
+            .iter()
+            .map(|t| t.id.as_str())
+            .collect();
+        assert_eq!(ids, vec!["A", "B"]);
+    }
+}

@@ -1,0 +1,865 @@
+//! The coordinator's domain operations: validation, repository resolution, the long-polling
+//! claim, the event stream. Storage is [`Store`]; the wire adapter is `grpc.rs`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::Stream;
+use rand::Rng;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use troupe_plan::{Plan, RepoSource};
+use troupe_proto::v1::{self as pb, SessionState, TaskState};
+use troupe_workspace::{Oid, Repo};
+
+use crate::Error;
+use crate::convert::{json_to_struct, now_ms, opt_timestamp, struct_to_json, timestamp};
+use crate::sched::{self, TaskRow};
+use crate::store::{
+    MessageFilter, NewMessage, NewSession, SessionRow, SessionView, Store, add_count,
+};
+
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+const MIN_LEASE: Duration = Duration::from_secs(1);
+const MAX_LEASE: Duration = Duration::from_secs(600);
+const MAX_WAIT: Duration = Duration::from_secs(60);
+const MAX_CLAIM: u32 = 64;
+const MAX_PROGRESS_CHARS: usize = 200;
+const EVENT_PAGE: u32 = 256;
+
+/// The coordinator's state, shared by the gRPC adapter and the background reaper.
+#[derive(Debug)]
+pub(crate) struct Coordinator {
+    store: Store,
+    data_dir: PathBuf,
+    /// Bumped after every committed change; claim long-polls and watchers wait on it. A watch
+    /// channel (not `Notify`) so that a change between "look" and "wait" is never missed.
+    changes: watch::Sender<u64>,
+    /// Cancelled at shutdown so open `WatchSession` streams end.
+    stop: CancellationToken,
+}
+
+/// Returns a `Duration` field, or `default` when absent; refuses negative values.
+fn duration(
+    value: Option<prost_types::Duration>,
+    field: &str,
+    default: Duration,
+) -> Result<Duration, Error> {
+    match value {
+        None => Ok(default),
+        Some(value) => Duration::try_from(value).map_err(|_| {
+            Error::InvalidArgument(format!("{field} must be a non-negative duration"))
+        }),
+    }
+}
+
+fn lease(value: Option<prost_types::Duration>, default: Duration) -> Result<Duration, Error> {
+    let lease = duration(value, "lease_duration", default)?;
+    if lease.is_zero() {
+        return Ok(default);
+    }
+    Ok(lease.clamp(MIN_LEASE, MAX_LEASE))
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn require(value: &str, field: &str) -> Result<(), Error> {
+    if value.is_empty() {
+        return Err(Error::InvalidArgument(format!("{field} is required")));
+    }
+    Ok(())
+}
+
+/// Returns the wire form of a stored task.
+pub(crate) fn task_proto(row: &TaskRow) -> pb::Task {
+    pb::Task {
+        session_id: row.session_id.clone(),
+        id: row.id.clone(),
+        title: row.title.clone(),
+        description: row.description.clone(),
+        role: row.role as i32,
+        state: row.state as i32,
+        priority: row.priority as i32,
+        depends_on: row.depends_on.clone(),
+        repo: row.repo.clone(),
+        attempt: row.attempt,
+        max_attempts: row.max_attempts,
+        wave: row.wave,
+        spec: Some(json_to_struct(&row.spec)),
+        files: row.files.clone(),
+        result: row.result.clone(),
+        last_error: row.last_error.clone(),
+        worker_id: row.worker_id.clone(),
+        created_at: Some(timestamp(row.created_at)),
+        started_at: opt_timestamp(row.started_at),
+        finished_at: opt_timestamp(row.finished_at),
+        progress: row.progress.clone(),
+    }
+}
+
+fn session_proto(
+    session: &SessionRow,
+    repos: Vec<pb::SessionRepo>,
+    counts: pb::TaskCounts,
+) -> pb::Session {
+    pb::Session {
+        id: session.id.clone(),
+        name: session.name.clone(),
+        description: session.description.clone(),
+        state: session.state as i32,
+        repos,
+        counts: Some(counts),
+        created_at: Some(timestamp(session.created_at)),
+        updated_at: Some(timestamp(session.updated_at)),
+        last_sequence: session.last_seq,
+        mode: session.mode.as_str().to_owned(),
+        on_failure: session.on_failure.as_str().to_owned(),
+    }
+}
+
+fn counts_of(tasks: &[TaskRow]) -> pb::TaskCounts {
+    let mut counts = pb::TaskCounts::default();
+    for task in tasks {
+        add_count(&mut counts, task.state, 1);
+    }
+    counts
+}
+
+fn view_proto(view: SessionView) -> (pb::Session, Vec<pb::Task>) {
+    let counts = counts_of(&view.tasks);
+    let session = session_proto(&view.session, view.repos, counts);
+    (session, view.tasks.iter().map(task_proto).collect())
+}
+
+/// A repository resolved for a new session.
+struct ResolvedRepo {
+    name: String,
+    repo: Option<Repo>,
+    path: PathBuf,
+    base_commit: Option<Oid>,
+}
+
+impl Coordinator {
+    pub(crate) fn new(store: Store, data_dir: PathBuf) -> Self {
+        let (changes, _) = watch::channel(0);
+        Self {
+            store,
+            data_dir,
+            changes,
+            stop: CancellationToken::new(),
+        }
+    }
+
+    fn notify(&self) {
+        self.changes
+            .send_modify(|generation| *generation = generation.wrapping_add(1));
+    }
+
+    /// Ends open event streams (shutdown).
+    pub(crate) fn stop(&self) {
+        self.stop.cancel();
+    }
+
+    // ----- sessions -------------------------------------------------------------------------
+
+    #[tracing::instrument(skip_all, fields(dry_run = request.dry_run))]
+    pub(crate) async fn create_session(
+        &self,
+        request: pb::CreateSessionRequest,
+    ) -> Result<pb::CreateSessionResponse, Error> {
+        let plan = Plan::from_json(&request.plan_json)?;
+        let base_dir = if request.base_dir.is_empty() {
+            None
+        } else {
+            Some(
+                tokio::fs::canonicalize(&request.base_dir)
+                    .await
+                    .map_err(|err| {
+                        Error::InvalidArgument(format!("base_dir {}: {err}", request.base_dir))
+                    })?,
+            )
+        };
+        let repos = self
+            .resolve_repos(
+                &plan,
+                base_dir.as_deref(),
+                &request.repo_paths,
+                request.dry_run,
+            )
+            .await?;
+        let now = now_ms();
+        let plan_dir = base_dir
+            .as_ref()
+            .map(|dir| dir.display().to_string())
+            .unwrap_or_default();
+
+        if request.dry_run {
+            let session_repos = repos
+                .iter()
+                .map(|repo| pb::SessionRepo {
+                    name: repo.name.clone(),
+                    path: repo.path.display().to_string(),
+                    base_commit: repo
+                        .base_commit
+                        .as_ref()
+                        .map(ToString::to_string)
+                        .unwrap_or_default(),
+                    branch: String::new(),
+                })
+                .collect();
+            let session = SessionRow {
+                id: String::new(),
+                name: plan.name.clone(),
+                description: plan.description.clone(),
+                state: SessionState::Active,
+                mode: plan.mode,
+                on_failure: plan.on_failure,
+                plan_dir,
+                last_seq: 0,
+                created_at: now,
+                updated_at: now,
+            };
+            let mut tasks = task_rows(&plan, "", now);
+            sched::settle(&mut tasks, plan.mode, plan.on_failure, now);
+            let (session, tasks) = view_proto(SessionView {
+                session,
+                repos: session_repos,
+                tasks,
+            });
+            return Ok(pb::CreateSessionResponse {
+                session: Some(session),
+                tasks,
+            });
+        }
+
+        let session_id = format!(
+            "{}-{}-{:06x}",
+            plan.name,
+            chrono::Utc::now().format("%Y%m%d"),
+            rand::rng().random_range(0..0x100_0000u32)
+        );
+        let branch = format!("troupe/{session_id}");
+        let mut created: Vec<(PathBuf, Oid)> = Vec::new();
+        let mut session_repos = Vec::new();
+        for resolved in &repos {
+            let (Some(repo), Some(base)) = (&resolved.repo, &resolved.base_commit) else {
+                return Err(Error::Corrupt(format!(
+                    "repo `{}` was not resolved",
+                    resolved.name
+                )));
+            };
+            if let Err(err) = repo.create_branch(&branch, base).await {
+                delete_branches(&created, &branch).await;
+                return Err(err.into());
+            }
+            created.push((repo.path().to_path_buf(), base.clone()));
+            session_repos.push(pb::SessionRepo {
+                name: resolved.name.clone(),
+                path: repo.path().display().to_string(),
+                base_commit: base.to_string(),
+                branch: branch.clone(),
+            });
+        }
+        let new = NewSession {
+            session: SessionRow {
+                id: session_id.clone(),
+                name: plan.name.clone(),
+                description: plan.description.clone(),
+                state: SessionState::Active,
+                mode: plan.mode,
+                on_failure: plan.on_failure,
+                plan_dir,
+                last_seq: 0,
+                created_at: now,
+                updated_at: now,
+            },
+            plan_json: request.plan_json,
+            repos: session_repos,
+            tasks: task_rows(&plan, &session_id, now),
+        };
+        if let Err(err) = self.store.insert_session(new, now).await {
+            delete_branches(&created, &branch).await;
+            return Err(err);
+        }
+        self.notify();
+        tracing::info!(session_id = %session_id, tasks = plan.tasks.len(), "session created");
+        let (session, tasks) = view_proto(self.store.get_session(&session_id).await?);
+        Ok(pb::CreateSessionResponse {
+            session: Some(session),
+            tasks,
+        })
+    }
+
+    /// Resolves every plan repository to an opened git work tree, collecting every problem.
+    async fn resolve_repos(
+        &self,
+        plan: &Plan,
+        base_dir: Option<&Path>,
+        overrides: &HashMap<String, String>,
+        dry_run: bool,
+    ) -> Result<Vec<ResolvedRepo>, Error> {
+        let mut problems = Vec::new();
+        let mut unknown: Vec<&String> = overrides
+            .keys()
+            .filter(|name| !name.is_empty() && plan.repo(name).is_none())
+            .collect();
+        unknown.sort();
+        for name in unknown {
+            problems.push(format!("repo_paths names unknown repo `{name}`"));
+        }
+        let relative_to = |path: &str| -> Option<PathBuf> {
+            let path = Path::new(path);
+            if path.is_absolute() {
+                Some(path.to_path_buf())
+            } else {
+                base_dir.map(|dir| dir.join(path))
+            }
+        };
+        let mut resolved = Vec::new();
+        for (index, spec) in plan.repos.iter().enumerate() {
+            let name = &spec.name;
+            // The empty key overrides the default (first) repository: the CLI's `--repo`.
+            let override_path = overrides
+                .get(name)
+                .or_else(|| if index == 0 { overrides.get("") } else { None });
+            let outcome = match (override_path, &spec.source) {
+                (Some(path), _) | (None, RepoSource::Path(path)) => match relative_to(path) {
+                    Some(path) => open_repo(name, &path).await,
+                    None => Err(format!(
+                        "repo `{name}`: relative path `{path}` needs base_dir"
+                    )),
+                },
+                (None, RepoSource::Template(template)) => match relative_to(template) {
+                    Some(source) => {
+                        let dest = self.data_dir.join("repos").join(&plan.name).join(name);
+                        if !source.is_dir() {
+                            Err(format!(
+                                "repo `{name}`: template directory {} does not exist",
+                                source.display()
+                            ))
+                        } else if dry_run {
+                            // Store nothing on a dry run: report the copy the run would make.
+                            Ok(ResolvedRepo {
+                                name: name.clone(),
+                                repo: None,
+                                path: dest,
+                                base_commit: None,
+                            })
+                        } else {
+                            match Repo::init_from_template(&source, &dest).await {
+                                Ok(repo) => with_head(name, repo).await,
+                                Err(err) => Err(format!(
+                                    "repo `{name}`: template {}: {err}",
+                                    source.display()
+                                )),
+                            }
+                        }
+                    }
+                    None => Err(format!(
+                        "repo `{name}`: relative template `{template}` needs base_dir"
+                    )),
+                },
+            };
+            match outcome {
+                Ok(repo) => resolved.push(repo),
+                Err(problem) => problems.push(problem),
+            }
+        }
+        if !problems.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "invalid repositories:\n{}",
+                problems.join("\n")
+            )));
+        }
+        Ok(resolved)
+    }
+
+    pub(crate) async fn get_session(
+        &self,
+        session_id: &str,
+    ) -> Result<pb::GetSessionResponse, Error> {
+        require(session_id, "session_id")?;
+        let (session, tasks) = view_proto(self.store.get_session(session_id).await?);
+        Ok(pb::GetSessionResponse {
+            session: Some(session),
+            tasks,
+        })
+    }
+
+    pub(crate) async fn list_sessions(
+        &self,
+        request: pb::ListSessionsRequest,
+    ) -> Result<pb::ListSessionsResponse, Error> {
+        let state = match request.state() {
+            SessionState::Unspecified => None,
+            state => Some(state),
+        };
+        let limit = match request.limit {
+            0 => 50,
+            limit => limit.min(500),
+        };
+        let sessions = self
+            .store
+            .list_sessions(state, limit)
+            .await?
+            .into_iter()
+            .map(|summary| session_proto(&summary.session, summary.repos, summary.counts))
+            .collect();
+        Ok(pb::ListSessionsResponse { sessions })
+    }
+
+    #[tracing::instrument(skip_all, fields(session_id = %request.session_id))]
+    pub(crate) async fn cancel_session(
+        &self,
+        request: pb::CancelSessionRequest,
+    ) -> Result<pb::CancelSessionResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        let summary = self
+            .store
+            .cancel_session(&request.session_id, &request.reason, now_ms())
+            .await?;
+        self.notify();
+        Ok(pb::CancelSessionResponse {
+            session: Some(session_proto(
+                &summary.session,
+                summary.repos,
+                summary.counts,
+            )),
+        })
+    }
+
+    // ----- worker protocol ------------------------------------------------------------------
+
+    #[tracing::instrument(skip_all, fields(worker_id = %request.worker_id))]
+    pub(crate) async fn claim_tasks(
+        &self,
+        request: pb::ClaimTasksRequest,
+    ) -> Result<pb::ClaimTasksResponse, Error> {
+        require(&request.worker_id, "worker_id")?;
+        let roles: Vec<pb::Role> = request
+            .roles()
+            .filter(|role| *role != pb::Role::Unspecified)
+            .collect();
+        let max = match request.max_tasks {
+            0 => 1,
+            max => max.min(MAX_CLAIM),
+        };
+        let wait = duration(request.wait, "wait", Duration::ZERO)?.min(MAX_WAIT);
+        let lease_ms = millis(lease(request.lease_duration, DEFAULT_LEASE)?);
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut changes = self.changes.subscribe();
+        loop {
+            changes.borrow_and_update();
+            let claimed = self
+                .store
+                .claim(&request.worker_id, &roles, max, lease_ms, now_ms())
+                .await?;
+            if !claimed.is_empty() {
+                self.notify();
+                let tasks = claimed
+                    .into_iter()
+                    .map(|claimed| {
+                        tracing::info!(session_id = %claimed.task.session_id, task_id = %claimed.task.id, attempt = claimed.task.attempt, "task claimed");
+                        pb::ClaimedTask {
+                            lease: Some(pb::Lease {
+                                fencing_token: claimed.task.fencing_token,
+                                expires_at: opt_timestamp(claimed.task.lease_expires_at),
+                                attempt: claimed.task.attempt,
+                            }),
+                            task: Some(task_proto(&claimed.task)),
+                            repo: claimed.repo,
+                            upstream: claimed
+                                .upstream
+                                .iter()
+                                .map(|dep| pb::UpstreamResult {
+                                    task_id: dep.id.clone(),
+                                    role: dep.role as i32,
+                                    files: dep.files.clone(),
+                                    result: dep.result.clone(),
+                                })
+                                .collect(),
+                            plan_dir: claimed.plan_dir,
+                        }
+                    })
+                    .collect();
+                return Ok(pb::ClaimTasksResponse { tasks });
+            }
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return Ok(pb::ClaimTasksResponse::default()) },
+                () = tokio::time::sleep_until(deadline) => return Ok(pb::ClaimTasksResponse::default()),
+                () = self.stop.cancelled() => return Ok(pb::ClaimTasksResponse::default()),
+            }
+        }
+    }
+
+    pub(crate) async fn heartbeat(
+        &self,
+        request: pb::HeartbeatRequest,
+    ) -> Result<pb::HeartbeatResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        require(&request.task_id, "task_id")?;
+        let lease_ms = match request.lease_duration {
+            None => None,
+            Some(value) => Some(millis(lease(Some(value), DEFAULT_LEASE)?)),
+        };
+        let progress: String = request.progress.chars().take(MAX_PROGRESS_CHARS).collect();
+        let (expires_at, cancel_requested) = self
+            .store
+            .heartbeat(
+                &request.session_id,
+                &request.task_id,
+                request.fencing_token,
+                &progress,
+                lease_ms,
+                now_ms(),
+            )
+            .await?;
+        if !progress.is_empty() {
+            self.notify();
+        }
+        Ok(pb::HeartbeatResponse {
+            expires_at: Some(timestamp(expires_at)),
+            cancel_requested,
+        })
+    }
+
+    #[tracing::instrument(skip_all, fields(session_id = %request.session_id, task_id = %request.task_id))]
+    pub(crate) async fn complete_task(
+        &self,
+        request: pb::CompleteTaskRequest,
+    ) -> Result<pb::CompleteTaskResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        require(&request.task_id, "task_id")?;
+        let result = request.result.unwrap_or_default();
+        let task = self
+            .store
+            .complete(
+                &request.session_id,
+                &request.task_id,
+                request.fencing_token,
+                result,
+                now_ms(),
+            )
+            .await?;
+        self.notify();
+        tracing::info!(attempt = task.attempt, "task completed");
+        Ok(pb::CompleteTaskResponse {
+            task: Some(task_proto(&task)),
+        })
+    }
+
+    #[tracing::instrument(skip_all, fields(session_id = %request.session_id, task_id = %request.task_id))]
+    pub(crate) async fn fail_task(
+        &self,
+        request: pb::FailTaskRequest,
+    ) -> Result<pb::FailTaskResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        require(&request.task_id, "task_id")?;
+        let error = request.error.unwrap_or_else(|| pb::TaskError {
+            kind: pb::ErrorKind::Unspecified as i32,
+            message: "worker reported a failure without an error".to_owned(),
+            retryable: false,
+            details: Vec::new(),
+        });
+        // The attempt number is only known inside the transaction, so pass the policy in.
+        let backoff_for = |attempt: u32| sched::backoff(attempt, &mut rand::rng());
+        let (task, retry_at) = self
+            .store
+            .fail(
+                &request.session_id,
+                &request.task_id,
+                request.fencing_token,
+                error,
+                request.partial_result,
+                backoff_for,
+                now_ms(),
+            )
+            .await?;
+        self.notify();
+        let state = task.state;
+        tracing::info!(
+            attempt = task.attempt,
+            state = sched::state_name(state),
+            "task attempt failed"
+        );
+        Ok(pb::FailTaskResponse {
+            task: Some(task_proto(&task)),
+            retry_at: opt_timestamp(retry_at),
+        })
+    }
+
+    /// Returns expired leases and releases due retries until `shutdown`.
+    pub(crate) async fn run_reaper(&self, interval: Duration, shutdown: CancellationToken) {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = ticker.tick() => {}
+            }
+            match self.store.reap(now_ms()).await {
+                Ok(0) => {}
+                Ok(_) => self.notify(),
+                Err(err) => tracing::warn!(error = %err, "reaper pass failed"),
+            }
+        }
+    }
+
+    // ----- bus ------------------------------------------------------------------------------
+
+    pub(crate) async fn log_message(
+        &self,
+        request: pb::LogMessageRequest,
+    ) -> Result<pb::LogMessageResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        require(&request.from, "from")?;
+        let to = if request.to.is_empty() {
+            "coordinator".to_owned()
+        } else {
+            request.to
+        };
+        let kind = if request.r#type.is_empty() {
+            "message".to_owned()
+        } else {
+            request.r#type
+        };
+        let summary = if request.summary.is_empty() {
+            format!("[{}] {kind} -> {to}", request.from)
+        } else {
+            request.summary
+        };
+        let message = NewMessage {
+            from: request.from,
+            to,
+            kind,
+            summary,
+            data: request.data.as_ref().map(struct_to_json),
+            idempotency_key: Some(request.idempotency_key).filter(|key| !key.is_empty()),
+        };
+        let message = self
+            .store
+            .log_message(&request.session_id, message, now_ms())
+            .await?;
+        self.notify();
+        Ok(pb::LogMessageResponse {
+            message: Some(message),
+        })
+    }
+
+    pub(crate) async fn list_messages(
+        &self,
+        request: pb::ListMessagesRequest,
+    ) -> Result<pb::ListMessagesResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        let non_empty = |text: String| Some(text).filter(|text| !text.is_empty());
+        let filter = MessageFilter {
+            from: non_empty(request.from),
+            to: non_empty(request.to),
+            kind: non_empty(request.r#type),
+            after_sequence: request.after_sequence,
+            last: match request.last {
+                0 => 20,
+                last => last.min(1000),
+            },
+        };
+        let (messages, next_sequence) = self
+            .store
+            .list_messages(&request.session_id, &filter)
+            .await?;
+        Ok(pb::ListMessagesResponse {
+            messages,
+            next_sequence,
+        })
+    }
+
+    pub(crate) async fn get_state(
+        &self,
+        request: pb::GetStateRequest,
+    ) -> Result<pb::GetStateResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        let states: BTreeMap<_, _> = self
+            .store
+            .get_state(&request.session_id, &request.role)
+            .await?;
+        Ok(pb::GetStateResponse {
+            role_state: states
+                .into_iter()
+                .map(|(role, state)| (role, json_to_struct(&state)))
+                .collect(),
+        })
+    }
+
+    pub(crate) async fn update_state(
+        &self,
+        request: pb::UpdateStateRequest,
+    ) -> Result<pb::UpdateStateResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        require(&request.role, "role")?;
+        let data = request
+            .data
+            .as_ref()
+            .map(struct_to_json)
+            .unwrap_or_default();
+        let (state, message) = self
+            .store
+            .update_state(&request.session_id, &request.role, data, now_ms())
+            .await?;
+        self.notify();
+        Ok(pb::UpdateStateResponse {
+            state: Some(json_to_struct(&state)),
+            message: Some(message),
+        })
+    }
+
+    // ----- events ---------------------------------------------------------------------------
+
+    /// Streams a session's events after `after_sequence`: first the stored ones, then live
+    /// ones as they commit; ends once the session is terminal and everything was sent, unless
+    /// `follow`.
+    pub(crate) async fn watch_session(
+        self: &Arc<Self>,
+        request: pb::WatchSessionRequest,
+    ) -> Result<impl Stream<Item = Result<pb::SessionEvent, Error>> + Send + 'static, Error> {
+        require(&request.session_id, "session_id")?;
+        // Fail the call itself (NOT_FOUND) rather than the stream when the session is unknown.
+        self.store.session_head(&request.session_id).await?;
+        let (sender, receiver) = mpsc::channel(64);
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            if let Err(err) = this.pump_events(&request, &sender).await {
+                tracing::warn!(session_id = %request.session_id, error = %err, "event stream failed");
+                let _ = sender.send(Err(err)).await;
+            }
+        });
+        Ok(tokio_stream::wrappers::ReceiverStream::new(receiver))
+    }
+
+    async fn pump_events(
+        &self,
+        request: &pb::WatchSessionRequest,
+        sender: &mpsc::Sender<Result<pb::SessionEvent, Error>>,
+    ) -> Result<(), Error> {
+        let session_id = &request.session_id;
+        let mut cursor = request.after_sequence;
+        let mut changes = self.changes.subscribe();
+        loop {
+            // Mark the generation seen before reading, so a commit after the read wakes us.
+            changes.borrow_and_update();
+            let (state, last_sequence) = self.store.session_head(session_id).await?;
+            let events = self
+                .store
+                .events_after(session_id, cursor, EVENT_PAGE)
+                .await?;
+            let full_page = events.len() == EVENT_PAGE as usize;
+            for event in events {
+                cursor = event.sequence;
+                if sender.send(Ok(event)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            if full_page {
+                continue;
+            }
+            if !request.follow && sched::is_session_terminal(state) && cursor >= last_sequence {
+                return Ok(());
+            }
+            tokio::select! {
+                changed = changes.changed() => if changed.is_err() { return Ok(()) },
+                () = sender.closed() => return Ok(()),
+                () = self.stop.cancelled() => return Ok(()),
+            }
+        }
+    }
+}
+
+/// Builds the stored rows of a plan's tasks (topological order, all pending).
+fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
+    plan.tasks
+        .iter()
+        .enumerate()
+        .map(|(position, task)| TaskRow {
+            session_id: session_id.to_owned(),
+            id: task.id.clone(),
+            position: i64::try_from(position).unwrap_or(i64::MAX),
+            title: task.title.clone(),
+            description: task.description.clone(),
+            role: task.role.to_proto(),
+            priority: task.priority.to_proto(),
+            repo: task.repo.clone(),
+            wave: task.wave,
+            critical_path: task.critical_path,
+            depends_on: task.depends_on.clone(),
+            files: task
+                .files
+                .iter()
+                .map(troupe_plan::FileSpec::to_proto)
+                .collect(),
+            spec: task.spec.clone(),
+            state: TaskState::Pending,
+            attempt: 0,
+            max_attempts: task.max_attempts,
+            fencing_token: 0,
+            worker_id: String::new(),
+            lease_ms: 0,
+            lease_expires_at: None,
+            not_before: None,
+            created_at: now,
+            started_at: None,
+            finished_at: None,
+            progress: String::new(),
+            result: None,
+            last_error: None,
+        })
+        .collect()
+}
+
+async fn open_repo(name: &str, path: &Path) -> Result<ResolvedRepo, String> {
+    match Repo::open(path).await {
+        Ok(repo) => with_head(name, repo).await,
+        Err(err) => Err(format!("repo `{name}`: {err}")),
+    }
+}
+
+async fn with_head(name: &str, repo: Repo) -> Result<ResolvedRepo, String> {
+    match repo.resolve("HEAD").await {
+        Ok(head) => Ok(ResolvedRepo {
+            name: name.to_owned(),
+            path: repo.path().to_path_buf(),
+            repo: Some(repo),
+            base_commit: Some(head),
+        }),
+        Err(err) => Err(format!(
+            "repo `{name}`: HEAD does not name a commit (empty repository?): {err}"
+        )),
+    }
+}
+
+/// Deletes session branches created before a failed insert, so nothing is half-stored.
+/// troupe-workspace has no delete yet; `update-ref -d <ref> <old>` only deletes the branch
+/// if it still points where we put it.
+async fn delete_branches(created: &[(PathBuf, Oid)], branch: &str) {
+    let reference = format!("refs/heads/{branch}");
+    for (path, oid) in created {
+        let output = tokio::process::Command::new("git")
+            .arg("-C")
+            .arg(path)
+            .args(["update-ref", "-d", &reference, oid.as_str()])
+            .kill_on_drop(true)
+            .output()
+            .await;
+        match output {
+            Ok(output) if output.status.success() => {}
+            Ok(output) => tracing::warn!(
+                repo = %path.display(), branch, stderr = %String::from_utf8_lossy(&output.stderr).trim(),
+                "could not delete session branch"
+            ),
+            Err(err) => {
+                tracing::warn!(repo = %path.display(), branch, error = %err, "could not run git")
+            }
+        }
+    }
+}

@@ -1,0 +1,1316 @@
+//! The store: every SQL statement of the coordinator lives here, behind [`Store`].
+//!
+//! SQLite in WAL mode with one writer connection (SQLite serialises writers anyway; a single
+//! connection means `BEGIN IMMEDIATE` never waits on ourselves) and a small reader pool. Each
+//! state change is one transaction that also appends its events with the session's gap-free
+//! sequence (`UPDATE sessions SET last_seq = last_seq + 1 ... RETURNING last_seq`). The SQL
+//! sticks to what PostgreSQL also accepts (`$n` parameters, `ON CONFLICT`, `RETURNING`), so a
+//! PostgreSQL store can reuse it with its own connection setup.
+
+use std::collections::{BTreeMap, HashMap};
+use std::str::FromStr;
+use std::time::Duration;
+
+use prost::Message as _;
+use serde_json::{Map, Value};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
+    SqliteSynchronous,
+};
+use sqlx::{Row, Sqlite, Transaction};
+use troupe_plan::{Mode, OnFailure};
+use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
+
+use crate::Error;
+use crate::convert::{json_to_struct, rfc3339, timestamp};
+use crate::sched::{self, TaskRow};
+
+/// Schema migrations, applied in order and recorded in `schema_migrations`.
+const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "init", include_str!("migrations/0001_init.sql"))];
+
+const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
+     wave, critical_path, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
+     worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
+     progress, result, last_error";
+
+const SESSION_COLUMNS: &str =
+    "id, name, description, state, mode, on_failure, plan_dir, last_seq, created_at, updated_at";
+
+type Tx = Transaction<'static, Sqlite>;
+
+/// A session row.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct SessionRow {
+    pub(crate) id: String,
+    pub(crate) name: String,
+    pub(crate) description: String,
+    pub(crate) state: SessionState,
+    pub(crate) mode: Mode,
+    pub(crate) on_failure: OnFailure,
+    pub(crate) plan_dir: String,
+    pub(crate) last_seq: u64,
+    pub(crate) created_at: i64,
+    pub(crate) updated_at: i64,
+}
+
+/// Everything a new session stores.
+#[derive(Debug)]
+pub(crate) struct NewSession {
+    pub(crate) session: SessionRow,
+    pub(crate) plan_json: String,
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    /// Tasks in topological order, all pending.
+    pub(crate) tasks: Vec<TaskRow>,
+}
+
+/// A session with its repositories and tasks (topological order).
+#[derive(Debug)]
+pub(crate) struct SessionView {
+    pub(crate) session: SessionRow,
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    pub(crate) tasks: Vec<TaskRow>,
+}
+
+/// A session with its repositories and task counts.
+#[derive(Debug)]
+pub(crate) struct SessionSummary {
+    pub(crate) session: SessionRow,
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    pub(crate) counts: pb::TaskCounts,
+}
+
+/// A task a claim handed out.
+#[derive(Debug)]
+pub(crate) struct Claimed {
+    pub(crate) task: TaskRow,
+    pub(crate) repo: Option<pb::SessionRepo>,
+    pub(crate) plan_dir: String,
+    pub(crate) upstream: Vec<TaskRow>,
+}
+
+/// A message to append to a session's bus.
+#[derive(Debug)]
+pub(crate) struct NewMessage {
+    pub(crate) from: String,
+    pub(crate) to: String,
+    pub(crate) kind: String,
+    pub(crate) summary: String,
+    pub(crate) data: Option<Map<String, Value>>,
+    pub(crate) idempotency_key: Option<String>,
+}
+
+/// Filters of [`Store::list_messages`].
+#[derive(Debug, Default)]
+pub(crate) struct MessageFilter {
+    pub(crate) from: Option<String>,
+    pub(crate) to: Option<String>,
+    pub(crate) kind: Option<String>,
+    pub(crate) after_sequence: u64,
+    pub(crate) last: u32,
+}
+
+/// The SQLite store.
+#[derive(Debug, Clone)]
+pub(crate) struct Store {
+    writer: SqlitePool,
+    reader: SqlitePool,
+}
+
+fn corrupt(what: impl std::fmt::Display) -> Error {
+    Error::Corrupt(what.to_string())
+}
+
+fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn to_u32(value: i64) -> u32 {
+    u32::try_from(value).unwrap_or(0)
+}
+
+fn stale(task: &TaskRow, token: u64) -> Error {
+    Error::FailedPrecondition(format!(
+        "stale fencing token {token} for task {} (state {}, current token {})",
+        task.id,
+        sched::state_name(task.state),
+        task.fencing_token
+    ))
+}
+
+/// JSON shape of a stored file change.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoredFile {
+    path: String,
+    action: i32,
+    change: String,
+}
+
+impl Store {
+    /// Opens (creating if needed) the database at a `sqlite:` URL and applies migrations.
+    pub(crate) async fn open_url(url: &str) -> Result<Self, Error> {
+        Self::open(SqliteConnectOptions::from_str(url)?).await
+    }
+
+    /// Opens (creating if needed) the database file at `path` and applies migrations.
+    pub(crate) async fn open_file(path: &std::path::Path) -> Result<Self, Error> {
+        Self::open(SqliteConnectOptions::new().filename(path)).await
+    }
+
+    async fn open(options: SqliteConnectOptions) -> Result<Self, Error> {
+        let options = options
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(Duration::from_secs(10))
+            .foreign_keys(true);
+        let writer = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options.clone())
+            .await?;
+        let store_for_migrations = Self {
+            writer: writer.clone(),
+            reader: writer.clone(),
+        };
+        store_for_migrations.migrate().await?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options)
+            .await?;
+        Ok(Self { writer, reader })
+    }
+
+    async fn migrate(&self) -> Result<(), Error> {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
+        )
+        .execute(&self.writer)
+        .await?;
+        for (version, name, sql) in MIGRATIONS {
+            let mut tx = self.begin().await?;
+            let applied = sqlx::query("SELECT version FROM schema_migrations WHERE version = $1")
+                .bind(version)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if applied.is_some() {
+                continue;
+            }
+            sqlx::raw_sql(*sql).execute(&mut *tx).await?;
+            sqlx::query(
+                "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
+            )
+            .bind(version)
+            .bind(*name)
+            .bind(crate::convert::now_ms())
+            .execute(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            tracing::info!(version, name, "applied migration");
+        }
+        Ok(())
+    }
+
+    async fn begin(&self) -> Result<Tx, Error> {
+        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
+    }
+
+    // ----- sessions -------------------------------------------------------------------------
+
+    /// Stores a new session with its repos and tasks and releases its first tasks, atomically.
+    pub(crate) async fn insert_session(&self, new: NewSession, now: i64) -> Result<(), Error> {
+        let mut tx = self.begin().await?;
+        let session = &new.session;
+        sqlx::query(
+            "INSERT INTO sessions (id, name, description, state, mode, on_failure, plan_json, plan_dir, last_seq, msg_counter, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 0, 0, $9, $9)",
+        )
+        .bind(&session.id)
+        .bind(&session.name)
+        .bind(&session.description)
+        .bind(SessionState::Active as i32)
+        .bind(session.mode.as_str())
+        .bind(session.on_failure.as_str())
+        .bind(&new.plan_json)
+        .bind(&session.plan_dir)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        for (position, repo) in new.repos.iter().enumerate() {
+            sqlx::query(
+                "INSERT INTO session_repos (session_id, name, position, path, base_commit, branch) VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(&session.id)
+            .bind(&repo.name)
+            .bind(i64::try_from(position).unwrap_or(i64::MAX))
+            .bind(&repo.path)
+            .bind(&repo.base_commit)
+            .bind(&repo.branch)
+            .execute(&mut *tx)
+            .await?;
+        }
+        append_event(
+            &mut tx,
+            &session.id,
+            now,
+            Kind::Session(pb::SessionTransition {
+                from: SessionState::Unspecified as i32,
+                to: SessionState::Active as i32,
+                reason: "session created".to_owned(),
+            }),
+        )
+        .await?;
+        let mut transitions = Vec::new();
+        for task in &new.tasks {
+            insert_task(&mut tx, task).await?;
+            transitions.push(pb::TaskTransition {
+                task_id: task.id.clone(),
+                from: TaskState::Unspecified as i32,
+                to: TaskState::Pending as i32,
+                attempt: 0,
+                worker_id: String::new(),
+                reason: "task created".to_owned(),
+            });
+        }
+        let mut active = session.clone();
+        active.state = SessionState::Active;
+        let before = new.tasks.clone();
+        let mut tasks = new.tasks;
+        save(&mut tx, &active, &before, &mut tasks, transitions, now).await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Returns a session with its repos and tasks.
+    pub(crate) async fn get_session(&self, session_id: &str) -> Result<SessionView, Error> {
+        let mut tx = self.reader.begin().await?;
+        let session = load_session(&mut tx, session_id).await?;
+        let repos = load_repos(&mut tx, session_id).await?;
+        let tasks = load_tasks(&mut tx, session_id).await?;
+        tx.commit().await?;
+        Ok(SessionView {
+            session,
+            repos,
+            tasks,
+        })
+    }
+
+    /// Lists sessions, newest first.
+    pub(crate) async fn list_sessions(
+        &self,
+        state: Option<SessionState>,
+        limit: u32,
+    ) -> Result<Vec<SessionSummary>, Error> {
+        let mut tx = self.reader.begin().await?;
+        let rows = match state {
+            Some(state) => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT {SESSION_COLUMNS} FROM sessions WHERE state = $1 ORDER BY created_at DESC, id DESC LIMIT $2"
+                )))
+                .bind(state as i32)
+                .bind(i64::from(limit))
+                .fetch_all(&mut *tx)
+                .await?
+            }
+            None => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT {SESSION_COLUMNS} FROM sessions ORDER BY created_at DESC, id DESC LIMIT $1"
+                )))
+                .bind(i64::from(limit))
+                .fetch_all(&mut *tx)
+                .await?
+            }
+        };
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let session = session_from_row(&row)?;
+            let repos = load_repos(&mut tx, &session.id).await?;
+            let counts = load_counts(&mut tx, &session.id).await?;
+            out.push(SessionSummary {
+                session,
+                repos,
+                counts,
+            });
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    /// Cancels every non-terminal task and the session.
+    pub(crate) async fn cancel_session(
+        &self,
+        session_id: &str,
+        reason: &str,
+        now: i64,
+    ) -> Result<SessionSummary, Error> {
+        let mut tx = self.begin().await?;
+        let mut session = load_session(&mut tx, session_id).await?;
+        match session.state {
+            SessionState::Cancelled => {}
+            SessionState::Completed | SessionState::Failed => {
+                return Err(Error::FailedPrecondition(format!(
+                    "session {session_id} already ended ({})",
+                    session_state_name(session.state)
+                )));
+            }
+            _ => {
+                let reason = if reason.is_empty() {
+                    "cancelled by user"
+                } else {
+                    reason
+                };
+                let before = load_tasks(&mut tx, session_id).await?;
+                let mut tasks = before.clone();
+                let mut transitions = Vec::new();
+                for task in tasks
+                    .iter_mut()
+                    .filter(|task| !sched::is_terminal(task.state))
+                {
+                    transitions.push(sched::transition(task, TaskState::Cancelled, reason, now));
+                }
+                set_session_state(&mut tx, &mut session, SessionState::Cancelled, reason, now)
+                    .await?;
+                save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+            }
+        }
+        let session = load_session(&mut tx, session_id).await?;
+        let repos = load_repos(&mut tx, session_id).await?;
+        let counts = load_counts(&mut tx, session_id).await?;
+        tx.commit().await?;
+        Ok(SessionSummary {
+            session,
+            repos,
+            counts,
+        })
+    }
+
+    // ----- worker protocol ------------------------------------------------------------------
+
+    /// Claims up to `max` ready tasks of `roles` (any role when empty) for `worker_id`.
+    pub(crate) async fn claim(
+        &self,
+        worker_id: &str,
+        roles: &[pb::Role],
+        max: u32,
+        lease_ms: i64,
+        now: i64,
+    ) -> Result<Vec<Claimed>, Error> {
+        let mut tx = self.begin().await?;
+        let role_filter = if roles.is_empty() {
+            String::new()
+        } else {
+            let placeholders: Vec<String> =
+                (0..roles.len()).map(|i| format!("${}", i + 4)).collect();
+            format!(" AND t.role IN ({})", placeholders.join(", "))
+        };
+        let sql = format!(
+            "SELECT t.session_id, t.id FROM tasks t JOIN sessions s ON s.id = t.session_id \
+             WHERE t.state = $1 AND s.state = $2{role_filter} \
+             ORDER BY t.priority, t.critical_path DESC, s.created_at, t.session_id, t.id LIMIT $3"
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(TaskState::Ready as i32)
+            .bind(SessionState::Active as i32)
+            .bind(i64::from(max));
+        for role in roles {
+            query = query.bind(*role as i32);
+        }
+        let picked = query.fetch_all(&mut *tx).await?;
+        if picked.is_empty() {
+            tx.rollback().await?;
+            return Ok(Vec::new());
+        }
+        // Keep the claim order while grouping the work per session.
+        let mut by_session: Vec<(String, Vec<String>)> = Vec::new();
+        for row in &picked {
+            let session_id: String = row.try_get("session_id")?;
+            let task_id: String = row.try_get("id")?;
+            match by_session.iter_mut().find(|(id, _)| *id == session_id) {
+                Some((_, ids)) => ids.push(task_id),
+                None => by_session.push((session_id, vec![task_id])),
+            }
+        }
+        let mut claimed: HashMap<(String, String), Claimed> = HashMap::new();
+        for (session_id, task_ids) in &by_session {
+            let session = load_session(&mut tx, session_id).await?;
+            let repos = load_repos(&mut tx, session_id).await?;
+            let before = load_tasks(&mut tx, session_id).await?;
+            let mut tasks = before.clone();
+            let mut transitions = Vec::new();
+            for task in tasks.iter_mut().filter(|task| task_ids.contains(&task.id)) {
+                task.attempt += 1;
+                task.fencing_token += 1;
+                task.worker_id = worker_id.to_owned();
+                task.lease_ms = lease_ms;
+                task.started_at = Some(now);
+                task.progress.clear();
+                transitions.push(sched::transition(task, TaskState::Running, "claimed", now));
+                task.lease_expires_at = Some(now + lease_ms);
+            }
+            save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+            for task_id in task_ids {
+                let Some(task) = tasks.iter().find(|task| &task.id == task_id) else {
+                    continue;
+                };
+                let upstream = sched::completed_upstream(&tasks, task_id)
+                    .into_iter()
+                    .cloned()
+                    .collect();
+                let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
+                claimed.insert(
+                    (session_id.clone(), task_id.clone()),
+                    Claimed {
+                        task: task.clone(),
+                        repo,
+                        plan_dir: session.plan_dir.clone(),
+                        upstream,
+                    },
+                );
+            }
+        }
+        tx.commit().await?;
+        let mut out = Vec::with_capacity(claimed.len());
+        for row in &picked {
+            let key = (row.try_get("session_id")?, row.try_get("id")?);
+            if let Some(task) = claimed.remove(&key) {
+                out.push(task);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Extends a lease and records progress; returns the new expiry and whether the task was
+    /// cancelled.
+    pub(crate) async fn heartbeat(
+        &self,
+        session_id: &str,
+        task_id: &str,
+        token: u64,
+        progress: &str,
+        lease_ms: Option<i64>,
+        now: i64,
+    ) -> Result<(i64, bool), Error> {
+        let mut tx = self.begin().await?;
+        let before = load_task(&mut tx, session_id, task_id).await?;
+        if before.fencing_token != token {
+            return Err(stale(&before, token));
+        }
+        if before.state == TaskState::Cancelled {
+            return Ok((now, true));
+        }
+        if before.state != TaskState::Running {
+            return Err(stale(&before, token));
+        }
+        let mut task = before.clone();
+        if let Some(lease_ms) = lease_ms {
+            task.lease_ms = lease_ms;
+        }
+        let expires_at = now + task.lease_ms;
+        task.lease_expires_at = Some(expires_at);
+        if !progress.is_empty() && progress != task.progress {
+            task.progress = progress.to_owned();
+            append_event(
+                &mut tx,
+                session_id,
+                now,
+                Kind::Progress(pb::TaskProgress {
+                    task_id: task_id.to_owned(),
+                    note: progress.to_owned(),
+                    worker_id: task.worker_id.clone(),
+                }),
+            )
+            .await?;
+        }
+        update_task(&mut tx, &task).await?;
+        tx.commit().await?;
+        Ok((expires_at, false))
+    }
+
+    /// Completes a running task under its current fencing token.
+    pub(crate) async fn complete(
+        &self,
+        session_id: &str,
+        task_id: &str,
+        token: u64,
+        result: pb::TaskResult,
+        now: i64,
+    ) -> Result<TaskRow, Error> {
+        let mut tx = self.begin().await?;
+        let session = load_session(&mut tx, session_id).await?;
+        let before = load_tasks(&mut tx, session_id).await?;
+        let mut tasks = before.clone();
+        let task = find_task_mut(&mut tasks, task_id, session_id)?;
+        if task.state != TaskState::Running || task.fencing_token != token {
+            return Err(stale(task, token));
+        }
+        task.result = Some(result);
+        let transition = sched::transition(task, TaskState::Completed, "completed", now);
+        save(
+            &mut tx,
+            &session,
+            &before,
+            &mut tasks,
+            vec![transition],
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        find_task(tasks, task_id)
+    }
+
+    /// Fails an attempt: back to pending with a retry time while attempts remain and the error
+    /// is retryable, else terminal (downstream skipped or blocked).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn fail(
+        &self,
+        session_id: &str,
+        task_id: &str,
+        token: u64,
+        error: pb::TaskError,
+        partial: Option<pb::TaskResult>,
+        backoff: impl FnOnce(u32) -> Duration,
+        now: i64,
+    ) -> Result<(TaskRow, Option<i64>), Error> {
+        let mut tx = self.begin().await?;
+        let session = load_session(&mut tx, session_id).await?;
+        let before = load_tasks(&mut tx, session_id).await?;
+        let mut tasks = before.clone();
+        let task = find_task_mut(&mut tasks, task_id, session_id)?;
+        if task.fencing_token != token {
+            return Err(stale(task, token));
+        }
+        // A cancelled task's worker is told to stop and report; keep its error, change nothing.
+        if task.state == TaskState::Cancelled {
+            task.last_error = Some(error);
+            let task = task.clone();
+            update_task(&mut tx, &task).await?;
+            tx.commit().await?;
+            return Ok((task, None));
+        }
+        if task.state != TaskState::Running {
+            return Err(stale(task, token));
+        }
+        let reason = error.message.clone();
+        let timed_out = error.kind() == pb::ErrorKind::Timeout;
+        let retry = error.retryable && task.attempt < task.max_attempts;
+        task.last_error = Some(error);
+        if partial.is_some() {
+            task.result = partial;
+        }
+        let mut retry_at = None;
+        let transition = if retry {
+            let delay = backoff(task.attempt);
+            let at = now + i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
+            retry_at = Some(at);
+            let transition = sched::transition(task, TaskState::Pending, reason, now);
+            task.not_before = Some(at);
+            task.worker_id.clear();
+            transition
+        } else {
+            let to = if timed_out {
+                TaskState::TimedOut
+            } else {
+                TaskState::Failed
+            };
+            sched::transition(task, to, reason, now)
+        };
+        save(
+            &mut tx,
+            &session,
+            &before,
+            &mut tasks,
+            vec![transition],
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((find_task(tasks, task_id)?, retry_at))
+    }
+
+    /// Returns expired leases (ready again while attempts remain, else timed out) and releases
+    /// retries whose backoff elapsed. Returns how many sessions changed.
+    pub(crate) async fn reap(&self, now: i64) -> Result<usize, Error> {
+        let mut conn = self.reader.acquire().await?;
+        let due = sqlx::query(
+            "SELECT DISTINCT session_id FROM tasks WHERE (state = $1 AND lease_expires_at < $2) \
+             OR (state = $3 AND not_before IS NOT NULL AND not_before <= $2)",
+        )
+        .bind(TaskState::Running as i32)
+        .bind(now)
+        .bind(TaskState::Pending as i32)
+        .fetch_all(&mut *conn)
+        .await?;
+        drop(conn);
+        let mut changed = 0;
+        for row in due {
+            let session_id: String = row.try_get("session_id")?;
+            let mut tx = self.begin().await?;
+            let session = load_session(&mut tx, &session_id).await?;
+            let before = load_tasks(&mut tx, &session_id).await?;
+            let mut tasks = before.clone();
+            let mut transitions = Vec::new();
+            for task in tasks.iter_mut() {
+                let expired = task.state == TaskState::Running
+                    && task.lease_expires_at.is_some_and(|at| at < now);
+                if !expired {
+                    continue;
+                }
+                tracing::warn!(session_id = %session_id, task_id = %task.id, worker_id = %task.worker_id, attempt = task.attempt, "lease expired");
+                if task.attempt < task.max_attempts {
+                    transitions.push(sched::transition(
+                        task,
+                        TaskState::Ready,
+                        "lease expired",
+                        now,
+                    ));
+                } else {
+                    task.last_error = Some(pb::TaskError {
+                        kind: pb::ErrorKind::Timeout as i32,
+                        message: format!(
+                            "lease of worker {} expired on the last attempt",
+                            task.worker_id
+                        ),
+                        retryable: false,
+                        details: Vec::new(),
+                    });
+                    transitions.push(sched::transition(
+                        task,
+                        TaskState::TimedOut,
+                        "lease expired on the last attempt",
+                        now,
+                    ));
+                }
+                task.worker_id.clear();
+            }
+            let before_len = transitions.len();
+            let total = save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+            tx.commit().await?;
+            if total > 0 || before_len > 0 {
+                changed += 1;
+            }
+        }
+        Ok(changed)
+    }
+
+    // ----- bus ------------------------------------------------------------------------------
+
+    /// Appends a message (or returns the first one logged with the same idempotency key).
+    pub(crate) async fn log_message(
+        &self,
+        session_id: &str,
+        message: NewMessage,
+        now: i64,
+    ) -> Result<pb::Message, Error> {
+        let mut tx = self.begin().await?;
+        load_session(&mut tx, session_id).await?;
+        let stored = insert_message(&mut tx, session_id, message, now).await?;
+        tx.commit().await?;
+        Ok(stored)
+    }
+
+    /// Lists messages matching `filter`, oldest first, with the cursor to continue from.
+    pub(crate) async fn list_messages(
+        &self,
+        session_id: &str,
+        filter: &MessageFilter,
+    ) -> Result<(Vec<pb::Message>, u64), Error> {
+        let mut tx = self.reader.begin().await?;
+        load_session(&mut tx, session_id).await?;
+        let mut sql = String::from(
+            "SELECT seq, msg_id, ts, sender, recipient, msg_type, summary, data FROM messages WHERE session_id = $1 AND seq > $2",
+        );
+        let mut binds: Vec<&str> = Vec::new();
+        for (column, value) in [
+            ("sender", &filter.from),
+            ("recipient", &filter.to),
+            ("msg_type", &filter.kind),
+        ] {
+            if let Some(value) = value {
+                binds.push(value);
+                sql.push_str(&format!(" AND {column} = ${}", binds.len() + 3));
+            }
+        }
+        sql.push_str(" ORDER BY seq DESC LIMIT $3");
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(session_id)
+            .bind(to_i64(filter.after_sequence))
+            .bind(i64::from(filter.last));
+        for value in binds {
+            query = query.bind(value);
+        }
+        let rows = query.fetch_all(&mut *tx).await?;
+        tx.commit().await?;
+        let mut messages = rows
+            .iter()
+            .map(message_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        messages.reverse();
+        let next = messages
+            .last()
+            .map_or(filter.after_sequence, |message| message.sequence);
+        Ok((messages, next))
+    }
+
+    /// Returns the role state of one role, or of all roles when `role` is empty.
+    pub(crate) async fn get_state(
+        &self,
+        session_id: &str,
+        role: &str,
+    ) -> Result<BTreeMap<String, Map<String, Value>>, Error> {
+        let mut tx = self.reader.begin().await?;
+        load_session(&mut tx, session_id).await?;
+        let rows = if role.is_empty() {
+            sqlx::query("SELECT role, state FROM role_state WHERE session_id = $1")
+                .bind(session_id)
+                .fetch_all(&mut *tx)
+                .await?
+        } else {
+            sqlx::query("SELECT role, state FROM role_state WHERE session_id = $1 AND role = $2")
+                .bind(session_id)
+                .bind(role)
+                .fetch_all(&mut *tx)
+                .await?
+        };
+        tx.commit().await?;
+        let mut out = BTreeMap::new();
+        for row in rows {
+            let role: String = row.try_get("role")?;
+            let state: String = row.try_get("state")?;
+            out.insert(role, parse_object(&state)?);
+        }
+        Ok(out)
+    }
+
+    /// Shallow-merges `data` into a role's state with `_updated_at`, and records the
+    /// `state_update` message, atomically.
+    pub(crate) async fn update_state(
+        &self,
+        session_id: &str,
+        role: &str,
+        data: Map<String, Value>,
+        now: i64,
+    ) -> Result<(Map<String, Value>, pb::Message), Error> {
+        let mut tx = self.begin().await?;
+        load_session(&mut tx, session_id).await?;
+        let existing =
+            sqlx::query("SELECT state FROM role_state WHERE session_id = $1 AND role = $2")
+                .bind(session_id)
+                .bind(role)
+                .fetch_optional(&mut *tx)
+                .await?;
+        let mut state = match existing {
+            Some(row) => parse_object(&row.try_get::<String, _>("state")?)?,
+            None => Map::new(),
+        };
+        for (key, value) in &data {
+            state.insert(key.clone(), value.clone());
+        }
+        state.insert("_updated_at".to_owned(), Value::String(rfc3339(now)));
+        sqlx::query(
+            "INSERT INTO role_state (session_id, role, state) VALUES ($1, $2, $3) \
+             ON CONFLICT (session_id, role) DO UPDATE SET state = excluded.state",
+        )
+        .bind(session_id)
+        .bind(role)
+        .bind(Value::Object(state.clone()).to_string())
+        .execute(&mut *tx)
+        .await?;
+        let message = insert_message(
+            &mut tx,
+            session_id,
+            NewMessage {
+                from: role.to_owned(),
+                to: "coordinator".to_owned(),
+                kind: "state_update".to_owned(),
+                summary: format!("[{role}] state_update -> coordinator"),
+                data: Some(data),
+                idempotency_key: None,
+            },
+            now,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((state, message))
+    }
+
+    // ----- events ---------------------------------------------------------------------------
+
+    /// Returns a session's state and last sequence.
+    pub(crate) async fn session_head(
+        &self,
+        session_id: &str,
+    ) -> Result<(SessionState, u64), Error> {
+        let mut conn = self.reader.acquire().await?;
+        let row = sqlx::query("SELECT state, last_seq FROM sessions WHERE id = $1")
+            .bind(session_id)
+            .fetch_optional(&mut *conn)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+        let state = SessionState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?;
+        let last: i64 = row.try_get("last_seq")?;
+        Ok((state, u64::try_from(last).unwrap_or(0)))
+    }
+
+    /// Returns up to `limit` events with a sequence greater than `after`, in order.
+    pub(crate) async fn events_after(
+        &self,
+        session_id: &str,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<pb::SessionEvent>, Error> {
+        let mut conn = self.reader.acquire().await?;
+        let rows = sqlx::query(
+            "SELECT payload FROM events WHERE session_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+        )
+        .bind(session_id)
+        .bind(to_i64(after))
+        .bind(i64::from(limit))
+        .fetch_all(&mut *conn)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let payload: Vec<u8> = row.try_get("payload")?;
+                pb::SessionEvent::decode(payload.as_slice()).map_err(corrupt)
+            })
+            .collect()
+    }
+}
+
+// ----- transaction helpers -------------------------------------------------------------------
+
+/// Applies the graph's consequences of a change (settle, session outcome), writes the changed
+/// tasks and appends every transition as an event. Returns the number of task transitions.
+async fn save(
+    tx: &mut Tx,
+    session: &SessionRow,
+    before: &[TaskRow],
+    tasks: &mut [TaskRow],
+    mut transitions: Vec<pb::TaskTransition>,
+    now: i64,
+) -> Result<usize, Error> {
+    if session.state == SessionState::Active {
+        transitions.extend(sched::settle(tasks, session.mode, session.on_failure, now));
+    }
+    for (old, new) in before.iter().zip(tasks.iter()) {
+        if old != new {
+            update_task(tx, new).await?;
+        }
+    }
+    let count = transitions.len();
+    for transition in transitions {
+        append_event(tx, &session.id, now, Kind::Task(transition)).await?;
+    }
+    if session.state == SessionState::Active
+        && let Some(outcome) = sched::session_outcome(tasks)
+    {
+        let reason = if outcome == SessionState::Completed {
+            "every task completed"
+        } else {
+            "every task is terminal and some did not complete"
+        };
+        let mut session = session.clone();
+        set_session_state(tx, &mut session, outcome, reason, now).await?;
+    }
+    Ok(count)
+}
+
+async fn set_session_state(
+    tx: &mut Tx,
+    session: &mut SessionRow,
+    to: SessionState,
+    reason: &str,
+    now: i64,
+) -> Result<(), Error> {
+    let from = session.state;
+    sqlx::query("UPDATE sessions SET state = $2, updated_at = $3 WHERE id = $1")
+        .bind(&session.id)
+        .bind(to as i32)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    session.state = to;
+    append_event(
+        tx,
+        &session.id,
+        now,
+        Kind::Session(pb::SessionTransition {
+            from: from as i32,
+            to: to as i32,
+            reason: reason.to_owned(),
+        }),
+    )
+    .await?;
+    tracing::info!(session_id = %session.id, from = session_state_name(from), to = session_state_name(to), reason, "session transition");
+    Ok(())
+}
+
+/// Takes the session's next sequence number; the row lock makes it gap-free and unique.
+async fn next_seq(tx: &mut Tx, session_id: &str, now: i64) -> Result<u64, Error> {
+    let row = sqlx::query("UPDATE sessions SET last_seq = last_seq + 1, updated_at = $2 WHERE id = $1 RETURNING last_seq")
+        .bind(session_id)
+        .bind(now)
+        .fetch_optional(&mut **tx)
+        .await?
+        .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    let seq: i64 = row.try_get("last_seq")?;
+    u64::try_from(seq).map_err(corrupt)
+}
+
+async fn append_event(tx: &mut Tx, session_id: &str, now: i64, kind: Kind) -> Result<u64, Error> {
+    let sequence = next_seq(tx, session_id, now).await?;
+    insert_event(tx, session_id, sequence, now, kind).await?;
+    Ok(sequence)
+}
+
+async fn insert_event(
+    tx: &mut Tx,
+    session_id: &str,
+    sequence: u64,
+    now: i64,
+    kind: Kind,
+) -> Result<(), Error> {
+    let event = pb::SessionEvent {
+        sequence,
+        session_id: session_id.to_owned(),
+        ts: Some(timestamp(now)),
+        kind: Some(kind),
+    };
+    sqlx::query("INSERT INTO events (session_id, seq, ts, payload) VALUES ($1, $2, $3, $4)")
+        .bind(session_id)
+        .bind(to_i64(sequence))
+        .bind(now)
+        .bind(event.encode_to_vec())
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+async fn insert_message(
+    tx: &mut Tx,
+    session_id: &str,
+    message: NewMessage,
+    now: i64,
+) -> Result<pb::Message, Error> {
+    if let Some(key) = &message.idempotency_key {
+        let existing = sqlx::query(
+            "SELECT seq, msg_id, ts, sender, recipient, msg_type, summary, data FROM messages WHERE session_id = $1 AND idempotency_key = $2",
+        )
+        .bind(session_id)
+        .bind(key)
+        .fetch_optional(&mut **tx)
+        .await?;
+        if let Some(row) = existing {
+            return message_from_row(&row);
+        }
+    }
+    let counter_row = sqlx::query(
+        "UPDATE sessions SET msg_counter = msg_counter + 1 WHERE id = $1 RETURNING msg_counter",
+    )
+    .bind(session_id)
+    .fetch_one(&mut **tx)
+    .await?;
+    let counter: i64 = counter_row.try_get("msg_counter")?;
+    let id = format!("MSG-{counter:03}");
+    let sequence = next_seq(tx, session_id, now).await?;
+    let stored = pb::Message {
+        id: id.clone(),
+        sequence,
+        ts: Some(timestamp(now)),
+        from: message.from,
+        to: message.to,
+        r#type: message.kind,
+        summary: message.summary,
+        data: message.data.as_ref().map(json_to_struct),
+    };
+    sqlx::query(
+        "INSERT INTO messages (session_id, seq, msg_id, ts, sender, recipient, msg_type, summary, data, idempotency_key) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+    )
+    .bind(session_id)
+    .bind(to_i64(sequence))
+    .bind(&id)
+    .bind(now)
+    .bind(&stored.from)
+    .bind(&stored.to)
+    .bind(&stored.r#type)
+    .bind(&stored.summary)
+    .bind(message.data.map(|data| Value::Object(data).to_string()))
+    .bind(message.idempotency_key)
+    .execute(&mut **tx)
+    .await?;
+    insert_event(tx, session_id, sequence, now, Kind::Message(stored.clone())).await?;
+    Ok(stored)
+}
+
+fn message_from_row(row: &SqliteRow) -> Result<pb::Message, Error> {
+    let data: Option<String> = row.try_get("data")?;
+    let data = data.map(|text| parse_object(&text)).transpose()?;
+    Ok(pb::Message {
+        id: row.try_get("msg_id")?,
+        sequence: u64::try_from(row.try_get::<i64, _>("seq")?).map_err(corrupt)?,
+        ts: Some(timestamp(row.try_get("ts")?)),
+        from: row.try_get("sender")?,
+        to: row.try_get("recipient")?,
+        r#type: row.try_get("msg_type")?,
+        summary: row.try_get("summary")?,
+        data: data.as_ref().map(json_to_struct),
+    })
+}
+
+fn parse_object(text: &str) -> Result<Map<String, Value>, Error> {
+    match serde_json::from_str::<Value>(text).map_err(corrupt)? {
+        Value::Object(object) => Ok(object),
+        other => Err(corrupt(format!("expected a json object, got {other}"))),
+    }
+}
+
+async fn load_session(tx: &mut Tx, session_id: &str) -> Result<SessionRow, Error> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1"
+    )))
+    .bind(session_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    session_from_row(&row)
+}
+
+fn session_from_row(row: &SqliteRow) -> Result<SessionRow, Error> {
+    let mode: String = row.try_get("mode")?;
+    let on_failure: String = row.try_get("on_failure")?;
+    Ok(SessionRow {
+        id: row.try_get("id")?,
+        name: row.try_get("name")?,
+        description: row.try_get("description")?,
+        state: SessionState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?,
+        mode: Mode::parse(&mode).ok_or_else(|| corrupt(format!("mode {mode}")))?,
+        on_failure: OnFailure::parse(&on_failure)
+            .ok_or_else(|| corrupt(format!("on_failure {on_failure}")))?,
+        plan_dir: row.try_get("plan_dir")?,
+        last_seq: u64::try_from(row.try_get::<i64, _>("last_seq")?).map_err(corrupt)?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
+    let rows = sqlx::query(
+        "SELECT name, path, base_commit, branch FROM session_repos WHERE session_id = $1 ORDER BY position",
+    )
+    .bind(session_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(pb::SessionRepo {
+                name: row.try_get("name")?,
+                path: row.try_get("path")?,
+                base_commit: row.try_get("base_commit")?,
+                branch: row.try_get("branch")?,
+            })
+        })
+        .collect()
+}
+
+async fn load_counts(tx: &mut Tx, session_id: &str) -> Result<pb::TaskCounts, Error> {
+    let rows =
+        sqlx::query("SELECT state, COUNT(*) AS n FROM tasks WHERE session_id = $1 GROUP BY state")
+            .bind(session_id)
+            .fetch_all(&mut **tx)
+            .await?;
+    counts_from_rows(&rows)
+}
+
+fn counts_from_rows(rows: &[SqliteRow]) -> Result<pb::TaskCounts, Error> {
+    let mut counts = pb::TaskCounts::default();
+    for row in rows {
+        let state = TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?;
+        let n = to_u32(row.try_get::<i64, _>("n")?);
+        add_count(&mut counts, state, n);
+    }
+    Ok(counts)
+}
+
+/// Adds `n` tasks in `state` to `counts`.
+pub(crate) fn add_count(counts: &mut pb::TaskCounts, state: TaskState, n: u32) {
+    counts.total += n;
+    let slot = match state {
+        TaskState::Pending => &mut counts.pending,
+        TaskState::Ready => &mut counts.ready,
+        TaskState::Running => &mut counts.running,
+        TaskState::Completed => &mut counts.completed,
+        TaskState::Failed => &mut counts.failed,
+        TaskState::Skipped => &mut counts.skipped,
+        TaskState::Cancelled => &mut counts.cancelled,
+        TaskState::TimedOut => &mut counts.timed_out,
+        TaskState::Blocked => &mut counts.blocked,
+        TaskState::Unspecified => return,
+    };
+    *slot += n;
+}
+
+async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 ORDER BY position"
+    )))
+    .bind(session_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    rows.iter().map(task_from_row).collect()
+}
+
+async fn load_task(tx: &mut Tx, session_id: &str, task_id: &str) -> Result<TaskRow, Error> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id = $2"
+    )))
+    .bind(session_id)
+    .bind(task_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("task {task_id} not found in session {session_id}")))?;
+    task_from_row(&row)
+}
+
+fn find_task_mut<'a>(
+    tasks: &'a mut [TaskRow],
+    task_id: &str,
+    session_id: &str,
+) -> Result<&'a mut TaskRow, Error> {
+    tasks
+        .iter_mut()
+        .find(|task| task.id == task_id)
+        .ok_or_else(|| Error::NotFound(format!("task {task_id} not found in session {session_id}")))
+}
+
+fn find_task(tasks: Vec<TaskRow>, task_id: &str) -> Result<TaskRow, Error> {
+    tasks
+        .into_iter()
+        .find(|task| task.id == task_id)
+        .ok_or_else(|| corrupt(format!("task {task_id} vanished inside its transaction")))
+}
+
+fn task_from_row(row: &SqliteRow) -> Result<TaskRow, Error> {
+    let depends_on: String = row.try_get("depends_on")?;
+    let files: String = row.try_get("files")?;
+    let spec: String = row.try_get("spec")?;
+    let files: Vec<StoredFile> = serde_json::from_str(&files).map_err(corrupt)?;
+    let result: Option<Vec<u8>> = row.try_get("result")?;
+    let last_error: Option<Vec<u8>> = row.try_get("last_error")?;
+    Ok(TaskRow {
+        session_id: row.try_get("session_id")?,
+        id: row.try_get("id")?,
+        position: row.try_get("position")?,
+        title: row.try_get("title")?,
+        description: row.try_get("description")?,
+        role: pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
+        priority: pb::Priority::try_from(row.try_get::<i32, _>("priority")?).map_err(corrupt)?,
+        repo: row.try_get("repo")?,
+        wave: to_u32(row.try_get("wave")?),
+        critical_path: to_u32(row.try_get("critical_path")?),
+        depends_on: serde_json::from_str(&depends_on).map_err(corrupt)?,
+        files: files
+            .into_iter()
+            .map(|file| pb::FileChange {
+                path: file.path,
+                action: file.action,
+                change: file.change,
+            })
+            .collect(),
+        spec: parse_object(&spec)?,
+        state: TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?,
+        attempt: to_u32(row.try_get("attempt")?),
+        max_attempts: to_u32(row.try_get("max_attempts")?),
+        fencing_token: u64::try_from(row.try_get::<i64, _>("fencing_token")?).map_err(corrupt)?,
+        worker_id: row.try_get("worker_id")?,
+        lease_ms: row.try_get("lease_ms")?,
+        lease_expires_at: row.try_get("lease_expires_at")?,
+        not_before: row.try_get("not_before")?,
+        created_at: row.try_get("created_at")?,
+        started_at: row.try_get("started_at")?,
+        finished_at: row.try_get("finished_at")?,
+        progress: row.try_get("progress")?,
+        result: result
+            .map(|bytes| pb::TaskResult::decode(bytes.as_slice()))
+            .transpose()
+            .map_err(corrupt)?,
+        last_error: last_error
+            .map(|bytes| pb::TaskError::decode(bytes.as_slice()))
+            .transpose()
+            .map_err(corrupt)?,
+    })
+}
+
+async fn insert_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
+    let files: Vec<StoredFile> = task
+        .files
+        .iter()
+        .map(|file| StoredFile {
+            path: file.path.clone(),
+            action: file.action,
+            change: file.change.clone(),
+        })
+        .collect();
+    sqlx::query(
+        "INSERT INTO tasks (session_id, id, position, title, description, role, priority, repo, wave, critical_path, \
+         depends_on, files, spec, state, attempt, max_attempts, fencing_token, worker_id, lease_ms, created_at, progress) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0, $15, 0, '', 0, $16, '')",
+    )
+    .bind(&task.session_id)
+    .bind(&task.id)
+    .bind(task.position)
+    .bind(&task.title)
+    .bind(&task.description)
+    .bind(task.role as i32)
+    .bind(task.priority as i32)
+    .bind(&task.repo)
+    .bind(i64::from(task.wave))
+    .bind(i64::from(task.critical_path))
+    .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
+    .bind(serde_json::to_string(&files).map_err(corrupt)?)
+    .bind(Value::Object(task.spec.clone()).to_string())
+    .bind(task.state as i32)
+    .bind(i64::from(task.max_attempts))
+    .bind(task.created_at)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Writes a task's mutable columns.
+async fn update_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
+    sqlx::query(
+        "UPDATE tasks SET state = $3, attempt = $4, fencing_token = $5, worker_id = $6, lease_ms = $7, \
+         lease_expires_at = $8, not_before = $9, started_at = $10, finished_at = $11, progress = $12, \
+         result = $13, last_error = $14 WHERE session_id = $1 AND id = $2",
+    )
+    .bind(&task.session_id)
+    .bind(&task.id)
+    .bind(task.state as i32)
+    .bind(i64::from(task.attempt))
+    .bind(to_i64(task.fencing_token))
+    .bind(&task.worker_id)
+    .bind(task.lease_ms)
+    .bind(task.lease_expires_at)
+    .bind(task.not_before)
+    .bind(task.started_at)
+    .bind(task.finished_at)
+    .bind(&task.progress)
+    .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
+    .bind(task.last_error.as_ref().map(prost::Message::encode_to_vec))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Returns the lowercase name of a session state.
+pub(crate) fn session_state_name(state: SessionState) -> &'static str {
+    match state {
+        SessionState::Unspecified => "unspecified",
+        SessionState::Active => "active",
+        SessionState::Completed => "completed",
+        SessionState::Failed => "failed",
+        SessionState::Cancelled => "cancelled",
+        SessionState::Paused => "paused",
+    }
+}

@@ -1,0 +1,9 @@
+//! Integration tests: the real coordinator (`run()` on a port-0 listener), real SQLite in a
+//! temporary directory, real git repositories, spoken to over gRPC.
+
+mod bus;
+mod plans;
+mod restart;
+mod scheduling;
+mod support;
+mod watch;

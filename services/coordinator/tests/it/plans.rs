@@ -1,0 +1,216 @@
+//! Session creation: validation, repositories, branches, dry runs, templates.
+
+use serde_json::json;
+use tonic::Code;
+use troupe_proto::v1::{self as pb, SessionState, TaskState};
+
+use crate::support::{Harness, assert_code, session_id, t, task};
+
+#[tokio::test]
+async fn create_session_stores_tasks_and_makes_the_session_branch() {
+    let harness = Harness::start().await;
+    let created = harness
+        .create(
+            json!({"name": "quickstart", "description": "demo", "tasks": [
+                t("VALIDATE-001", &["IMPL-002"]),
+                t("IMPL-002", &["IMPL-001"]),
+                t("IMPL-001", &[]),
+                t("IMPL-003", &[]),
+            ]}),
+        )
+        .await;
+    let session = created.session.clone().expect("session");
+    let id = session.id.clone();
+    let (prefix, rest) = id.split_at("quickstart-".len());
+    assert_eq!(prefix, "quickstart-");
+    let (date, hex) = rest.split_once('-').expect("date-hex");
+    assert_eq!(date.len(), 8);
+    assert!(date.chars().all(|c| c.is_ascii_digit()));
+    assert!(
+        hex.len() == 6 && hex.chars().all(|c| c.is_ascii_hexdigit()),
+        "{id}"
+    );
+    assert_eq!(session.state(), SessionState::Active);
+    assert_eq!(session.mode, "eager");
+    assert_eq!(session.on_failure, "skip");
+
+    let counts = session.counts.expect("counts");
+    assert_eq!((counts.total, counts.ready, counts.pending), (4, 2, 2));
+    let order: Vec<&str> = created.tasks.iter().map(|task| task.id.as_str()).collect();
+    assert_eq!(
+        order,
+        vec!["IMPL-001", "IMPL-003", "IMPL-002", "VALIDATE-001"],
+        "topological order"
+    );
+    assert_eq!(task(&created.tasks, "IMPL-001").state(), TaskState::Ready);
+    assert_eq!(task(&created.tasks, "IMPL-003").state(), TaskState::Ready);
+    assert_eq!(task(&created.tasks, "IMPL-002").state(), TaskState::Pending);
+    assert_eq!(task(&created.tasks, "VALIDATE-001").wave, 3);
+    assert_eq!(
+        task(&created.tasks, "VALIDATE-001").role(),
+        pb::Role::Validator
+    );
+    let spec = task(&created.tasks, "IMPL-001").spec.clone().expect("spec");
+    assert!(spec.fields.contains_key("title"));
+
+    let repo = &session.repos[0];
+    assert_eq!(repo.name, "app");
+    assert_eq!(repo.base_commit, harness.base_commit);
+    assert_eq!(repo.branch, format!("troupe/{id}"));
+    let branch_head = troupe_testkit::git(
+        std::path::Path::new(&repo.path),
+        &["rev-parse", &repo.branch],
+    )
+    .expect("branch exists");
+    assert_eq!(branch_head.trim(), harness.base_commit);
+
+    let listed = harness
+        .client()
+        .list_sessions(pb::ListSessionsRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    assert_eq!(listed.sessions.len(), 1);
+    assert_eq!(listed.sessions[0].counts.as_ref().expect("counts").total, 4);
+    let fetched = harness.session(&id).await;
+    assert!(fetched.session.expect("session").last_sequence >= 1 + 4 + 2);
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn bad_plans_are_refused_with_every_problem_and_nothing_is_stored() {
+    let harness = Harness::start().await;
+    let plan = json!({"name": "broken", "repos": {"app": {"path": "repo"}}, "tasks": [
+        t("IMPL-001", &["IMPL-404"]),
+        t("IMPL-002", &["IMPL-003"]),
+        t("IMPL-003", &["IMPL-002"]),
+        t("DOC-001", &[]),
+        {"id": "IMPL-004", "title": "escape", "files": [{"path": "../../etc/passwd", "action": "modify"}]},
+        t("IMPL-001", &[]),
+    ]});
+    let message = assert_code(
+        harness.try_create(&plan).await,
+        Code::InvalidArgument,
+        "invalid plan",
+    );
+    for needle in [
+        "task IMPL-001 depends on unknown task IMPL-404",
+        "dependency cycle: IMPL-002 -> IMPL-003 -> IMPL-002",
+        "task DOC-001: unknown role",
+        "files[0].path `../../etc/passwd` escapes the repository root",
+        "duplicate task id IMPL-001",
+    ] {
+        assert!(
+            message.contains(needle),
+            "`{needle}` missing from:\n{message}"
+        );
+    }
+    let malformed = harness
+        .client()
+        .create_session(pb::CreateSessionRequest {
+            plan_json: "{\"name\": \"x\",\n \"tasks\": [}".to_owned(),
+            ..Default::default()
+        })
+        .await;
+    assert_code(malformed, Code::InvalidArgument, "malformed json at line 2");
+
+    // A repository that is not a git work tree, and an unknown override, are refused too.
+    std::fs::create_dir_all(harness.base_dir.join("not-a-repo")).expect("dir");
+    let plan = json!({"name": "norepo", "repos": {"app": {"path": "not-a-repo"}}, "tasks": [t("IMPL-1", &[])]});
+    assert_code(
+        harness.try_create(&plan).await,
+        Code::InvalidArgument,
+        "not the top of a git work tree",
+    );
+
+    let listed = harness
+        .client()
+        .list_sessions(pb::ListSessionsRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(listed.sessions.is_empty(), "{:?}", listed.sessions);
+    let branches = troupe_testkit::git(
+        &harness.base_dir.join("repo"),
+        &["branch", "--list", "troupe/*"],
+    )
+    .expect("git branch");
+    assert!(branches.trim().is_empty(), "{branches}");
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn dry_run_validates_and_stores_nothing() {
+    let harness = Harness::start().await;
+    let response = harness
+        .client()
+        .create_session(pb::CreateSessionRequest {
+            plan_json: json!({"name": "dry", "repos": {"app": {"path": "repo"}}, "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"])]}).to_string(),
+            base_dir: harness.base_dir.display().to_string(),
+            dry_run: true,
+            ..Default::default()
+        })
+        .await
+        .expect("dry run")
+        .into_inner();
+    let session = response.session.expect("session");
+    assert!(session.id.is_empty());
+    assert_eq!(session.repos[0].base_commit, harness.base_commit);
+    assert_eq!(task(&response.tasks, "IMPL-1").state(), TaskState::Ready);
+    assert_eq!(task(&response.tasks, "IMPL-2").state(), TaskState::Pending);
+    let listed = harness
+        .client()
+        .list_sessions(pb::ListSessionsRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(listed.sessions.is_empty());
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn template_repo_is_imported_once_and_reused() {
+    let harness = Harness::start().await;
+    let plan = json!({"name": "tmpl", "repos": {"web": {"template": "sample"}}, "tasks": [t("IMPL-1", &[])]});
+    let first = harness.create(plan.clone()).await;
+    let second = harness.create(plan).await;
+    let repo_a = &first.session.as_ref().expect("session").repos[0];
+    let repo_b = &second.session.as_ref().expect("session").repos[0];
+    assert_eq!(repo_a.path, repo_b.path);
+    assert_eq!(repo_a.base_commit, repo_b.base_commit);
+    let expected = harness
+        .dir
+        .path()
+        .join("data/repos/tmpl/web")
+        .canonicalize()
+        .expect("template copy");
+    assert_eq!(std::path::Path::new(&repo_a.path), expected);
+    assert!(expected.join("src/app.py").is_file());
+    let files = troupe_testkit::git(&expected, &["ls-files"]).expect("ls-files");
+    assert!(files.contains("src/app.py"), "{files}");
+    assert_ne!(session_id(&first), session_id(&second));
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn repo_paths_override_the_default_repo() {
+    let harness = Harness::start().await;
+    let other = harness.dir.path().join("other");
+    let other_head = troupe_testkit::git_repo(&other, &[("x.txt", "x\n")]).expect("repo");
+    let response = harness
+        .client()
+        .create_session(pb::CreateSessionRequest {
+            plan_json: json!({"name": "override", "repos": {"app": {"path": "missing"}}, "tasks": [t("IMPL-1", &[])]}).to_string(),
+            base_dir: harness.base_dir.display().to_string(),
+            repo_paths: [(String::new(), other.display().to_string())].into_iter().collect(),
+            dry_run: false,
+        })
+        .await
+        .expect("create")
+        .into_inner();
+    assert_eq!(
+        response.session.expect("session").repos[0].base_commit,
+        other_head
+    );
+    harness.stop().await;
+}

@@ -1,0 +1,90 @@
+//! Durability: a restarted coordinator on the same data directory carries on.
+
+use serde_json::json;
+use troupe_coordinator::{App, Config, Error};
+use troupe_proto::v1::{self as pb, Role, TaskState};
+use troupe_testkit::TestService;
+
+use crate::support::{Harness, ids, session_id, t, token};
+
+#[tokio::test]
+async fn a_restart_keeps_sessions_leases_and_sequences() {
+    let harness = Harness::start().await;
+    let session = session_id(
+        &harness
+            .create(
+                json!({"name": "restart", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"])]}),
+            )
+            .await,
+    );
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    let before = harness
+        .session(&session)
+        .await
+        .session
+        .expect("session")
+        .last_sequence;
+    let data_dir = harness.dir.path().join("data");
+    let Harness { service, dir, .. } = harness;
+    service.stop().await;
+
+    let config = Config::new(&data_dir);
+    let service = TestService::spawn(move |listener, shutdown| {
+        troupe_coordinator::run(config, listener, shutdown)
+    })
+    .await;
+    let mut client = troupe_grpc::coordinator_client(&service.url()).expect("client");
+    let view = client
+        .get_session(pb::GetSessionRequest {
+            session_id: session.clone(),
+        })
+        .await
+        .expect("get")
+        .into_inner();
+    assert_eq!(view.session.expect("session").last_sequence, before);
+    let task = claimed[0].task.clone().expect("task");
+    // The lease survived the restart: the old worker can still complete its task.
+    let done = client
+        .complete_task(pb::CompleteTaskRequest {
+            session_id: session.clone(),
+            task_id: task.id,
+            fencing_token: token(&claimed[0]),
+            result: None,
+        })
+        .await
+        .expect("complete after restart")
+        .into_inner()
+        .task
+        .expect("task");
+    assert_eq!(done.state(), TaskState::Completed);
+    let next = client
+        .claim_tasks(pb::ClaimTasksRequest {
+            worker_id: "w2".into(),
+            roles: vec![Role::Executor as i32],
+            ..Default::default()
+        })
+        .await
+        .expect("claim")
+        .into_inner()
+        .tasks;
+    assert_eq!(ids(&next), vec!["IMPL-2"]);
+    service.stop().await;
+    drop(dir);
+}
+
+#[tokio::test]
+async fn unsupported_database_urls_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = Config::new(dir.path());
+    config.database_url = Some("postgres://localhost/troupe".into());
+    let err = App::open(config).await.expect_err("postgres not yet");
+    assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+
+    let mut config = Config::new(dir.path().join("data"));
+    config.database_url = Some(format!(
+        "sqlite://{}",
+        dir.path().join("explicit.db").display()
+    ));
+    App::open(config).await.expect("sqlite url");
+    assert!(dir.path().join("explicit.db").is_file());
+}

@@ -1,0 +1,498 @@
+//! The worker protocol: claims, leases, fencing, retries, failure policies, cancel.
+
+use std::time::Duration;
+
+use serde_json::json;
+use tonic::Code;
+use troupe_proto::v1::{self as pb, Role, SessionState, TaskState};
+
+use crate::support::{Harness, assert_code, id_of, ids, session_id, t, task, token};
+
+#[tokio::test]
+async fn claims_follow_roles_dependencies_and_priority() {
+    let harness = Harness::start().await;
+    let created = harness
+        .create(json!({"name": "prio", "tasks": [
+            {"id": "IMPL-A", "title": "low", "priority": "P2"},
+            {"id": "IMPL-B", "title": "urgent", "priority": "P0"},
+            {"id": "IMPL-C", "title": "long chain", "priority": "P1"},
+            {"id": "IMPL-D", "title": "after C", "priority": "P1", "depends_on": ["IMPL-C"]},
+            {"id": "IMPL-E", "title": "short chain", "priority": "P1"},
+            {"id": "VALIDATE-1", "title": "check B", "depends_on": ["IMPL-B"]},
+        ]}))
+        .await;
+    let session = session_id(&created);
+
+    assert!(
+        harness.claim(&[Role::Validator], 5).await.is_empty(),
+        "validator task is not ready yet"
+    );
+    let first = harness.claim(&[Role::Executor], 1).await;
+    assert_eq!(ids(&first), vec!["IMPL-B"], "P0 first");
+    let next = harness.claim(&[Role::Executor], 2).await;
+    assert_eq!(
+        ids(&next),
+        vec!["IMPL-C", "IMPL-E"],
+        "then the longer critical path"
+    );
+    let last = harness.claim(&[Role::Executor, Role::TestRunner], 5).await;
+    assert_eq!(ids(&last), vec!["IMPL-A"], "IMPL-D still waits for IMPL-C");
+
+    let claimed = &first[0];
+    let lease = claimed.lease.as_ref().expect("lease");
+    assert_eq!((lease.attempt, lease.fencing_token), (1, 1));
+    assert_eq!(
+        claimed.plan_dir,
+        harness
+            .base_dir
+            .canonicalize()
+            .expect("canonical")
+            .display()
+            .to_string()
+    );
+    assert_eq!(
+        claimed.repo.as_ref().expect("repo").branch,
+        format!("troupe/{session}")
+    );
+    let running = claimed.task.as_ref().expect("task");
+    assert_eq!(running.state(), TaskState::Running);
+    assert_eq!(running.worker_id, "worker-test");
+
+    harness
+        .complete(claimed, "did B")
+        .await
+        .expect("complete B");
+    let validators = harness.claim(&[Role::Validator], 5).await;
+    assert_eq!(ids(&validators), vec!["VALIDATE-1"]);
+    let upstream = &validators[0].upstream;
+    assert_eq!(upstream.len(), 1);
+    assert_eq!(upstream[0].task_id, "IMPL-B");
+    assert_eq!(upstream[0].role(), Role::Executor);
+    assert_eq!(
+        upstream[0].result.as_ref().expect("result").summary,
+        "did B"
+    );
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn completing_tasks_advances_the_dag_until_the_session_completes() {
+    let harness = Harness::start().await;
+    let created = harness
+        .create(json!({"name": "chain", "tasks": [
+            t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("VALIDATE-1", &["IMPL-2"]), t("TESTRUN-1", &["VALIDATE-1"]),
+        ]}))
+        .await;
+    let session = session_id(&created);
+    for (role, id) in [
+        (Role::Executor, "IMPL-1"),
+        (Role::Executor, "IMPL-2"),
+        (Role::Validator, "VALIDATE-1"),
+        (Role::TestRunner, "TESTRUN-1"),
+    ] {
+        let claimed = harness.claim(&[role], 4).await;
+        assert_eq!(ids(&claimed), vec![id]);
+        let done = harness
+            .complete(&claimed[0], &format!("{id} done"))
+            .await
+            .expect("complete");
+        assert_eq!(done.state(), TaskState::Completed);
+        assert!(done.finished_at.is_some());
+    }
+    // Upstream of the last task is every transitive dependency, in topological order.
+    let view = harness.session(&session).await;
+    let summary = view.session.expect("session");
+    assert_eq!(summary.state(), SessionState::Completed);
+    assert_eq!(summary.counts.expect("counts").completed, 4);
+    assert_eq!(
+        task(&view.tasks, "IMPL-2")
+            .result
+            .as_ref()
+            .expect("result")
+            .summary,
+        "IMPL-2 done"
+    );
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn transitive_upstream_is_handed_to_workers() {
+    let harness = Harness::start().await;
+    harness.create(json!({"name": "up", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("VALIDATE-1", &["IMPL-2"])]})).await;
+    for _ in 0..2 {
+        let claimed = harness.claim(&[Role::Executor], 1).await;
+        harness.complete(&claimed[0], "ok").await.expect("complete");
+    }
+    let claimed = harness.claim(&[Role::Validator], 1).await;
+    let upstream: Vec<&str> = claimed[0]
+        .upstream
+        .iter()
+        .map(|u| u.task_id.as_str())
+        .collect();
+    assert_eq!(upstream, vec!["IMPL-1", "IMPL-2"]);
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn stale_fencing_tokens_are_refused() {
+    let harness = Harness::start().await;
+    let created = harness
+        .create(json!({"name": "fence", "tasks": [t("IMPL-1", &[])]}))
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    let claimed = &claimed[0];
+    assert_code(
+        harness
+            .complete_with_token(claimed, token(claimed) + 1, "late")
+            .await,
+        Code::FailedPrecondition,
+        "stale fencing token",
+    );
+    let heartbeat = harness
+        .client()
+        .heartbeat(pb::HeartbeatRequest {
+            session_id: session.clone(),
+            task_id: "IMPL-1".to_owned(),
+            fencing_token: token(claimed) + 7,
+            ..Default::default()
+        })
+        .await;
+    assert_code(heartbeat, Code::FailedPrecondition, "stale fencing token");
+
+    harness.complete(claimed, "first").await.expect("complete");
+    let before = harness
+        .session(&session)
+        .await
+        .session
+        .expect("session")
+        .last_sequence;
+    assert_code(
+        harness.complete(claimed, "second").await,
+        Code::FailedPrecondition,
+        "stale fencing token",
+    );
+    let after = harness.session(&session).await;
+    assert_eq!(
+        after.session.expect("session").last_sequence,
+        before,
+        "nothing applied twice"
+    );
+    assert_eq!(
+        task(&after.tasks, "IMPL-1")
+            .result
+            .as_ref()
+            .expect("result")
+            .summary,
+        "first"
+    );
+
+    let missing = harness
+        .client()
+        .complete_task(pb::CompleteTaskRequest {
+            session_id: "nope".into(),
+            task_id: "IMPL-1".into(),
+            fencing_token: 1,
+            result: None,
+        })
+        .await;
+    assert_code(missing, Code::NotFound, "session nope not found");
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn heartbeats_extend_leases_and_record_progress() {
+    let harness = Harness::start().await;
+    let created = harness
+        .create(json!({"name": "beat", "tasks": [t("IMPL-1", &[])]}))
+        .await;
+    let session = session_id(&created);
+    let claimed = harness
+        .claim_with(&[Role::Executor], 1, Duration::ZERO, Duration::from_secs(2))
+        .await;
+    let first_expiry = claimed[0]
+        .lease
+        .as_ref()
+        .expect("lease")
+        .expires_at
+        .expect("expiry");
+    let response = harness
+        .client()
+        .heartbeat(pb::HeartbeatRequest {
+            session_id: session.clone(),
+            task_id: "IMPL-1".into(),
+            fencing_token: token(&claimed[0]),
+            progress: "halfway".into(),
+            lease_duration: Some(prost_types::Duration {
+                seconds: 60,
+                nanos: 0,
+            }),
+        })
+        .await
+        .expect("heartbeat")
+        .into_inner();
+    assert!(!response.cancel_requested);
+    assert!(response.expires_at.expect("expiry").seconds >= first_expiry.seconds + 50);
+    let view = harness.session(&session).await;
+    assert_eq!(task(&view.tasks, "IMPL-1").progress, "halfway");
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn expired_leases_are_redispatched_then_time_out() {
+    let harness = Harness::start().await;
+    let created = harness.create(json!({"name": "lease", "max_attempts": 2, "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"])]})).await;
+    let session = session_id(&created);
+    let lease = Duration::from_secs(1);
+    let first = harness
+        .claim_with(&[Role::Executor], 1, Duration::ZERO, lease)
+        .await;
+    assert_eq!(ids(&first), vec!["IMPL-1"]);
+    // No heartbeat: the reaper returns the task and a waiting claim picks it up again.
+    let second =
+        troupe_testkit::eventually("task re-claimable after its lease expired", || async {
+            let claimed = harness
+                .claim_with(&[Role::Executor], 1, Duration::from_secs(2), lease)
+                .await;
+            (!claimed.is_empty()).then_some(claimed)
+        })
+        .await;
+    assert_eq!(id_of(&second[0]), "IMPL-1");
+    let second_lease = second[0].lease.as_ref().expect("lease");
+    assert_eq!((second_lease.attempt, second_lease.fencing_token), (2, 2));
+    assert_code(
+        harness.complete(&first[0], "late").await,
+        Code::FailedPrecondition,
+        "stale fencing token",
+    );
+
+    // The last attempt's lease expires too: timed out for good, downstream skipped.
+    troupe_testkit::eventually("task timed out", || async {
+        (harness.state_of(&session, "IMPL-1").await == TaskState::TimedOut).then_some(())
+    })
+    .await;
+    let view = harness.session(&session).await;
+    assert_eq!(task(&view.tasks, "IMPL-2").state(), TaskState::Skipped);
+    let last_error = task(&view.tasks, "IMPL-1")
+        .last_error
+        .clone()
+        .expect("error");
+    assert_eq!(last_error.kind(), pb::ErrorKind::Timeout);
+    assert_eq!(view.session.expect("session").state(), SessionState::Failed);
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn retryable_failure_backs_off_then_succeeds() {
+    let harness = Harness::start().await;
+    let created = harness.create(json!({"name": "retry", "tasks": [{"id": "IMPL-1", "title": "flaky", "max_attempts": 3}]})).await;
+    let session = session_id(&created);
+    let first = harness.claim(&[Role::Executor], 1).await;
+    let failed = harness.fail(&first[0], true).await;
+    let task_after = failed.task.expect("task");
+    assert_eq!(task_after.state(), TaskState::Pending);
+    assert_eq!(
+        task_after.last_error.expect("error").message,
+        "verification failed"
+    );
+    let retry_at = failed.retry_at.expect("retry_at");
+    let now = chrono::Utc::now().timestamp();
+    assert!(
+        retry_at.seconds >= now - 1 && retry_at.seconds <= now + 2,
+        "backoff about 1s: {retry_at:?}"
+    );
+    assert!(
+        harness.claim(&[Role::Executor], 1).await.is_empty(),
+        "not before the backoff"
+    );
+
+    let second = troupe_testkit::eventually("retry becomes claimable", || async {
+        let claimed = harness
+            .claim_with(
+                &[Role::Executor],
+                1,
+                Duration::from_secs(3),
+                Duration::from_secs(30),
+            )
+            .await;
+        (!claimed.is_empty()).then_some(claimed)
+    })
+    .await;
+    assert_eq!(second[0].lease.as_ref().expect("lease").attempt, 2);
+    harness
+        .complete(&second[0], "fixed")
+        .await
+        .expect("complete");
+    let view = harness.session(&session).await;
+    assert_eq!(
+        view.session.expect("session").state(),
+        SessionState::Completed
+    );
+    assert_eq!(task(&view.tasks, "IMPL-1").attempt, 2);
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn terminal_failure_skips_downstream() {
+    let harness = Harness::start().await;
+    let created = harness
+        .create(json!({"name": "skip", "tasks": [
+            t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("VALIDATE-1", &["IMPL-2"]), t("IMPL-3", &[]),
+        ]}))
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 2).await;
+    assert_eq!(ids(&claimed), vec!["IMPL-1", "IMPL-3"]);
+    // Non-retryable: terminal on the first attempt even though attempts remain.
+    let failed = harness.fail(&claimed[0], false).await;
+    assert_eq!(failed.task.expect("task").state(), TaskState::Failed);
+    assert!(failed.retry_at.is_none());
+    let view = harness.session(&session).await;
+    assert_eq!(task(&view.tasks, "IMPL-2").state(), TaskState::Skipped);
+    assert_eq!(task(&view.tasks, "VALIDATE-1").state(), TaskState::Skipped);
+    assert_eq!(
+        view.session.expect("session").state(),
+        SessionState::Active,
+        "IMPL-3 still running"
+    );
+    harness.complete(&claimed[1], "ok").await.expect("complete");
+    let view = harness.session(&session).await;
+    let summary = view.session.expect("session");
+    assert_eq!(summary.state(), SessionState::Failed);
+    let counts = summary.counts.expect("counts");
+    assert_eq!((counts.failed, counts.skipped, counts.completed), (1, 2, 1));
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn block_policy_blocks_downstream_and_retries_run_out() {
+    let harness = Harness::start().await;
+    let created = harness
+        .create(
+            json!({"name": "block", "on_failure": "block", "max_attempts": 1, "tasks": [
+                t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("TESTRUN-1", &["IMPL-2"]),
+            ]}),
+        )
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    // Retryable, but max_attempts = 1: terminal.
+    let failed = harness.fail(&claimed[0], true).await;
+    assert_eq!(failed.task.expect("task").state(), TaskState::Failed);
+    let view = harness.session(&session).await;
+    assert_eq!(task(&view.tasks, "IMPL-2").state(), TaskState::Blocked);
+    assert_eq!(task(&view.tasks, "TESTRUN-1").state(), TaskState::Blocked);
+    assert_eq!(view.session.expect("session").state(), SessionState::Failed);
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn waves_mode_waits_for_the_whole_wave() {
+    let harness = Harness::start().await;
+    harness
+        .create(json!({"name": "waves", "mode": "waves", "tasks": [
+            t("IMPL-1", &[]), t("IMPL-2", &[]), t("IMPL-3", &["IMPL-1"]),
+        ]}))
+        .await;
+    let claimed = harness.claim(&[Role::Executor], 2).await;
+    assert_eq!(ids(&claimed), vec!["IMPL-1", "IMPL-2"]);
+    harness.complete(&claimed[0], "ok").await.expect("complete");
+    assert!(
+        harness.claim(&[Role::Executor], 1).await.is_empty(),
+        "IMPL-2 of wave 1 still runs"
+    );
+    harness.complete(&claimed[1], "ok").await.expect("complete");
+    assert_eq!(
+        ids(&harness.claim(&[Role::Executor], 1).await),
+        vec!["IMPL-3"]
+    );
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn cancel_stops_everything_and_tells_running_workers() {
+    let harness = Harness::start().await;
+    let created = harness.create(json!({"name": "cancel", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("IMPL-3", &[])]})).await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    let cancelled = harness
+        .client()
+        .cancel_session(pb::CancelSessionRequest {
+            session_id: session.clone(),
+            reason: "user abort".into(),
+        })
+        .await
+        .expect("cancel")
+        .into_inner()
+        .session
+        .expect("session");
+    assert_eq!(cancelled.state(), SessionState::Cancelled);
+    assert_eq!(cancelled.counts.expect("counts").cancelled, 3);
+    let beat = harness
+        .client()
+        .heartbeat(pb::HeartbeatRequest {
+            session_id: session.clone(),
+            task_id: id_of(&claimed[0]).to_owned(),
+            fencing_token: token(&claimed[0]),
+            ..Default::default()
+        })
+        .await
+        .expect("heartbeat")
+        .into_inner();
+    assert!(beat.cancel_requested);
+    assert_code(
+        harness.complete(&claimed[0], "too late").await,
+        Code::FailedPrecondition,
+        "cancelled",
+    );
+    // The worker reports the stop as told; the task stays cancelled.
+    let failed = harness.fail(&claimed[0], true).await;
+    assert_eq!(failed.task.expect("task").state(), TaskState::Cancelled);
+    assert!(harness.claim(&[], 5).await.is_empty());
+    let view = harness.session(&session).await;
+    assert!(
+        view.tasks
+            .iter()
+            .all(|task| task.state() == TaskState::Cancelled)
+    );
+    harness.stop().await;
+}
+
+#[tokio::test]
+async fn long_poll_claim_wakes_when_work_appears() {
+    let harness = Harness::start().await;
+    let waiter = {
+        let client = harness.client();
+        tokio::spawn(async move {
+            let mut client = client;
+            client
+                .claim_tasks(pb::ClaimTasksRequest {
+                    worker_id: "w".into(),
+                    roles: vec![Role::TestRunner as i32],
+                    max_tasks: 1,
+                    wait: Some(prost_types::Duration {
+                        seconds: 20,
+                        nanos: 0,
+                    }),
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    let started = std::time::Instant::now();
+    harness
+        .create(json!({"name": "wake", "tasks": [t("TESTRUN-1", &[])]}))
+        .await;
+    let claimed = waiter
+        .await
+        .expect("join")
+        .expect("claim")
+        .into_inner()
+        .tasks;
+    assert_eq!(ids(&claimed), vec!["TESTRUN-1"]);
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "woke on the new session, not the timeout"
+    );
+    harness.stop().await;
+}
