@@ -1,0 +1,180 @@
+//! The troupe executor: implements IMPL/EXEC tasks by driving an agent backend in a per-task
+//! git worktree.
+//!
+//! Each attempt gets its own worktree under `<data_dir>/worktrees/<session>/<task>-<attempt>`
+//! on the task branch `troupe-task/<session>/<task>`, made from the session branch's current
+//! head. The backend runs there with the handoff prompt on stdin (and in
+//! `<data_dir>/attempts/.../prompt.md`); whatever it changed is committed, checked against the
+//! task's `files[]`/`focus_paths`, and integrated into `troupe/<session>` without touching any
+//! checkout. The service answers `Executor.ExecuteTask` (one task outside any session) and
+//! `Executor.ListBackends`, and with `--coordinator-url` claims executor tasks as a worker.
+
+mod execute;
+mod grpc;
+mod prompt;
+mod spec;
+mod worker;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+use troupe_grpc::worker::{TaskFailure, WorkerConfig, default_worker_id, run_worker};
+use troupe_grpc::{ServeOptions, Services};
+use troupe_proto::v1::Role;
+use troupe_proto::v1::executor_server::ExecutorServer;
+
+pub use execute::{Executor, Job, Progress, Target, task_branch};
+pub use grpc::TASK_ERROR_METADATA;
+pub use prompt::UpstreamNote;
+pub use spec::{DEFAULT_AGENT_TIMEOUT, ScopePolicy, TaskSpec, struct_to_json};
+pub use worker::ExecuteHandler;
+
+/// Configuration of the executor service.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Config {
+    /// Address to serve gRPC on.
+    #[arg(long, env = "TROUPE_LISTEN", default_value = "127.0.0.1:7072")]
+    pub listen: SocketAddr,
+    /// Directory for worktrees (`worktrees/`) and attempt files such as prompts (`attempts/`).
+    #[arg(long, env = "TROUPE_DATA_DIR", default_value = ".troupe")]
+    pub data_dir: PathBuf,
+    /// Coordinator to claim executor tasks from; without it only the RPCs are served.
+    #[arg(long, env = "TROUPE_COORDINATOR_URL")]
+    pub coordinator_url: Option<String>,
+    /// Tasks run at once as a worker.
+    #[arg(long, env = "TROUPE_EXECUTOR_CONCURRENCY", default_value_t = 2)]
+    pub concurrency: usize,
+    /// Worker id (default `executor-<hostname>-<pid>`).
+    #[arg(long, env = "TROUPE_WORKER_ID")]
+    pub worker_id: Option<String>,
+}
+
+/// Errors of the executor.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The request is malformed.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// `ExecuteTask` was asked to create a branch that exists.
+    #[error("branch `{branch}` already exists at {current}")]
+    BranchExists {
+        /// The branch.
+        branch: String,
+        /// Where it points.
+        current: String,
+    },
+    /// The task ran and failed; the classified error is inside.
+    #[error("{}", .0.error.message)]
+    Task(Box<TaskFailure>),
+    /// Git: repository, revision, worktree.
+    #[error(transparent)]
+    Workspace(#[from] troupe_workspace::Error),
+    /// File system.
+    #[error("i/o error on {}: {source}", path.display())]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Serving or the worker loop failed.
+    #[error(transparent)]
+    Grpc(#[from] troupe_grpc::Error),
+}
+
+/// The opened service.
+#[derive(Debug, Clone)]
+pub struct App {
+    config: Config,
+    executor: Arc<Executor>,
+}
+
+impl App {
+    /// Creates the data directory (made absolute: agents run with the worktree as cwd).
+    pub async fn open(mut config: Config) -> Result<Self, Error> {
+        tokio::fs::create_dir_all(&config.data_dir)
+            .await
+            .map_err(|source| Error::Io {
+                path: config.data_dir.clone(),
+                source,
+            })?;
+        config.data_dir = tokio::fs::canonicalize(&config.data_dir)
+            .await
+            .map_err(|source| Error::Io {
+                path: config.data_dir.clone(),
+                source,
+            })?;
+        let executor = Arc::new(Executor::new(config.data_dir.clone()));
+        Ok(Self { config, executor })
+    }
+
+    /// The executor, for in-process callers.
+    pub fn executor(&self) -> Arc<Executor> {
+        Arc::clone(&self.executor)
+    }
+
+    /// Adds `troupe.v1.Executor` to a shared server.
+    pub fn mount(&self, services: &mut Services) {
+        services.add(ExecutorServer::new(grpc::ExecutorService::new(
+            self.executor(),
+        )));
+    }
+
+    /// Runs the executor worker loop when a coordinator is configured, else waits for shutdown.
+    pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let Some(url) = self.config.coordinator_url.clone() else {
+            shutdown.cancelled().await;
+            return Ok(());
+        };
+        let worker_id = self
+            .config
+            .worker_id
+            .clone()
+            .unwrap_or_else(|| default_worker_id("executor"));
+        let mut worker = WorkerConfig::new(url, worker_id, vec![Role::Executor]);
+        worker.concurrency = self.config.concurrency.max(1);
+        run_worker(
+            worker,
+            Arc::new(ExecuteHandler::new(self.executor())),
+            shutdown,
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// Serves the RPCs (and the worker loop when configured) on `listener` until `shutdown`.
+pub async fn run(
+    config: Config,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let app = App::open(config).await?;
+    let mut services = Services::new();
+    app.mount(&mut services);
+    let stop = shutdown.child_token();
+    // An agent may run for an hour (CCW's executor limit); callers that want less set a deadline.
+    let options = ServeOptions {
+        default_deadline: Some(Duration::from_secs(2 * 3600)),
+        ..ServeOptions::default()
+    };
+    let serve = async {
+        let result = troupe_grpc::serve(listener, services, stop.clone(), options)
+            .await
+            .map_err(Error::from);
+        stop.cancel();
+        result
+    };
+    let background = async {
+        let result = app.run_background(stop.clone()).await;
+        stop.cancel();
+        result
+    };
+    let (served, worked) = tokio::join!(serve, background);
+    served.and(worked)
+}

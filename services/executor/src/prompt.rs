@@ -1,0 +1,156 @@
+//! The handoff prompt (CCW executor "CLI mode" layout: PURPOSE, TARGET FILES, IMPLEMENTATION
+//! STEPS, REFERENCE, APPROACH, RISKS, DONE WHEN, MODE, CONSTRAINTS).
+
+use std::fmt::Write as _;
+
+use crate::spec::TaskSpec;
+
+/// What a dependency produced, for the prompt's context section.
+#[derive(Debug, Clone, Default)]
+pub struct UpstreamNote {
+    pub(crate) task_id: String,
+    pub(crate) summary: String,
+    pub(crate) files: Vec<String>,
+}
+
+/// Builds the prompt an agent receives on stdin and in `{prompt_file}`.
+pub(crate) fn handoff_prompt(spec: &TaskSpec, upstream: &[UpstreamNote]) -> String {
+    let mut out = String::new();
+    let title = if spec.title.is_empty() {
+        spec.id.as_str()
+    } else {
+        spec.title.as_str()
+    };
+    let _ = writeln!(out, "PURPOSE: {title}");
+    if !spec.description.is_empty() {
+        let _ = writeln!(out, "{}", spec.description);
+    }
+    let _ = writeln!(out, "TASK: {}", spec.id);
+
+    if !spec.files.is_empty() {
+        let _ = writeln!(out, "\nTARGET FILES:");
+        for file in &spec.files {
+            let action = if file.action.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", file.action)
+            };
+            let change = if file.change.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", file.change)
+            };
+            let _ = writeln!(out, "- {}{action}{change}", file.path);
+        }
+    }
+    section(
+        &mut out,
+        "IMPLEMENTATION STEPS",
+        spec.implementation
+            .iter()
+            .enumerate()
+            .map(|(i, s)| format!("{}. {s}", i + 1)),
+    );
+    if !upstream.is_empty() {
+        let _ = writeln!(out, "\nCONTEXT FROM COMPLETED DEPENDENCIES:");
+        for note in upstream {
+            let files = if note.files.is_empty() {
+                String::new()
+            } else {
+                format!(" (files: {})", note.files.join(", "))
+            };
+            let _ = writeln!(out, "- {}: {}{files}", note.task_id, note.summary);
+        }
+    }
+    section(
+        &mut out,
+        "REFERENCE",
+        spec.reference.iter().map(|r| format!("- {r}")),
+    );
+    if let Some(approach) = &spec.approach {
+        let _ = writeln!(out, "\nAPPROACH: {approach}");
+    }
+    section(
+        &mut out,
+        "RISKS",
+        spec.risks.iter().map(|r| format!("- {r}")),
+    );
+    let mut done: Vec<String> = spec.criteria.iter().map(|c| format!("- [ ] {c}")).collect();
+    if let Some(dod) = &spec.definition_of_done {
+        done.push(format!("- [ ] {dod}"));
+    }
+    section(&mut out, "DONE WHEN", done.into_iter());
+
+    let _ = writeln!(out, "\nMODE: write");
+    let _ = writeln!(out, "\nCONSTRAINTS:");
+    let allowed = spec.allowed_paths();
+    if allowed.is_empty() {
+        let _ = writeln!(out, "- Change only what the task needs");
+    } else {
+        let _ = writeln!(
+            out,
+            "- Only change the listed files and paths under: {}",
+            allowed.join(", ")
+        );
+    }
+    if !spec.excludes.is_empty() {
+        let _ = writeln!(out, "- Do not touch: {}", spec.excludes.join(", "));
+    }
+    let _ = writeln!(out, "- Follow the existing patterns of the code base");
+    let _ = writeln!(
+        out,
+        "- Do not commit; troupe commits your changes when you exit 0"
+    );
+    out
+}
+
+fn section(out: &mut String, name: &str, lines: impl Iterator<Item = String>) {
+    let mut lines = lines.peekable();
+    if lines.peek().is_none() {
+        return;
+    }
+    let _ = writeln!(out, "\n{name}:");
+    for line in lines {
+        let _ = writeln!(out, "{line}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn prompt_has_the_ccw_sections() {
+        let spec = TaskSpec::parse(
+            json!({
+                "id": "IMPL-1", "title": "Add median", "description": "So reports show a robust centre.",
+                "files": [{"path": "stats/core.py", "action": "modify", "change": "add median()"}],
+                "focus_paths": ["tests"],
+                "implementation": ["write median", "export it"],
+                "convergence": {"criteria": ["median([3,1,2]) == 2"]},
+            })
+            .as_object()
+            .expect("object"),
+        )
+        .expect("valid");
+        let upstream = [UpstreamNote {
+            task_id: "IMPL-0".into(),
+            summary: "added mean".into(),
+            files: vec!["stats/core.py".into()],
+        }];
+        let prompt = handoff_prompt(&spec, &upstream);
+        for needle in [
+            "PURPOSE: Add median\nSo reports show a robust centre.\nTASK: IMPL-1\n",
+            "TARGET FILES:\n- stats/core.py (modify): add median()\n",
+            "IMPLEMENTATION STEPS:\n1. write median\n2. export it\n",
+            "- IMPL-0: added mean (files: stats/core.py)",
+            "DONE WHEN:\n- [ ] median([3,1,2]) == 2\n",
+            "MODE: write",
+            "- Only change the listed files and paths under: stats/core.py, tests\n",
+        ] {
+            assert!(prompt.contains(needle), "missing {needle:?} in\n{prompt}");
+        }
+    }
+}

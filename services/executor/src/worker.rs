@@ -1,0 +1,175 @@
+//! Executor tasks claimed from the coordinator.
+
+// `TaskFailure` is the worker protocol's error (a proto message with an optional partial
+// result); it is built once per failed attempt, so boxing it would buy nothing.
+#![allow(clippy::result_large_err)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde_json::Value;
+use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
+use troupe_proto::v1::{ClaimedTask, ErrorKind, FileAction, TaskResult};
+
+use crate::{Executor, Job, Target, UpstreamNote, struct_to_json};
+
+/// Runs claimed executor tasks with a shared [`Executor`].
+#[derive(Debug, Clone)]
+pub struct ExecuteHandler {
+    executor: Arc<Executor>,
+}
+
+impl ExecuteHandler {
+    /// A handler running tasks with `executor`.
+    pub fn new(executor: Arc<Executor>) -> Self {
+        Self { executor }
+    }
+}
+
+fn invalid(message: &str) -> TaskFailure {
+    TaskFailure::new(ErrorKind::InvalidTask, message, false)
+}
+
+/// Builds the attempt's [`Job`] from a claim. The typed `Task` fields fill in what the spec
+/// object lacks (id, title, description, files), so both carry the same task.
+pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
+    let task = claim
+        .task
+        .ok_or_else(|| invalid("claimed task has no task"))?;
+    let repo = claim
+        .repo
+        .ok_or_else(|| invalid("claimed task has no repository"))?;
+    let mut spec = task.spec.as_ref().map(struct_to_json).unwrap_or_default();
+    for (key, value) in [
+        ("id", &task.id),
+        ("title", &task.title),
+        ("description", &task.description),
+    ] {
+        if !spec.contains_key(key) && !value.is_empty() {
+            spec.insert(key.to_owned(), Value::String(value.clone()));
+        }
+    }
+    if !spec.contains_key("files") && !task.files.is_empty() {
+        let files = task
+            .files
+            .iter()
+            .map(|file| {
+                let action = match FileAction::try_from(file.action) {
+                    Ok(FileAction::Create) => "create",
+                    Ok(FileAction::Delete) => "delete",
+                    _ => "modify",
+                };
+                serde_json::json!({"path": file.path, "action": action, "change": file.change})
+            })
+            .collect();
+        spec.insert("files".to_owned(), Value::Array(files));
+    }
+    let attempt = claim
+        .lease
+        .as_ref()
+        .map_or(task.attempt, |lease| lease.attempt)
+        .max(1);
+    let branch = if repo.branch.is_empty() {
+        format!("troupe/{}", task.session_id)
+    } else {
+        repo.branch
+    };
+    let upstream = claim
+        .upstream
+        .into_iter()
+        .map(|up| {
+            let (summary, files) = up
+                .result
+                .map(|r| (r.summary, r.files_modified))
+                .unwrap_or_default();
+            UpstreamNote {
+                task_id: up.task_id,
+                summary,
+                files,
+            }
+        })
+        .collect();
+    Ok(Job {
+        spec,
+        repo_path: PathBuf::from(repo.path),
+        repo_name: repo.name,
+        session_id: task.session_id,
+        task_id: Some(task.id),
+        attempt,
+        plan_dir: (!claim.plan_dir.is_empty()).then(|| PathBuf::from(claim.plan_dir)),
+        upstream,
+        target: Target::Session { branch },
+    })
+}
+
+impl TaskHandler for ExecuteHandler {
+    async fn handle(&self, task: ClaimedTask, ctx: TaskContext) -> Result<TaskResult, TaskFailure> {
+        let job = job_from_claim(task)?;
+        let cancel = ctx.cancelled();
+        let notes = ctx.clone();
+        let progress = move |note: String| notes.progress(note);
+        self.executor.execute(job, &cancel, &progress).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use troupe_proto::v1::{FileChange, Lease, SessionRepo, Task, UpstreamResult};
+
+    use super::*;
+
+    #[test]
+    fn claims_become_session_jobs() {
+        let claim = ClaimedTask {
+            task: Some(Task {
+                session_id: "s1".into(),
+                id: "IMPL-2".into(),
+                title: "Add report".into(),
+                attempt: 1,
+                files: vec![FileChange {
+                    path: "r.py".into(),
+                    action: FileAction::Create as i32,
+                    change: "new".into(),
+                }],
+                ..Task::default()
+            }),
+            lease: Some(Lease {
+                fencing_token: 7,
+                expires_at: None,
+                attempt: 3,
+            }),
+            repo: Some(SessionRepo {
+                name: "app".into(),
+                path: "/repos/app".into(),
+                base_commit: String::new(),
+                branch: String::new(),
+            }),
+            upstream: vec![UpstreamResult {
+                task_id: "IMPL-1".into(),
+                result: Some(TaskResult {
+                    summary: "added median".into(),
+                    files_modified: vec!["core.py".into()],
+                    ..TaskResult::default()
+                }),
+                ..UpstreamResult::default()
+            }],
+            plan_dir: "/plans/q".into(),
+        };
+        let job = job_from_claim(claim).expect("valid claim");
+        assert_eq!(job.attempt, 3);
+        assert_eq!(job.task_id.as_deref(), Some("IMPL-2"));
+        assert_eq!(job.spec["id"], "IMPL-2");
+        assert_eq!(job.spec["title"], "Add report");
+        assert_eq!(
+            job.spec["files"],
+            serde_json::json!([{"path": "r.py", "action": "create", "change": "new"}])
+        );
+        assert!(matches!(job.target, Target::Session { ref branch } if branch == "troupe/s1"));
+        assert_eq!(job.plan_dir, Some(PathBuf::from("/plans/q")));
+        assert_eq!(job.upstream[0].task_id, "IMPL-1");
+        assert_eq!(job.upstream[0].files, ["core.py"]);
+
+        let err = job_from_claim(ClaimedTask::default()).expect_err("no task");
+        assert_eq!(err.error.kind(), ErrorKind::InvalidTask);
+    }
+}

@@ -1,0 +1,352 @@
+//! Agent backends behind one interface.
+//!
+//! A [`Backend`] probes whether it can run here and runs one attempt of a task in a worktree:
+//! the handoff prompt goes to the child's stdin and to a prompt file, the child runs as an argv
+//! vector in its own process group (troupe-process) with wall-clock and idle timeouts, and a
+//! failure comes back classified ([`BackendError::kind`], [`BackendError::retryable`]) so the
+//! caller can decide between a retry, another backend, or giving up.
+//!
+//! `command` (an argv template from the task's `agent.command`) is implemented. The CLI
+//! backends (`codex`, `gemini`, `qwen`, `claude`, `opencode`) and the built-in `agent` loop are
+//! issue #4: they probe honestly (installed? which version?) and refuse to run with a clear
+//! error. Nothing reports success it did not earn.
+
+mod cli;
+mod command;
+mod placeholder;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+pub use cli::{AgentLoopBackend, CliBackend};
+pub use command::CommandBackend;
+pub use placeholder::{PLACEHOLDERS, substitute};
+
+/// A boxed future, so [`Backend`] stays object-safe.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Names of every backend, in the order they are listed.
+pub const BACKEND_NAMES: &[&str] = &[
+    "command", "codex", "gemini", "qwen", "claude", "opencode", "agent",
+];
+
+/// What a backend's probe found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendInfo {
+    /// Backend name as used in plans.
+    pub name: String,
+    /// Whether this backend can run tasks here.
+    pub available: bool,
+    /// Version the tool reported, when installed.
+    pub version: Option<String>,
+    /// Why it is unavailable, or what it runs.
+    pub detail: String,
+}
+
+/// One attempt for a backend to run.
+#[derive(Debug, Clone, Default)]
+pub struct RunSpec {
+    /// The worktree the agent edits; the child's working directory.
+    pub worktree: PathBuf,
+    /// The handoff prompt, written to the child's stdin.
+    pub prompt: String,
+    /// Where the same prompt was written (outside the worktree).
+    pub prompt_file: PathBuf,
+    /// Values for `{plan_dir}`, `{task_id}`, `{session_id}`, `{repo}`; `{worktree}` and
+    /// `{prompt_file}` come from the fields above.
+    pub placeholders: BTreeMap<String, String>,
+    /// The `command` backend's argv template (the task's `agent.command`).
+    pub command: Vec<String>,
+    /// Wall-clock limit.
+    pub timeout: Option<Duration>,
+    /// Limit on time without any output.
+    pub idle_timeout: Option<Duration>,
+    /// Extra environment variables for the child (on top of the allow-list).
+    pub env: BTreeMap<String, String>,
+}
+
+/// What a successful run produced.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// The argv that ran, after substitution.
+    pub argv: Vec<String>,
+    /// Exit code of the child.
+    pub exit_code: i32,
+    /// Last lines of stdout.
+    pub stdout_tail: String,
+    /// Last lines of stderr.
+    pub stderr_tail: String,
+    /// Wall time.
+    pub duration: Duration,
+    /// The tool's own session id, when it reports one.
+    pub native_session_id: Option<String>,
+}
+
+impl RunOutcome {
+    /// Stdout and stderr tails in one text, for reports.
+    pub fn output_tail(&self) -> String {
+        match (self.stdout_tail.is_empty(), self.stderr_tail.is_empty()) {
+            (_, true) => self.stdout_tail.clone(),
+            (true, false) => self.stderr_tail.clone(),
+            (false, false) => format!("{}\n--- stderr ---\n{}", self.stdout_tail, self.stderr_tail),
+        }
+    }
+}
+
+/// The classified cause of a failed run; mirrors `troupe.v1.ErrorKind`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The backend's program is not installed.
+    NotInstalled,
+    /// Credentials were refused.
+    Auth,
+    /// Asked to slow down.
+    RateLimited,
+    /// Quota used up.
+    Quota,
+    /// Wall-clock or idle time ran out.
+    Timeout,
+    /// Crashed or exited non-zero.
+    Crash,
+    /// Output could not be understood.
+    BadOutput,
+    /// Malformed task or an unsupported request.
+    InvalidTask,
+    /// Anything else inside troupe.
+    Internal,
+    /// Stopped by a cancel (not a failure of the backend).
+    Cancelled,
+}
+
+/// Why a run failed.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BackendError {
+    /// The program is not installed.
+    #[error("backend `{backend}` is not installed: program `{program}` not found")]
+    NotInstalled {
+        /// Backend name.
+        backend: String,
+        /// The program that was looked for.
+        program: String,
+    },
+    /// The backend refused our credentials.
+    #[error("backend `{backend}` rejected its credentials: {message}")]
+    Auth {
+        /// Backend name.
+        backend: String,
+        /// What the tool said.
+        message: String,
+    },
+    /// The backend asked us to slow down.
+    #[error("backend `{backend}` is rate limited: {message}")]
+    RateLimited {
+        /// Backend name.
+        backend: String,
+        /// What the tool said.
+        message: String,
+    },
+    /// The backend's quota is used up.
+    #[error("backend `{backend}` is out of quota: {message}")]
+    Quota {
+        /// Backend name.
+        backend: String,
+        /// What the tool said.
+        message: String,
+    },
+    /// The run hit its wall-clock or idle limit and was killed.
+    #[error("backend `{backend}` {} after {}s", if *.idle { "produced no output" } else { "timed out" }, limit.as_secs())]
+    Timeout {
+        /// Backend name.
+        backend: String,
+        /// The limit that fired.
+        limit: Duration,
+        /// True for the idle limit.
+        idle: bool,
+        /// What it printed last.
+        output_tail: String,
+    },
+    /// The child exited non-zero or was killed by a signal.
+    #[error("backend `{backend}` {}", crash_text(*.exit_code, *.signal))]
+    Crash {
+        /// Backend name.
+        backend: String,
+        /// Exit code, when it exited.
+        exit_code: Option<i32>,
+        /// Signal, when it was killed.
+        signal: Option<i32>,
+        /// Last lines of stderr (or of stdout when stderr was empty).
+        stderr_tail: String,
+    },
+    /// The output could not be understood.
+    #[error("backend `{backend}` produced output troupe cannot use: {message}")]
+    BadOutput {
+        /// Backend name.
+        backend: String,
+        /// What was wrong.
+        message: String,
+    },
+    /// The run was cancelled.
+    #[error("run cancelled")]
+    Cancelled,
+    /// The task asks for something this backend cannot do (bad template, not implemented).
+    #[error("{message}")]
+    InvalidTask {
+        /// What is wrong.
+        message: String,
+    },
+    /// A failure inside troupe (cannot start the child, i/o).
+    #[error("{message}")]
+    Internal {
+        /// What failed.
+        message: String,
+    },
+}
+
+fn crash_text(exit_code: Option<i32>, signal: Option<i32>) -> String {
+    match (exit_code, signal) {
+        (Some(code), _) => format!("exited with code {code}"),
+        (None, Some(signal)) => format!("was killed by signal {signal}"),
+        (None, None) => "failed".to_owned(),
+    }
+}
+
+impl BackendError {
+    /// The classified cause.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::NotInstalled { .. } => ErrorKind::NotInstalled,
+            Self::Auth { .. } => ErrorKind::Auth,
+            Self::RateLimited { .. } => ErrorKind::RateLimited,
+            Self::Quota { .. } => ErrorKind::Quota,
+            Self::Timeout { .. } => ErrorKind::Timeout,
+            Self::Crash { .. } => ErrorKind::Crash,
+            Self::BadOutput { .. } => ErrorKind::BadOutput,
+            Self::Cancelled => ErrorKind::Cancelled,
+            Self::InvalidTask { .. } => ErrorKind::InvalidTask,
+            Self::Internal { .. } => ErrorKind::Internal,
+        }
+    }
+
+    /// Whether another attempt with the same backend may succeed. Not installed, auth, quota
+    /// and invalid tasks will not fix themselves (another backend might).
+    pub fn retryable(&self) -> bool {
+        match self.kind() {
+            ErrorKind::RateLimited
+            | ErrorKind::Timeout
+            | ErrorKind::Crash
+            | ErrorKind::BadOutput
+            | ErrorKind::Internal => true,
+            ErrorKind::NotInstalled
+            | ErrorKind::Auth
+            | ErrorKind::Quota
+            | ErrorKind::InvalidTask
+            | ErrorKind::Cancelled => false,
+        }
+    }
+
+    /// Evidence for the error's `details`: output tails.
+    pub fn details(&self) -> Vec<String> {
+        match self {
+            Self::Timeout {
+                output_tail: tail, ..
+            }
+            | Self::Crash {
+                stderr_tail: tail, ..
+            } if !tail.is_empty() => {
+                vec![tail.clone()]
+            }
+            _ => Vec::new(),
+        }
+    }
+}
+
+/// An agent backend. Object-safe: keep them as `Arc<dyn Backend>`.
+pub trait Backend: Send + Sync + fmt::Debug {
+    /// Name used in plans.
+    fn name(&self) -> &'static str;
+
+    /// Whether this backend can run here, and which version of its tool is installed.
+    fn probe(&self) -> BoxFuture<'_, BackendInfo>;
+
+    /// Runs one attempt in `spec.worktree`. The caller commits whatever the agent changed.
+    fn run<'a>(
+        &'a self,
+        spec: RunSpec,
+        cancel: &'a CancellationToken,
+    ) -> BoxFuture<'a, Result<RunOutcome, BackendError>>;
+}
+
+/// Every backend troupe knows, in [`BACKEND_NAMES`] order.
+pub fn all() -> Vec<Arc<dyn Backend>> {
+    BACKEND_NAMES
+        .iter()
+        .filter_map(|name| by_name(name))
+        .collect()
+}
+
+/// The backend called `name`, if troupe knows it.
+pub fn by_name(name: &str) -> Option<Arc<dyn Backend>> {
+    let backend: Arc<dyn Backend> = match name {
+        "command" => Arc::new(CommandBackend),
+        "codex" => Arc::new(CliBackend::new("codex", "codex")),
+        "gemini" => Arc::new(CliBackend::new("gemini", "gemini")),
+        "qwen" => Arc::new(CliBackend::new("qwen", "qwen")),
+        "claude" => Arc::new(CliBackend::new("claude", "claude")),
+        "opencode" => Arc::new(CliBackend::new("opencode", "opencode")),
+        "agent" => Arc::new(AgentLoopBackend),
+        _ => return None,
+    };
+    Some(backend)
+}
+
+/// Probes every backend concurrently.
+pub async fn probe_all() -> Vec<BackendInfo> {
+    let backends = all();
+    futures::future::join_all(backends.iter().map(|backend| backend.probe())).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_resolves_and_errors_classify() {
+        for name in BACKEND_NAMES {
+            assert_eq!(by_name(name).map(|b| b.name()), Some(*name));
+        }
+        assert!(by_name("nope").is_none());
+
+        let crash = BackendError::Crash {
+            backend: "command".into(),
+            exit_code: Some(2),
+            signal: None,
+            stderr_tail: "boom".into(),
+        };
+        assert_eq!(crash.kind(), ErrorKind::Crash);
+        assert!(crash.retryable());
+        assert_eq!(crash.to_string(), "backend `command` exited with code 2");
+        assert_eq!(crash.details(), ["boom"]);
+        let missing = BackendError::NotInstalled {
+            backend: "codex".into(),
+            program: "codex".into(),
+        };
+        assert!(!missing.retryable());
+    }
+
+    #[tokio::test]
+    async fn probe_all_lists_every_backend_in_order() {
+        let infos = probe_all().await;
+        let names: Vec<&str> = infos.iter().map(|i| i.name.as_str()).collect();
+        assert_eq!(names, BACKEND_NAMES);
+        assert!(infos[0].available, "command is always available");
+        // Unimplemented backends never claim to be usable.
+        assert!(infos[1..].iter().all(|info| !info.available));
+    }
+}
