@@ -1,0 +1,34 @@
+//! `troupe-test-runner`: runs test suites for troupe (RPC and TESTRUN-* worker).
+
+use anyhow::Context;
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "troupe-test-runner",
+    version,
+    about = "Runs Pytest suites and reports structured results"
+)]
+struct Cli {
+    #[command(flatten)]
+    config: troupe_test_runner::Config,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let telemetry =
+        troupe_telemetry::init("troupe-test-runner").context("initialising telemetry")?;
+    let shutdown = troupe_grpc::shutdown_token();
+    let result = async {
+        let listener = tokio::net::TcpListener::bind(cli.config.listen)
+            .await
+            .with_context(|| format!("binding {}", cli.config.listen))?;
+        troupe_test_runner::run(cli.config, listener, shutdown)
+            .await
+            .context("test-runner failed")
+    }
+    .await;
+    telemetry.shutdown().await;
+    result
+}

@@ -1,0 +1,632 @@
+//! Running Pytest once and turning its structured reports into a [`TestRunReport`].
+//!
+//! The command is the one test-frameworks.md §1 settled on: JUnit XML (xunit1, for file and
+//! line), pytest-json-report, and coverage.py JSON with branch coverage, each written to the
+//! run's output directory outside the worktree; `--continue-on-collection-errors` so one broken
+//! file does not hide every other result. Results come only from those files and the exit code
+//! (§2), never from pytest's console text.
+
+pub(crate) mod coverage;
+pub(crate) mod json_report;
+pub(crate) mod junit;
+
+use std::path::{Path, PathBuf};
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use regex::Regex;
+use tokio_util::sync::CancellationToken;
+use troupe_process::{Command, Termination};
+use troupe_proto::v1::{
+    Coverage, TestFailure, TestFramework, TestOutcome, TestRunReport, TestTotals,
+};
+
+use crate::Error;
+use crate::failure::{criticality, strip_ansi};
+
+/// Counts and failures read from one structured report.
+#[derive(Debug, Default)]
+pub(crate) struct SuiteResults {
+    pub(crate) totals: TestTotals,
+    /// Collection errors first, then failing and erroring tests.
+    pub(crate) failures: Vec<TestFailure>,
+    /// Test files that failed to import or parse.
+    pub(crate) collection_errors: u32,
+}
+
+/// The test file of a pytest node id (the part before the first `::`).
+pub(crate) fn test_file_of(nodeid: &str) -> &str {
+    nodeid.split("::").next().unwrap_or(nodeid)
+}
+
+static FRAME: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"^(\S[^:]*):(\d+): in ").expect("frame pattern compiles"));
+static SYNTAX_LOCATION: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r#"File "([^"]+)", line (\d+)"#).expect("syntax location pattern compiles")
+});
+
+/// A test file that could not be collected, from its collector's long representation: the
+/// line is the innermost `file:LINE: in ...` frame in that file (import errors) or the
+/// `File "...", line N` of a syntax error.
+pub(crate) fn collection_failure(nodeid: &str, longrepr: &str) -> TestFailure {
+    let file = test_file_of(nodeid);
+    let text = strip_ansi(longrepr);
+    let frame_line = text.lines().rev().find_map(|line| {
+        let caps = FRAME.captures(line)?;
+        (&caps[1] == file).then(|| caps[2].parse().ok()).flatten()
+    });
+    let syntax_line = || {
+        text.lines().rev().find_map(|line| {
+            let caps = SYNTAX_LOCATION.captures(line)?;
+            let path = &caps[1];
+            (path == file || path.ends_with(&format!("/{file}")))
+                .then(|| caps[2].parse().ok())
+                .flatten()
+        })
+    };
+    let message = json_report::last_error_line(&text);
+    TestFailure {
+        name: nodeid.to_owned(),
+        file: file.to_owned(),
+        line: frame_line.or_else(syntax_line).unwrap_or(0),
+        criticality: criticality(None, &message).to_owned(),
+        message: if message.is_empty() {
+            "collection failed".to_owned()
+        } else {
+            message
+        },
+    }
+}
+
+/// Which pytest plugins an interpreter can import (§5.8: detect before running).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+pub(crate) struct Plugins {
+    pub(crate) pytest: bool,
+    pub(crate) pytest_cov: bool,
+    pub(crate) pytest_jsonreport: bool,
+    pub(crate) pytest_timeout: bool,
+}
+
+const PROBE: &str = "import importlib.util, json\n\
+print(json.dumps({m: importlib.util.find_spec(m) is not None for m in \
+('pytest', 'pytest_cov', 'pytest_jsonreport', 'pytest_timeout')}))";
+
+/// Asks `python` which plugins it can import. Runs in `cwd` (an empty directory, so a stray
+/// `pytest.py` in a repository cannot answer for the real one).
+pub(crate) async fn probe(
+    python: &str,
+    cwd: &Path,
+    cancel: &CancellationToken,
+) -> Result<Plugins, Error> {
+    let output = Command::new(python)
+        .args(["-c", PROBE])
+        .cwd(cwd)
+        .timeout(Duration::from_secs(60))
+        .run(cancel)
+        .await
+        .map_err(|source| Error::process(python, source))?;
+    if output.termination == Termination::Cancelled {
+        return Err(Error::Cancelled);
+    }
+    if !output.success() {
+        return Err(Error::NotInstalled(format!(
+            "`{python}` cannot run the plugin probe (exit {:?}): {}",
+            output.exit_code,
+            troupe_process::tail(&output.stderr_text(), 5, 1000)
+        )));
+    }
+    let text = output.stdout_text();
+    serde_json::from_str(text.trim())
+        .map_err(|err| Error::Internal(format!("plugin probe printed {text:?}: {err}")))
+}
+
+/// Where pytest-cov takes its source from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum CoverageSource {
+    /// The repository configures `source` for coverage.py; pass a bare `--cov`.
+    Configured,
+    /// `--cov=<path or package>`.
+    Explicit(String),
+}
+
+impl CoverageSource {
+    /// The explicit source if given, else the repository's coverage configuration, else `.`.
+    pub(crate) fn choose(explicit: &str, worktree: &Path) -> Self {
+        if !explicit.trim().is_empty() {
+            Self::Explicit(explicit.trim().to_owned())
+        } else if repo_configures_coverage_source(worktree) {
+            Self::Configured
+        } else {
+            Self::Explicit(".".to_owned())
+        }
+    }
+
+    fn flag(&self) -> String {
+        match self {
+            Self::Configured => "--cov".to_owned(),
+            Self::Explicit(source) => format!("--cov={source}"),
+        }
+    }
+
+    /// How the report names it.
+    pub(crate) fn describe(&self) -> String {
+        match self {
+            Self::Configured => "repository configuration".to_owned(),
+            Self::Explicit(source) => source.clone(),
+        }
+    }
+}
+
+/// Whether a coverage.py config file in the repository root sets `source` (or `source_pkgs`)
+/// in its run section.
+fn repo_configures_coverage_source(root: &Path) -> bool {
+    [
+        (".coveragerc", "[run]"),
+        ("pyproject.toml", "[tool.coverage.run]"),
+        ("setup.cfg", "[coverage:run]"),
+        ("tox.ini", "[coverage:run]"),
+    ]
+    .iter()
+    .any(|(file, section)| {
+        std::fs::read_to_string(root.join(file))
+            .is_ok_and(|text| section_sets_source(&text, section))
+    })
+}
+
+fn section_sets_source(text: &str, section: &str) -> bool {
+    let mut inside = false;
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') {
+            inside = line == section;
+        } else if inside {
+            let key = line.split('=').next().unwrap_or("").trim();
+            if line.contains('=') && (key == "source" || key == "source_pkgs") {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// Report files of one run, all inside the run's output directory.
+#[derive(Clone, Debug)]
+pub(crate) struct ReportFiles {
+    pub(crate) junit: PathBuf,
+    pub(crate) json: PathBuf,
+    pub(crate) coverage: PathBuf,
+    pub(crate) coverage_data: PathBuf,
+}
+
+impl ReportFiles {
+    pub(crate) fn new(out_dir: &Path) -> Self {
+        Self {
+            junit: out_dir.join("junit.xml"),
+            json: out_dir.join("report.json"),
+            coverage: out_dir.join("coverage.json"),
+            coverage_data: out_dir.join(".coverage"),
+        }
+    }
+}
+
+/// The pytest argv for one run (test-frameworks.md §1), given what the interpreter has.
+pub(crate) fn command_argv(
+    python: &str,
+    files: &ReportFiles,
+    plugins: Plugins,
+    coverage: &CoverageSource,
+    test_timeout_seconds: u32,
+) -> Vec<String> {
+    let mut argv = vec![
+        python.to_owned(),
+        "-m".to_owned(),
+        "pytest".to_owned(),
+        "-p".to_owned(),
+        "no:cacheprovider".to_owned(),
+        format!("--junitxml={}", files.junit.display()),
+        "-o".to_owned(),
+        "junit_family=xunit1".to_owned(),
+    ];
+    if plugins.pytest_jsonreport {
+        argv.push("--json-report".to_owned());
+        argv.push(format!("--json-report-file={}", files.json.display()));
+    }
+    if plugins.pytest_cov {
+        argv.push(coverage.flag());
+        argv.push("--cov-branch".to_owned());
+        argv.push(format!("--cov-report=json:{}", files.coverage.display()));
+    }
+    if plugins.pytest_timeout && test_timeout_seconds > 0 {
+        argv.push(format!("--timeout={test_timeout_seconds}"));
+    }
+    argv.push("--continue-on-collection-errors".to_owned());
+    argv
+}
+
+/// How pytest's process ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Exit {
+    /// Exited with this code.
+    Code(i32),
+    /// Killed at the wall-clock limit.
+    TimedOut,
+    /// Ended by a signal nobody here sent.
+    Signalled,
+}
+
+/// Decides the outcome from the exit and the structured results, never from console text.
+///
+/// PASSED means: exit 0, no failing or erroring test, no collection error, at least one test
+/// that was not skipped, and coverage measured and at or above the target when a target is set.
+/// Returns the outcome and warnings explaining it.
+pub(crate) fn decide(
+    exit: Exit,
+    results: Option<&SuiteResults>,
+    coverage: Option<f64>,
+    target: f64,
+) -> (TestOutcome, Vec<String>) {
+    let mut warnings = Vec::new();
+    if exit == Exit::TimedOut {
+        return (TestOutcome::Timeout, warnings);
+    }
+    let Some(results) = results else {
+        warnings.push("pytest wrote no structured report; see the stderr tail".to_owned());
+        return (TestOutcome::RunnerCrashed, warnings);
+    };
+    if results.collection_errors > 0 {
+        return (TestOutcome::CollectionError, warnings);
+    }
+    let code = match exit {
+        Exit::Code(code) => code,
+        Exit::Signalled | Exit::TimedOut => {
+            warnings.push("pytest was killed by a signal".to_owned());
+            return (TestOutcome::RunnerCrashed, warnings);
+        }
+    };
+    match code {
+        3 => {
+            warnings.push("pytest reported an internal error (exit 3)".to_owned());
+            return (TestOutcome::RunnerCrashed, warnings);
+        }
+        4 => {
+            warnings.push("pytest refused its command line or configuration (exit 4)".to_owned());
+            return (TestOutcome::RunnerCrashed, warnings);
+        }
+        _ => {}
+    }
+    let totals = &results.totals;
+    if code == 5 || totals.total == 0 {
+        return (TestOutcome::NoTests, warnings);
+    }
+    if totals.failed > 0 || totals.errors > 0 {
+        return (TestOutcome::TestsFailed, warnings);
+    }
+    if code != 0 {
+        warnings.push(format!(
+            "pytest exited {code} although its report shows no failing test (interrupted, a plugin error or a coverage fail-under setting)"
+        ));
+        return (TestOutcome::RunnerCrashed, warnings);
+    }
+    if totals.total == totals.skipped {
+        warnings.push("every collected test was skipped".to_owned());
+        return (TestOutcome::NoTests, warnings);
+    }
+    if target > 0.0 {
+        match coverage {
+            None => {
+                warnings.push(format!(
+                    "coverage target {target}% set but no coverage was measured"
+                ));
+                return (TestOutcome::CoverageBelowTarget, warnings);
+            }
+            Some(pct) if pct < target => return (TestOutcome::CoverageBelowTarget, warnings),
+            Some(_) => {}
+        }
+    }
+    (TestOutcome::Passed, warnings)
+}
+
+/// `passed / (total - skipped)`, 0 when nothing ran.
+pub(crate) fn pass_rate(totals: &TestTotals) -> f64 {
+    let ran = totals.total.saturating_sub(totals.skipped);
+    if ran == 0 {
+        0.0
+    } else {
+        f64::from(totals.passed) / f64::from(ran)
+    }
+}
+
+/// What [`run`] needs.
+#[derive(Debug)]
+pub(crate) struct PytestRun<'a> {
+    pub(crate) python: &'a str,
+    pub(crate) worktree: &'a Path,
+    pub(crate) out_dir: &'a Path,
+    pub(crate) plugins: Plugins,
+    pub(crate) coverage_source: CoverageSource,
+    pub(crate) coverage_target: f64,
+    pub(crate) timeout: Duration,
+    pub(crate) test_timeout_seconds: u32,
+}
+
+/// Runs pytest once and builds the report (commit and run-file paths are the caller's).
+#[tracing::instrument(skip_all, fields(worktree = %run.worktree.display()))]
+pub(crate) async fn run(
+    run: PytestRun<'_>,
+    cancel: &CancellationToken,
+) -> Result<TestRunReport, Error> {
+    let files = ReportFiles::new(run.out_dir);
+    let argv = command_argv(
+        run.python,
+        &files,
+        run.plugins,
+        &run.coverage_source,
+        run.test_timeout_seconds,
+    );
+    let mut warnings = Vec::new();
+    if !run.plugins.pytest_jsonreport {
+        warnings.push(
+            "pytest-json-report is not installed; results come from the junit xml".to_owned(),
+        );
+    }
+    if !run.plugins.pytest_cov {
+        warnings.push("pytest-cov is not installed; coverage was not measured".to_owned());
+    }
+    if !run.plugins.pytest_timeout && run.test_timeout_seconds > 0 {
+        warnings
+            .push("pytest-timeout is not installed; no per-test timeout was applied".to_owned());
+    }
+    let output = Command::from_argv(&argv)
+        .map_err(|source| Error::process(run.python, source))?
+        .cwd(run.worktree)
+        .env("COVERAGE_FILE", files.coverage_data.display().to_string())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .timeout(run.timeout)
+        .max_output_bytes(256 * 1024)
+        .run(cancel)
+        .await
+        .map_err(|source| Error::process(run.python, source))?;
+    let exit = match (output.termination, output.exit_code) {
+        (Termination::Cancelled, _) => return Err(Error::Cancelled),
+        (Termination::TimedOut | Termination::IdleTimedOut, _) => Exit::TimedOut,
+        (Termination::Exited, Some(code)) => Exit::Code(code),
+        (Termination::Exited, None) => Exit::Signalled,
+    };
+    tracing::info!(exit = ?exit, duration_ms = output.duration.as_millis(), "pytest finished");
+
+    let mut report_paths = Vec::new();
+    let json = read_if_present(&files.json).await?;
+    let junit = read_if_present(&files.junit).await?;
+    let results = match (json, junit) {
+        (Some(text), _) if run.plugins.pytest_jsonreport => {
+            report_paths.push(files.json.display().to_string());
+            Some(json_report::parse(&text).map_err(|err| {
+                Error::Internal(format!("cannot parse {}: {err}", files.json.display()))
+            })?)
+        }
+        (_, Some(text)) => Some(junit::parse(&text).map_err(|err| {
+            Error::Internal(format!("cannot parse {}: {err}", files.junit.display()))
+        })?),
+        _ => None,
+    };
+    if files.junit.is_file() {
+        report_paths.push(files.junit.display().to_string());
+    }
+    let coverage: Option<Coverage> = match read_if_present(&files.coverage).await? {
+        Some(text) => {
+            report_paths.push(files.coverage.display().to_string());
+            Some(coverage::parse(&text).map_err(|err| {
+                Error::Internal(format!("cannot parse {}: {err}", files.coverage.display()))
+            })?)
+        }
+        None => {
+            if run.plugins.pytest_cov && exit != Exit::TimedOut {
+                warnings.push("pytest-cov wrote no coverage report (no data collected or collection interrupted)".to_owned());
+            }
+            None
+        }
+    };
+    let overall = coverage.as_ref().and_then(|c| c.overall);
+    let (outcome, why) = decide(exit, results.as_ref(), overall, run.coverage_target);
+    warnings.extend(why);
+    if exit == Exit::TimedOut {
+        warnings.push(format!(
+            "the run hit its {}s wall-clock limit and its process group was killed",
+            run.timeout.as_secs()
+        ));
+    }
+    let results = results.unwrap_or_default();
+    let mut stderr_tail = troupe_process::tail(&strip_ansi(&output.stderr_text()), 40, 8000);
+    if stderr_tail.trim().is_empty()
+        && matches!(
+            outcome,
+            TestOutcome::RunnerCrashed | TestOutcome::Timeout | TestOutcome::CollectionError
+        )
+    {
+        // Pytest prints collection errors and most crashes on stdout.
+        stderr_tail = troupe_process::tail(&strip_ansi(&output.stdout_text()), 40, 8000);
+    }
+    Ok(TestRunReport {
+        framework: TestFramework::Pytest as i32,
+        outcome: outcome as i32,
+        command: argv,
+        exit_code: match exit {
+            Exit::Code(code) => code,
+            Exit::TimedOut | Exit::Signalled => -1,
+        },
+        pass_rate: pass_rate(&results.totals),
+        totals: Some(results.totals),
+        coverage,
+        coverage_target: run.coverage_target,
+        failures: results.failures,
+        duration_ms: u64::try_from(output.duration.as_millis()).unwrap_or(u64::MAX),
+        report_paths,
+        stderr_tail,
+        commit: String::new(),
+        warnings,
+    })
+}
+
+async fn read_if_present(path: &Path) -> Result<Option<String>, Error> {
+    match tokio::fs::read_to_string(path).await {
+        Ok(text) => Ok(Some(text)),
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(Error::Io {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn results(
+        total: u32,
+        passed: u32,
+        failed: u32,
+        skipped: u32,
+        collection_errors: u32,
+    ) -> SuiteResults {
+        SuiteResults {
+            totals: TestTotals {
+                total,
+                passed,
+                failed,
+                skipped,
+                errors: 0,
+            },
+            failures: Vec::new(),
+            collection_errors,
+        }
+    }
+
+    #[test]
+    fn decides_outcomes_from_exit_and_report() {
+        let ok = results(3, 3, 0, 0, 0);
+        assert_eq!(
+            decide(Exit::Code(0), Some(&ok), Some(90.0), 80.0).0,
+            TestOutcome::Passed
+        );
+        assert_eq!(
+            decide(Exit::Code(0), Some(&ok), Some(70.0), 80.0).0,
+            TestOutcome::CoverageBelowTarget
+        );
+        assert_eq!(
+            decide(Exit::Code(0), Some(&ok), None, 80.0).0,
+            TestOutcome::CoverageBelowTarget
+        );
+        assert_eq!(
+            decide(Exit::Code(0), Some(&ok), None, 0.0).0,
+            TestOutcome::Passed
+        );
+        assert_eq!(
+            decide(Exit::Code(1), Some(&results(3, 2, 1, 0, 0)), None, 0.0).0,
+            TestOutcome::TestsFailed
+        );
+        assert_eq!(
+            decide(Exit::Code(1), Some(&results(3, 3, 0, 0, 1)), None, 0.0).0,
+            TestOutcome::CollectionError
+        );
+        assert_eq!(
+            decide(Exit::Code(5), Some(&results(0, 0, 0, 0, 0)), None, 80.0).0,
+            TestOutcome::NoTests
+        );
+        assert_eq!(
+            decide(Exit::Code(0), Some(&results(2, 0, 0, 2, 0)), None, 0.0).0,
+            TestOutcome::NoTests
+        );
+        assert_eq!(
+            decide(Exit::TimedOut, None, None, 0.0).0,
+            TestOutcome::Timeout
+        );
+        assert_eq!(
+            decide(Exit::Code(1), None, None, 0.0).0,
+            TestOutcome::RunnerCrashed
+        );
+        assert_eq!(
+            decide(Exit::Code(4), Some(&results(0, 0, 0, 0, 0)), None, 0.0).0,
+            TestOutcome::RunnerCrashed
+        );
+        // Exit 1 with nothing failing is not a pass, and not a test failure either.
+        assert_eq!(
+            decide(Exit::Code(1), Some(&ok), Some(90.0), 0.0).0,
+            TestOutcome::RunnerCrashed
+        );
+    }
+
+    #[test]
+    fn pass_rate_excludes_skipped() {
+        assert!(
+            (pass_rate(&TestTotals {
+                total: 6,
+                passed: 3,
+                failed: 2,
+                skipped: 1,
+                errors: 0
+            }) - 0.6)
+                .abs()
+                < 1e-9
+        );
+        assert!(pass_rate(&TestTotals::default()).abs() < f64::EPSILON);
+    }
+
+    #[test]
+    fn builds_the_documented_command() {
+        let files = ReportFiles::new(Path::new("/out"));
+        let all = Plugins {
+            pytest: true,
+            pytest_cov: true,
+            pytest_jsonreport: true,
+            pytest_timeout: true,
+        };
+        let argv = command_argv(
+            "/venv/bin/python",
+            &files,
+            all,
+            &CoverageSource::Explicit("calc".into()),
+            60,
+        );
+        assert_eq!(
+            argv.join(" "),
+            "/venv/bin/python -m pytest -p no:cacheprovider --junitxml=/out/junit.xml -o junit_family=xunit1 \
+             --json-report --json-report-file=/out/report.json --cov=calc --cov-branch \
+             --cov-report=json:/out/coverage.json --timeout=60 --continue-on-collection-errors"
+        );
+        let bare = Plugins {
+            pytest: true,
+            ..Plugins::default()
+        };
+        let argv = command_argv("python3", &files, bare, &CoverageSource::Configured, 60);
+        assert!(!argv.iter().any(|a| a.starts_with("--cov")
+            || a.starts_with("--json")
+            || a.starts_with("--timeout")));
+    }
+
+    #[test]
+    fn finds_configured_coverage_sources() {
+        assert!(section_sets_source(
+            "[tool.coverage.run]\nbranch = true\nsource = [\"calc\"]\n",
+            "[tool.coverage.run]"
+        ));
+        assert!(!section_sets_source(
+            "[tool.coverage.report]\nsource = x\n",
+            "[tool.coverage.run]"
+        ));
+        assert!(section_sets_source("[run]\nsource_pkgs = calc\n", "[run]"));
+    }
+
+    #[test]
+    fn collection_failure_from_an_import_error() {
+        let failure = collection_failure(
+            "tests/test_imp.py",
+            "Traceback:\nsite/importlib/__init__.py:126: in import_module\n    x\ntests/test_imp.py:3: in <module>\n    from calc.missing import nothing\nE   ModuleNotFoundError: No module named 'calc.missing'",
+        );
+        assert_eq!(failure.line, 3);
+        assert_eq!(
+            failure.message,
+            "ModuleNotFoundError: No module named 'calc.missing'"
+        );
+        assert_eq!(failure.criticality, "critical");
+    }
+}

@@ -1,0 +1,33 @@
+//! `troupe-validator`: checks task results for troupe (RPC and VALIDATE-* worker).
+
+use anyhow::Context;
+use clap::Parser;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "troupe-validator",
+    version,
+    about = "Checks files, verification commands and criteria with evidence"
+)]
+struct Cli {
+    #[command(flatten)]
+    config: troupe_validator::Config,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    let telemetry = troupe_telemetry::init("troupe-validator").context("initialising telemetry")?;
+    let shutdown = troupe_grpc::shutdown_token();
+    let result = async {
+        let listener = tokio::net::TcpListener::bind(cli.config.listen)
+            .await
+            .with_context(|| format!("binding {}", cli.config.listen))?;
+        troupe_validator::run(cli.config, listener, shutdown)
+            .await
+            .context("validator failed")
+    }
+    .await;
+    telemetry.shutdown().await;
+    result
+}

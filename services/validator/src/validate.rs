@@ -1,0 +1,533 @@
+//! The checks: files against a commit range, a verification command in a worktree, and
+//! convergence criteria. Every check carries its evidence; nothing passes by default.
+
+use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+use troupe_process::{Command, Termination};
+use troupe_proto::v1::{
+    CheckResult, CheckStatus, FileAction, FileChange, ValidateRequest, ValidationReport, Verdict,
+};
+use troupe_workspace::{Oid, Repo};
+
+use crate::Error;
+
+/// Wall-clock limit of a verification command when none is given.
+pub const DEFAULT_VERIFICATION_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Evidence for criteria until typed criteria (issue #6) or a judge exist.
+pub const NO_CRITERION_CHECKER: &str =
+    "no automatic check understands this criterion and no judge is configured";
+
+/// A direct validation request with defaults applied.
+#[derive(Clone, Debug)]
+pub struct Validation {
+    /// Absolute path of the git repository.
+    pub repo_path: PathBuf,
+    /// Commit-ish to check.
+    pub git_ref: String,
+    /// Commit-ish `modify` is measured against; `None` = the first parent of `git_ref`.
+    pub base_ref: Option<String>,
+    /// Files and their expected actions.
+    pub files: Vec<FileChange>,
+    /// Argv that must exit 0 in a worktree at `git_ref`; empty = none.
+    pub verification: Vec<String>,
+    /// Limit for the verification command.
+    pub timeout: Duration,
+    /// Convergence criteria.
+    pub criteria: Vec<String>,
+}
+
+impl Validation {
+    /// Builds a validation from the RPC request.
+    pub fn from_request(request: ValidateRequest) -> Result<Self, Error> {
+        let repo_path = PathBuf::from(&request.repo_path);
+        if request.repo_path.is_empty() || !repo_path.is_absolute() {
+            return Err(Error::InvalidArgument(format!(
+                "repo_path must be an absolute path, got {:?}",
+                request.repo_path
+            )));
+        }
+        if request.verification.first().is_some_and(String::is_empty) {
+            return Err(Error::InvalidArgument(
+                "verification argv starts with an empty program".to_owned(),
+            ));
+        }
+        Ok(Self {
+            repo_path,
+            git_ref: if request.r#ref.is_empty() {
+                "HEAD".to_owned()
+            } else {
+                request.r#ref
+            },
+            base_ref: Some(request.base_ref).filter(|b| !b.is_empty()),
+            files: request.files,
+            verification: request.verification,
+            timeout: match request.timeout_seconds {
+                0 => DEFAULT_VERIFICATION_TIMEOUT,
+                secs => Duration::from_secs(u64::from(secs)),
+            },
+            criteria: request.criteria,
+        })
+    }
+}
+
+/// Runs checks; shared by the gRPC service and the worker loop.
+#[derive(Debug, Clone)]
+pub struct Validator {
+    data_dir: PathBuf,
+}
+
+impl Validator {
+    /// A validator keeping its worktrees under `<data_dir>/worktrees/validate/`.
+    pub fn new(data_dir: PathBuf) -> Self {
+        Self { data_dir }
+    }
+
+    /// Checks the files, the verification command and the criteria of `validation`.
+    #[tracing::instrument(skip_all, fields(repo = %validation.repo_path.display(), git_ref = %validation.git_ref))]
+    pub async fn validate(
+        &self,
+        validation: &Validation,
+        cancel: &CancellationToken,
+    ) -> Result<ValidationReport, Error> {
+        let repo = Repo::open(&validation.repo_path).await?;
+        let commit = repo.resolve(&validation.git_ref).await?;
+        let base = match &validation.base_ref {
+            Some(base) => Some(repo.resolve(base).await?),
+            None => first_parent(&repo, &commit).await?,
+        };
+        let mut checks = check_files(&repo, &commit, base.as_ref(), &validation.files, "").await?;
+        if !validation.verification.is_empty() {
+            checks.push(
+                self.verify(
+                    &repo,
+                    &commit,
+                    &validation.verification,
+                    validation.timeout,
+                    cancel,
+                )
+                .await?,
+            );
+        }
+        checks.extend(criteria_checks(&validation.criteria));
+        Ok(report(commit, checks))
+    }
+
+    /// Runs `argv` in a detached worktree at `commit`: PASS on exit 0, FAIL on another exit,
+    /// ERROR when it cannot run or times out.
+    #[tracing::instrument(skip_all, fields(commit = %commit, program = %argv.first().map_or("", String::as_str)))]
+    pub async fn verify(
+        &self,
+        repo: &Repo,
+        commit: &Oid,
+        argv: &[String],
+        timeout: Duration,
+        cancel: &CancellationToken,
+    ) -> Result<CheckResult, Error> {
+        let started = Instant::now();
+        let subject = argv.join(" ");
+        let worktree = self
+            .data_dir
+            .join("worktrees")
+            .join("validate")
+            .join(format!(
+                "{}-{}",
+                &commit.as_str()[..12],
+                uuid::Uuid::new_v4().simple()
+            ));
+        if let Some(parent) = worktree.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|source| Error::Io {
+                    path: parent.to_owned(),
+                    source,
+                })?;
+        }
+        repo.add_detached_worktree(&worktree, commit).await?;
+        let result = run_verification(&worktree, argv, timeout, cancel).await;
+        if let Err(err) = repo.remove_worktree(&worktree).await {
+            tracing::warn!(worktree = %worktree.display(), error = %err, "cannot remove worktree");
+        }
+        let (status, evidence) = result?;
+        Ok(CheckResult {
+            name: "verification".to_owned(),
+            kind: "verification".to_owned(),
+            status: status as i32,
+            duration_ms: millis(started.elapsed()),
+            evidence,
+            subject,
+        })
+    }
+}
+
+async fn run_verification(
+    worktree: &Path,
+    argv: &[String],
+    timeout: Duration,
+    cancel: &CancellationToken,
+) -> Result<(CheckStatus, String), Error> {
+    let command = match Command::from_argv(argv) {
+        Ok(command) => command,
+        Err(err) => {
+            return Ok((
+                CheckStatus::Error,
+                format!("cannot run the verification command: {err}"),
+            ));
+        }
+    };
+    let output = match command
+        .cwd(worktree)
+        .env("CI", "true")
+        .env("NO_COLOR", "1")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .timeout(timeout)
+        .max_output_bytes(256 * 1024)
+        .run(cancel)
+        .await
+    {
+        Ok(output) => output,
+        Err(
+            err @ (troupe_process::Error::NotFound { .. }
+            | troupe_process::Error::Spawn { .. }
+            | troupe_process::Error::EmptyCommand),
+        ) => {
+            return Ok((
+                CheckStatus::Error,
+                format!("cannot run the verification command: {err}"),
+            ));
+        }
+        Err(err) => return Err(Error::Process(err)),
+    };
+    let tail = troupe_process::tail(
+        &format!("{}{}", output.stdout_text(), output.stderr_text()),
+        30,
+        4000,
+    );
+    let seconds = output.duration.as_secs_f64();
+    Ok(match (output.termination, output.exit_code) {
+        (Termination::Cancelled, _) => return Err(Error::Cancelled),
+        (Termination::TimedOut | Termination::IdleTimedOut, _) => (
+            CheckStatus::Error,
+            format!(
+                "timed out after {}s; its process group was killed\n{tail}",
+                timeout.as_secs()
+            ),
+        ),
+        (Termination::Exited, Some(0)) => (
+            CheckStatus::Pass,
+            format!("exit 0 in {seconds:.1}s\n{tail}"),
+        ),
+        (Termination::Exited, Some(code)) => (
+            CheckStatus::Fail,
+            format!("exit {code} in {seconds:.1}s\n{tail}"),
+        ),
+        (Termination::Exited, None) => (
+            CheckStatus::Fail,
+            format!(
+                "killed by signal {} after {seconds:.1}s\n{tail}",
+                output.signal.unwrap_or(0)
+            ),
+        ),
+    })
+}
+
+/// The first parent of `commit`, `None` for a root commit.
+pub(crate) async fn first_parent(repo: &Repo, commit: &Oid) -> Result<Option<Oid>, Error> {
+    match repo.resolve(&format!("{commit}^")).await {
+        Ok(parent) => Ok(Some(parent)),
+        Err(troupe_workspace::Error::UnknownRevision { .. }) => Ok(None),
+        Err(err) => Err(err.into()),
+    }
+}
+
+/// A path that stays inside the repository: relative, no `..`, not empty.
+fn confined(path: &str) -> bool {
+    let path = Path::new(path);
+    !path.as_os_str().is_empty()
+        && path
+            .components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+}
+
+fn short(oid: &Oid) -> &str {
+    &oid.as_str()[..12]
+}
+
+/// Checks each file's expected action at `commit`; `modify` means changed between `base` and
+/// `commit` (with no base, a root commit, every file present counts as changed). Check names
+/// are `<prefix>file:<path>`.
+pub(crate) async fn check_files(
+    repo: &Repo,
+    commit: &Oid,
+    base: Option<&Oid>,
+    files: &[FileChange],
+    prefix: &str,
+) -> Result<Vec<CheckResult>, Error> {
+    let changed = match base {
+        Some(base) if files.iter().any(|f| f.action() == FileAction::Modify) => {
+            Some(repo.changed_paths(base, commit).await?)
+        }
+        _ => None,
+    };
+    let mut checks = Vec::with_capacity(files.len());
+    for file in files {
+        let started = Instant::now();
+        let (status, evidence) = check_file(repo, commit, base, changed.as_deref(), file).await?;
+        checks.push(CheckResult {
+            name: format!("{prefix}file:{}", file.path),
+            kind: "file".to_owned(),
+            status: status as i32,
+            duration_ms: millis(started.elapsed()),
+            evidence,
+            subject: file.path.clone(),
+        });
+    }
+    Ok(checks)
+}
+
+async fn check_file(
+    repo: &Repo,
+    commit: &Oid,
+    base: Option<&Oid>,
+    changed: Option<&[String]>,
+    file: &FileChange,
+) -> Result<(CheckStatus, String), Error> {
+    let path = file.path.trim_start_matches("./");
+    if !confined(path) {
+        return Ok((
+            CheckStatus::Error,
+            format!("path {:?} escapes the repository root; refused", file.path),
+        ));
+    }
+    let at = short(commit);
+    let now = repo.read_file(commit, path).await?;
+    Ok(match file.action() {
+        FileAction::Unspecified => (
+            CheckStatus::Error,
+            "no action (create, modify or delete) given".to_owned(),
+        ),
+        FileAction::Create => match now {
+            None => (
+                CheckStatus::Fail,
+                format!("create: {path} does not exist at {at}"),
+            ),
+            Some(bytes) if bytes.iter().all(u8::is_ascii_whitespace) => (
+                CheckStatus::Fail,
+                format!(
+                    "create: {path} exists at {at} but is empty ({} bytes)",
+                    bytes.len()
+                ),
+            ),
+            Some(bytes) => (
+                CheckStatus::Pass,
+                format!(
+                    "create: {path} exists at {at} ({} bytes, {} lines)",
+                    bytes.len(),
+                    line_count(&bytes)
+                ),
+            ),
+        },
+        FileAction::Modify => {
+            let Some(bytes) = now else {
+                return Ok((
+                    CheckStatus::Fail,
+                    format!("modify: {path} does not exist at {at}"),
+                ));
+            };
+            match (base, changed) {
+                (Some(base), Some(changed)) => {
+                    let before = repo.read_file(base, path).await?;
+                    let was = before.as_ref().map_or_else(
+                        || "absent".to_owned(),
+                        |b| format!("{} bytes, {} lines", b.len(), line_count(b)),
+                    );
+                    let is = format!("{} bytes, {} lines", bytes.len(), line_count(&bytes));
+                    if changed.iter().any(|c| c == path) {
+                        (
+                            CheckStatus::Pass,
+                            format!(
+                                "modify: {path} changed between {} and {at} ({was} -> {is})",
+                                short(base)
+                            ),
+                        )
+                    } else {
+                        (
+                            CheckStatus::Fail,
+                            format!(
+                                "modify: {path} is unchanged between {} and {at} ({is})",
+                                short(base)
+                            ),
+                        )
+                    }
+                }
+                _ => (
+                    CheckStatus::Pass,
+                    format!(
+                        "modify: {path} exists at {at}, a root commit, so it was added there ({} bytes)",
+                        bytes.len()
+                    ),
+                ),
+            }
+        }
+        FileAction::Delete => match now {
+            Some(bytes) => (
+                CheckStatus::Fail,
+                format!(
+                    "delete: {path} still exists at {at} ({} bytes)",
+                    bytes.len()
+                ),
+            ),
+            None => {
+                let before = match base {
+                    Some(base) => repo
+                        .read_file(base, path)
+                        .await?
+                        .map(|b| format!(" (it had {} bytes at {})", b.len(), short(base))),
+                    None => None,
+                };
+                (
+                    CheckStatus::Pass,
+                    format!(
+                        "delete: {path} is absent at {at}{}",
+                        before.unwrap_or_default()
+                    ),
+                )
+            }
+        },
+    })
+}
+
+fn line_count(bytes: &[u8]) -> usize {
+    let newlines = bytes.iter().filter(|b| **b == b'\n').count();
+    if bytes.last().is_some_and(|b| *b != b'\n') {
+        newlines + 1
+    } else {
+        newlines
+    }
+}
+
+/// One MANUAL_REVIEW check per criterion: nothing here can decide a free-text criterion.
+pub(crate) fn criteria_checks(criteria: &[String]) -> Vec<CheckResult> {
+    criteria
+        .iter()
+        .enumerate()
+        .map(|(i, criterion)| CheckResult {
+            name: format!("criterion:{}", i + 1),
+            kind: "criterion".to_owned(),
+            status: CheckStatus::ManualReview as i32,
+            duration_ms: 0,
+            evidence: NO_CRITERION_CHECKER.to_owned(),
+            subject: criterion.clone(),
+        })
+        .collect()
+}
+
+/// FAIL if any check failed or errored, else MANUAL_REVIEW if any needs review, else PASS.
+/// An empty list needs review: nothing was checked, so nothing may pass.
+pub fn verdict(checks: &[CheckResult]) -> Verdict {
+    let has = |status: CheckStatus| checks.iter().any(|c| c.status() == status);
+    if has(CheckStatus::Fail) || has(CheckStatus::Error) {
+        Verdict::Fail
+    } else if checks.is_empty() || has(CheckStatus::ManualReview) || has(CheckStatus::Unspecified) {
+        Verdict::ManualReview
+    } else {
+        Verdict::Pass
+    }
+}
+
+/// The report for `checks` at `commit`; with no checks at all it says so in one check.
+pub(crate) fn report(commit: Oid, mut checks: Vec<CheckResult>) -> ValidationReport {
+    if checks.is_empty() {
+        checks.push(CheckResult {
+            name: "nothing-to-check".to_owned(),
+            kind: "criterion".to_owned(),
+            status: CheckStatus::ManualReview as i32,
+            duration_ms: 0,
+            evidence:
+                "no files, verification command or criteria were given, so nothing was checked"
+                    .to_owned(),
+            subject: String::new(),
+        });
+    }
+    ValidationReport {
+        verdict: verdict(&checks) as i32,
+        checks,
+        commit: commit.into(),
+    }
+}
+
+fn millis(elapsed: Duration) -> u64 {
+    u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(status: CheckStatus) -> CheckResult {
+        CheckResult {
+            status: status as i32,
+            ..CheckResult::default()
+        }
+    }
+
+    #[test]
+    fn verdicts_never_pass_on_failures_or_reviews() {
+        use CheckStatus::{Error as E, Fail, ManualReview, Pass, Skipped};
+        assert_eq!(verdict(&[check(Pass), check(Skipped)]), Verdict::Pass);
+        assert_eq!(
+            verdict(&[check(Pass), check(ManualReview)]),
+            Verdict::ManualReview
+        );
+        assert_eq!(verdict(&[check(ManualReview), check(Fail)]), Verdict::Fail);
+        assert_eq!(verdict(&[check(Pass), check(E)]), Verdict::Fail);
+        assert_eq!(verdict(&[]), Verdict::ManualReview);
+    }
+
+    #[test]
+    fn criteria_need_manual_review() {
+        let checks = criteria_checks(&["the API is documented".to_owned()]);
+        assert_eq!(checks.len(), 1);
+        assert_eq!(checks[0].status(), CheckStatus::ManualReview);
+        assert_eq!(checks[0].subject, "the API is documented");
+        assert_eq!(checks[0].evidence, NO_CRITERION_CHECKER);
+    }
+
+    #[test]
+    fn refuses_paths_outside_the_root() {
+        assert!(confined("src/a.py"));
+        assert!(confined("./src/a.py"));
+        assert!(!confined("../a.py"));
+        assert!(!confined("/etc/passwd"));
+        assert!(!confined("src/../../a.py"));
+        assert!(!confined(""));
+    }
+
+    #[test]
+    fn counts_lines() {
+        assert_eq!(line_count(b"a\nb\n"), 2);
+        assert_eq!(line_count(b"a\nb"), 2);
+        assert_eq!(line_count(b""), 0);
+    }
+
+    #[test]
+    fn request_defaults() {
+        let v = Validation::from_request(ValidateRequest {
+            repo_path: "/r".into(),
+            ..ValidateRequest::default()
+        })
+        .expect("valid");
+        assert_eq!(v.git_ref, "HEAD");
+        assert_eq!(v.base_ref, None);
+        assert_eq!(v.timeout, DEFAULT_VERIFICATION_TIMEOUT);
+        assert!(
+            Validation::from_request(ValidateRequest {
+                repo_path: "r".into(),
+                ..ValidateRequest::default()
+            })
+            .is_err()
+        );
+    }
+}

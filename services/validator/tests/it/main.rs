@@ -1,0 +1,321 @@
+//! Integration tests: the real validator on a port-0 listener, real git repositories, real
+//! verification commands, all through the `Validate` RPC.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use tonic::Code;
+use troupe_proto::v1::validator_client::ValidatorClient;
+use troupe_proto::v1::{
+    CheckResult, CheckStatus, FileAction, FileChange, ValidateRequest, ValidationReport, Verdict,
+};
+use troupe_testkit::{TestService, git, git_repo};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    _data: tempfile::TempDir,
+    repo: String,
+    base: String,
+    head: String,
+    service: TestService,
+}
+
+/// A repository with two commits: the second creates `new.py` and `empty.py`, modifies `a.py`
+/// and deletes `c.py`; `b.py` is untouched.
+async fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = git_repo(
+        dir.path(),
+        &[
+            ("a.py", "x = 1\n"),
+            ("b.py", "y = 2\n"),
+            ("c.py", "z = 3\n"),
+        ],
+    )
+    .expect("repo");
+    std::fs::write(dir.path().join("a.py"), "x = 1\nx += 1\n").expect("write");
+    std::fs::write(dir.path().join("new.py"), "def f():\n    return 1\n").expect("write");
+    std::fs::write(dir.path().join("empty.py"), "").expect("write");
+    std::fs::remove_file(dir.path().join("c.py")).expect("rm");
+    git(dir.path(), &["add", "-A"]).expect("add");
+    git(dir.path(), &["commit", "-q", "-m", "change"]).expect("commit");
+    let head = git(dir.path(), &["rev-parse", "HEAD"]).expect("head");
+    let data = tempfile::tempdir().expect("data dir");
+    let config = troupe_validator::Config {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: data.path().to_path_buf(),
+        coordinator_url: None,
+        worker_id: None,
+        concurrency: 1,
+    };
+    let service = TestService::spawn(move |listener, shutdown| {
+        troupe_validator::run(config, listener, shutdown)
+    })
+    .await;
+    Fixture {
+        repo: dir.path().display().to_string(),
+        _dir: dir,
+        _data: data,
+        base,
+        head,
+        service,
+    }
+}
+
+impl Fixture {
+    async fn validate(&self, request: ValidateRequest) -> Result<ValidationReport, tonic::Status> {
+        let mut client = ValidatorClient::connect(self.service.url())
+            .await
+            .expect("connect");
+        let request = ValidateRequest {
+            repo_path: self.repo.clone(),
+            ..request
+        };
+        Ok(client
+            .validate(request)
+            .await?
+            .into_inner()
+            .report
+            .expect("a report"))
+    }
+
+    fn worktrees_left(&self) -> usize {
+        let dir = self._data.path().join("worktrees/validate");
+        std::fs::read_dir(dir).map_or(0, |entries| entries.count())
+    }
+}
+
+fn file(path: &str, action: FileAction) -> FileChange {
+    FileChange {
+        path: path.to_owned(),
+        action: action as i32,
+        change: String::new(),
+    }
+}
+
+fn by_name(report: &ValidationReport) -> HashMap<&str, &CheckResult> {
+    report.checks.iter().map(|c| (c.name.as_str(), c)).collect()
+}
+
+fn argv(items: &[&str]) -> Vec<String> {
+    items.iter().map(|s| (*s).to_owned()).collect()
+}
+
+#[tokio::test]
+async fn file_checks_pass_and_fail_with_evidence() {
+    let f = fixture().await;
+    let report = f
+        .validate(ValidateRequest {
+            files: vec![
+                file("new.py", FileAction::Create),
+                file("empty.py", FileAction::Create),
+                file("missing.py", FileAction::Create),
+                file("a.py", FileAction::Modify),
+                file("b.py", FileAction::Modify),
+                file("gone.py", FileAction::Modify),
+                file("c.py", FileAction::Delete),
+                file("b.py", FileAction::Delete),
+                file("../outside.py", FileAction::Create),
+            ],
+            ..ValidateRequest::default()
+        })
+        .await
+        .expect("validate");
+    assert_eq!(report.commit, f.head);
+    assert_eq!(report.verdict(), Verdict::Fail);
+    let statuses: Vec<(&str, CheckStatus)> = report
+        .checks
+        .iter()
+        .map(|c| (c.name.as_str(), c.status()))
+        .collect();
+    assert_eq!(
+        statuses,
+        [
+            ("file:new.py", CheckStatus::Pass),
+            ("file:empty.py", CheckStatus::Fail),
+            ("file:missing.py", CheckStatus::Fail),
+            ("file:a.py", CheckStatus::Pass),
+            ("file:b.py", CheckStatus::Fail),
+            ("file:gone.py", CheckStatus::Fail),
+            ("file:c.py", CheckStatus::Pass),
+            ("file:b.py", CheckStatus::Fail),
+            ("file:../outside.py", CheckStatus::Error),
+        ]
+    );
+    let e = |i: usize| report.checks[i].evidence.as_str();
+    assert!(
+        e(0).contains("exists") && e(0).contains("2 lines"),
+        "{}",
+        e(0)
+    );
+    assert!(e(1).contains("empty"), "{}", e(1));
+    assert!(e(2).contains("does not exist"), "{}", e(2));
+    assert!(
+        e(3).contains("changed between")
+            && e(3).contains("1 lines -> ")
+            && e(3).contains("2 lines"),
+        "{}",
+        e(3)
+    );
+    assert!(e(4).contains("unchanged"), "{}", e(4));
+    assert!(
+        e(6).contains("absent") && e(6).contains(&f.base[..12]),
+        "{}",
+        e(6)
+    );
+    assert!(e(7).contains("still exists"), "{}", e(7));
+    assert!(e(8).contains("escapes"), "{}", e(8));
+    assert!(report.checks.iter().all(|c| c.kind == "file"));
+
+    // Against the first commit itself (a root commit) with an explicit base of HEAD: `a.py`
+    // differs, `b.py` does not.
+    let report = f
+        .validate(ValidateRequest {
+            r#ref: f.base.clone(),
+            base_ref: f.head.clone(),
+            files: vec![
+                file("a.py", FileAction::Modify),
+                file("b.py", FileAction::Modify),
+            ],
+            ..ValidateRequest::default()
+        })
+        .await
+        .expect("validate");
+    assert_eq!(report.commit, f.base);
+    let checks = by_name(&report);
+    assert_eq!(checks["file:a.py"].status(), CheckStatus::Pass);
+    f.service.stop().await;
+}
+
+#[tokio::test]
+async fn verification_runs_at_the_commit_and_reports_exit_codes() {
+    let f = fixture().await;
+    let verify = |r#ref: &str, command: Vec<String>, timeout_seconds: u32| ValidateRequest {
+        r#ref: r#ref.to_owned(),
+        verification: command,
+        timeout_seconds,
+        ..ValidateRequest::default()
+    };
+
+    // Exit 0 at HEAD, where new.py exists: the verdict is PASS with evidence.
+    let report = f
+        .validate(ValidateRequest {
+            files: vec![file("new.py", FileAction::Create)],
+            ..verify(
+                "HEAD",
+                argv(&["sh", "-c", "test -f new.py && echo found-it"]),
+                0,
+            )
+        })
+        .await
+        .expect("validate");
+    assert_eq!(report.verdict(), Verdict::Pass, "{report:#?}");
+    let check = by_name(&report)["verification"];
+    assert_eq!(check.status(), CheckStatus::Pass);
+    assert!(
+        check.evidence.starts_with("exit 0") && check.evidence.contains("found-it"),
+        "{}",
+        check.evidence
+    );
+    assert_eq!(check.subject, "sh -c test -f new.py && echo found-it");
+
+    // The same command at the base commit, where new.py does not exist yet: exit 1, FAIL.
+    let report = f
+        .validate(verify(&f.base, argv(&["test", "-f", "new.py"]), 0))
+        .await
+        .expect("validate");
+    assert_eq!(report.verdict(), Verdict::Fail);
+    let check = by_name(&report)["verification"];
+    assert_eq!(check.status(), CheckStatus::Fail);
+    assert!(check.evidence.starts_with("exit 1"), "{}", check.evidence);
+
+    // A command that outlives its limit is killed: ERROR, not FAIL, with evidence.
+    let report = f
+        .validate(verify("HEAD", argv(&["sleep", "30"]), 1))
+        .await
+        .expect("validate");
+    let check = by_name(&report)["verification"];
+    assert_eq!(check.status(), CheckStatus::Error);
+    assert!(
+        check.evidence.contains("timed out after 1s"),
+        "{}",
+        check.evidence
+    );
+    assert!(check.duration_ms < 10_000, "{}", check.duration_ms);
+    assert_eq!(report.verdict(), Verdict::Fail);
+
+    // A program that does not exist cannot run: ERROR.
+    let report = f
+        .validate(verify("HEAD", argv(&["troupe-no-such-program"]), 0))
+        .await
+        .expect("validate");
+    let check = by_name(&report)["verification"];
+    assert_eq!(check.status(), CheckStatus::Error);
+    assert!(check.evidence.contains("not found"), "{}", check.evidence);
+
+    // Every worktree was removed again.
+    assert_eq!(f.worktrees_left(), 0);
+    f.service.stop().await;
+}
+
+#[tokio::test]
+async fn free_text_criteria_need_manual_review_and_never_pass() {
+    let f = fixture().await;
+    let report = f
+        .validate(ValidateRequest {
+            files: vec![file("new.py", FileAction::Create)],
+            verification: argv(&["true"]),
+            criteria: vec!["f() returns 1 for every input".to_owned()],
+            ..ValidateRequest::default()
+        })
+        .await
+        .expect("validate");
+    assert_eq!(report.verdict(), Verdict::ManualReview);
+    let check = by_name(&report)["criterion:1"];
+    assert_eq!(check.status(), CheckStatus::ManualReview);
+    assert_eq!(check.subject, "f() returns 1 for every input");
+    assert_eq!(check.evidence, troupe_validator::NO_CRITERION_CHECKER);
+
+    // Nothing to check at all is not a pass either.
+    let report = f
+        .validate(ValidateRequest::default())
+        .await
+        .expect("validate");
+    assert_eq!(report.verdict(), Verdict::ManualReview);
+    f.service.stop().await;
+}
+
+#[tokio::test]
+async fn bad_requests_get_deliberate_codes() {
+    let f = fixture().await;
+    let mut client = ValidatorClient::connect(f.service.url())
+        .await
+        .expect("connect");
+    let status = client
+        .validate(ValidateRequest {
+            repo_path: "relative".into(),
+            ..ValidateRequest::default()
+        })
+        .await
+        .expect_err("relative path");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    let status = f
+        .validate(ValidateRequest {
+            r#ref: "no-such-branch".into(),
+            ..ValidateRequest::default()
+        })
+        .await
+        .expect_err("unknown ref");
+    assert_eq!(status.code(), Code::NotFound);
+    let not_a_repo = tempfile::tempdir().expect("tempdir");
+    let status = client
+        .validate(ValidateRequest {
+            repo_path: not_a_repo.path().display().to_string(),
+            ..ValidateRequest::default()
+        })
+        .await
+        .expect_err("not a repo");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(Path::new(&f.repo).is_dir());
+    f.service.stop().await;
+}
