@@ -5,8 +5,14 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["common", "coordinator", "executor", "test_runner", "validator"]
-        .map(|name| proto_root.join(format!("troupe/v1/{name}.proto")));
+    let files = [
+        "common",
+        "coordinator",
+        "executor",
+        "test_runner",
+        "validator",
+    ]
+    .map(|name| proto_root.join(format!("troupe/v1/{name}.proto")));
     println!("cargo:rerun-if-changed={}", proto_root.display());
     println!("cargo:rerun-if-changed=build.rs");
 

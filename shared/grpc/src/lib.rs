@@ -69,10 +69,8 @@ impl Services {
     /// Adds a generated tonic server, such as `CoordinatorServer::new(adapter)`.
     pub fn add<S>(&mut self, service: S) -> &mut Self
     where
-        S: tower::Service<
-                http::Request<tonic::body::Body>,
-                Error = Infallible,
-            > + tonic::server::NamedService
+        S: tower::Service<http::Request<tonic::body::Body>, Error = Infallible>
+            + tonic::server::NamedService
             + Clone
             + Send
             + Sync
@@ -130,14 +128,19 @@ pub async fn serve(
         .set_service_status("", ServingStatus::Serving)
         .await;
 
-    let reflection_v1 = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(troupe_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
-    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(troupe_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1alpha()?;
+    // Each reflection version also registers the other's descriptors, so that a client
+    // speaking either one lists both (grpcurl 1.8 lists through v1alpha).
+    let reflection = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(troupe_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_reflection::pb::v1::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(
+                tonic_reflection::pb::v1alpha::FILE_DESCRIPTOR_SET,
+            )
+    };
+    let reflection_v1 = reflection().build_v1()?;
+    let reflection_v1alpha = reflection().build_v1alpha()?;
 
     let mut routes = services.routes;
     routes
@@ -229,7 +232,10 @@ impl Outbound {
 }
 
 impl tonic::service::Interceptor for Outbound {
-    fn call(&mut self, mut request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+    fn call(
+        &mut self,
+        mut request: tonic::Request<()>,
+    ) -> Result<tonic::Request<()>, tonic::Status> {
         if !request.metadata().contains_key("grpc-timeout") {
             request.set_timeout(self.deadline);
         }
@@ -239,9 +245,8 @@ impl tonic::service::Interceptor for Outbound {
 }
 
 /// A coordinator client with troupe's outbound interceptor.
-pub type CoordinatorClient = troupe_proto::v1::coordinator_client::CoordinatorClient<
-    InterceptedService<Channel, Outbound>,
->;
+pub type CoordinatorClient =
+    troupe_proto::v1::coordinator_client::CoordinatorClient<InterceptedService<Channel, Outbound>>;
 
 /// Returns a coordinator client for `url` whose calls default to a 90 s deadline (long enough
 /// for the longest `ClaimTasks` long-poll).

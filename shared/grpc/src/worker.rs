@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::task::JoinSet;
-use tracing::Instrument;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use troupe_proto::v1::{
     ClaimTasksRequest, ClaimedTask, CompleteTaskRequest, ErrorKind, FailTaskRequest,
     HeartbeatRequest, Lease, Role, Task, TaskError, TaskResult,
@@ -122,7 +122,11 @@ pub struct WorkerConfig {
 
 impl WorkerConfig {
     /// Defaults for `roles` against `coordinator_url`: one task at a time, 30 s leases, 10 s polls.
-    pub fn new(coordinator_url: impl Into<String>, worker_id: impl Into<String>, roles: Vec<Role>) -> Self {
+    pub fn new(
+        coordinator_url: impl Into<String>,
+        worker_id: impl Into<String>,
+        roles: Vec<Role>,
+    ) -> Self {
         Self {
             coordinator_url: coordinator_url.into(),
             worker_id: worker_id.into(),
@@ -189,7 +193,13 @@ pub async fn run_worker<H: TaskHandler>(
             Ok(response) => {
                 backoff.reset();
                 for task in response.into_inner().tasks {
-                    let run = run_one(client.clone(), Arc::clone(&config), Arc::clone(&handler), task, shutdown.clone());
+                    let run = run_one(
+                        client.clone(),
+                        Arc::clone(&config),
+                        Arc::clone(&handler),
+                        task,
+                        shutdown.clone(),
+                    );
                     running.spawn(run);
                 }
             }
@@ -343,7 +353,10 @@ where
             }
         }
     }
-    tracing::error!(rpc, "report failed repeatedly, the lease will expire and the task be retried");
+    tracing::error!(
+        rpc,
+        "report failed repeatedly, the lease will expire and the task be retried"
+    );
 }
 
 /// Heartbeats until the lease is lost (then returns); runs forever otherwise, so the caller

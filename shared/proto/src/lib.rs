@@ -10,7 +10,8 @@ pub mod v1 {
 }
 
 /// Encoded `FileDescriptorSet` of every troupe.v1 file (with its imports), for reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/troupe_descriptor.bin"));
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/troupe_descriptor.bin"));
 
 pub use prost_types;
 
@@ -29,7 +30,10 @@ mod tests {
             .flat_map(|file| file.service.iter().map(|s| s.name().to_owned()))
             .collect();
         for expected in ["Coordinator", "Executor", "TestRunner", "Validator"] {
-            assert!(services.iter().any(|s| s == expected), "missing service {expected}: {services:?}");
+            assert!(
+                services.iter().any(|s| s == expected),
+                "missing service {expected}: {services:?}"
+            );
         }
     }
 }

@@ -58,12 +58,19 @@ impl TelemetryGuard {
 /// Log format: human-readable when stderr is a terminal, JSON lines otherwise; override with
 /// `TROUPE_LOG_FORMAT=json|text`. Filter with `RUST_LOG` (default `info`).
 pub fn init(service_name: &str) -> Result<TelemetryGuard, Error> {
+    init_with_filter(service_name, "info")
+}
+
+/// Like [`init`], with `default_filter` used when `RUST_LOG` is unset (commands that print
+/// their own progress want `warn`).
+pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<TelemetryGuard, Error> {
     let provider = tracer_provider(service_name)?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     opentelemetry::global::set_tracer_provider(provider.clone());
     let tracer = provider.tracer(service_name.to_owned());
     let otel_layer = tracing_opentelemetry::layer().with_tracer(tracer);
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
 
     let json = match std::env::var("TROUPE_LOG_FORMAT").as_deref() {
         Ok("json") => true,
@@ -83,7 +90,11 @@ pub fn init(service_name: &str) -> Result<TelemetryGuard, Error> {
             .try_init()
     } else {
         registry
-            .with(tracing_subscriber::fmt::layer().compact().with_writer(std::io::stderr))
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .compact()
+                    .with_writer(std::io::stderr),
+            )
             .try_init()
     };
     result.map_err(|err| Error::AlreadyInstalled(err.to_string()))?;
@@ -173,13 +184,18 @@ mod tests {
         let mut headers = http::HeaderMap::new();
         headers.insert(
             "traceparent",
-            http::HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            http::HeaderValue::from_static(
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            ),
         );
         let context = extract_context(&headers);
         let span = context.span();
         let span_context = span.span_context();
         assert!(span_context.is_valid());
-        assert_eq!(span_context.trace_id().to_string(), "4bf92f3577b34da6a3ce929d0e0e4736");
+        assert_eq!(
+            span_context.trace_id().to_string(),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
     }
 
     #[test]

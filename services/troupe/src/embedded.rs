@@ -1,0 +1,161 @@
+//! All four services in one process on one listener: the embedded default.
+//!
+//! The coordinator, executor, test-runner and validator are mounted on one gRPC server; the
+//! three workers claim tasks from the coordinator through that same server's address, exactly
+//! as they would across machines, so the embedded mode exercises the real worker protocol.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Settings of the embedded server.
+#[derive(Clone, Debug)]
+pub struct EmbeddedConfig {
+    /// Data directory shared by the four services (each uses its own subdirectories).
+    pub data_dir: PathBuf,
+    /// Executor tasks run at once.
+    pub executor_concurrency: usize,
+    /// Python for test runs that do not ask for a venv.
+    pub python: String,
+}
+
+/// A running embedded server.
+#[derive(Debug)]
+pub struct Embedded {
+    addr: SocketAddr,
+    tasks: JoinSet<anyhow::Result<()>>,
+    shutdown: CancellationToken,
+}
+
+impl Embedded {
+    /// Opens every service, mounts them on `listener` and starts the workers.
+    pub async fn start(
+        config: EmbeddedConfig,
+        listener: TcpListener,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<Self> {
+        let addr = listener
+            .local_addr()
+            .context("reading the listener address")?;
+        let url = troupe_grpc::url_for(addr);
+        std::fs::create_dir_all(&config.data_dir)
+            .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
+        let data_dir = std::path::absolute(&config.data_dir).context("resolving the data dir")?;
+
+        let coordinator = troupe_coordinator::App::open(troupe_coordinator::Config {
+            listen: addr,
+            data_dir: data_dir.clone(),
+            database_url: None,
+        })
+        .await
+        .context("opening the coordinator")?;
+        let executor = troupe_executor::App::open(troupe_executor::Config {
+            listen: addr,
+            data_dir: data_dir.clone(),
+            coordinator_url: Some(url.clone()),
+            concurrency: config.executor_concurrency,
+            worker_id: None,
+        })
+        .await
+        .context("opening the executor")?;
+        let test_runner = troupe_test_runner::App::open(troupe_test_runner::Config {
+            listen: addr,
+            data_dir: data_dir.clone(),
+            coordinator_url: Some(url.clone()),
+            python: config.python.clone(),
+            worker_id: None,
+            concurrency: 1,
+        })
+        .await
+        .context("opening the test-runner")?;
+        let validator = troupe_validator::App::open(troupe_validator::Config {
+            listen: addr,
+            data_dir,
+            coordinator_url: Some(url),
+            worker_id: None,
+            concurrency: 2,
+        })
+        .await
+        .context("opening the validator")?;
+
+        let mut services = troupe_grpc::Services::new();
+        coordinator.mount(&mut services);
+        executor.mount(&mut services);
+        test_runner.mount(&mut services);
+        validator.mount(&mut services);
+
+        let mut tasks = JoinSet::new();
+        let serve_shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            troupe_grpc::serve(
+                listener,
+                services,
+                serve_shutdown,
+                troupe_grpc::ServeOptions::default(),
+            )
+            .await
+            .context("grpc server")
+        });
+        let background = shutdown.clone();
+        tasks.spawn(async move {
+            coordinator
+                .run_background(background)
+                .await
+                .context("coordinator")
+        });
+        let background = shutdown.clone();
+        tasks.spawn(async move {
+            executor
+                .run_background(background)
+                .await
+                .context("executor")
+        });
+        let background = shutdown.clone();
+        tasks.spawn(async move {
+            test_runner
+                .run_background(background)
+                .await
+                .context("test-runner")
+        });
+        let background = shutdown.clone();
+        tasks.spawn(async move {
+            validator
+                .run_background(background)
+                .await
+                .context("validator")
+        });
+        Ok(Self {
+            addr,
+            tasks,
+            shutdown,
+        })
+    }
+
+    /// The address everything is served on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Waits until every part has stopped. A part that fails stops the others, and its error
+    /// is returned.
+    pub async fn wait(mut self) -> anyhow::Result<()> {
+        let mut first_error = None;
+        while let Some(joined) = self.tasks.join_next().await {
+            let outcome = joined
+                .map_err(anyhow::Error::from)
+                .and_then(|result| result);
+            if let Err(err) = outcome {
+                if first_error.is_none() {
+                    tracing::error!(error = %format!("{err:#}"), "embedded service failed, stopping the others");
+                    first_error = Some(err);
+                }
+                self.shutdown.cancel();
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+}

@@ -1,0 +1,318 @@
+//! Text rendering of session progress and the final report.
+
+use std::fmt::Write as _;
+
+use troupe_proto::v1::{
+    GetSessionResponse, Session, SessionEvent, SessionState, Task, TaskResult, TaskState,
+    TestOutcome, Verdict, session_event, task_result,
+};
+
+/// Returns a lowercase name for a task state (`completed`, `timed_out`, ...).
+pub fn task_state_name(state: i32) -> String {
+    TaskState::try_from(state)
+        .map(|state| {
+            state
+                .as_str_name()
+                .trim_start_matches("TASK_STATE_")
+                .to_ascii_lowercase()
+        })
+        .unwrap_or_else(|_| format!("state#{state}"))
+}
+
+/// Returns a lowercase name for a session state.
+pub fn session_state_name(state: i32) -> String {
+    SessionState::try_from(state)
+        .map(|state| {
+            state
+                .as_str_name()
+                .trim_start_matches("SESSION_STATE_")
+                .to_ascii_lowercase()
+        })
+        .unwrap_or_else(|_| format!("state#{state}"))
+}
+
+/// Whether a session state is final.
+pub fn is_terminal(state: i32) -> bool {
+    matches!(
+        SessionState::try_from(state),
+        Ok(SessionState::Completed | SessionState::Failed | SessionState::Cancelled)
+    )
+}
+
+/// One line for a session event, or `None` for events not worth printing.
+pub fn event_line(event: &SessionEvent) -> Option<String> {
+    let time = event
+        .ts
+        .as_ref()
+        .and_then(|ts| {
+            chrono::DateTime::from_timestamp(ts.seconds, u32::try_from(ts.nanos).unwrap_or(0))
+        })
+        .map(|ts| {
+            ts.with_timezone(&chrono::Local)
+                .format("%H:%M:%S")
+                .to_string()
+        })
+        .unwrap_or_default();
+    let body = match event.kind.as_ref()? {
+        session_event::Kind::Task(transition) => {
+            let mut line = format!(
+                "{:<14} {:>9} -> {:<9}",
+                transition.task_id,
+                task_state_name(transition.from),
+                task_state_name(transition.to)
+            );
+            if transition.attempt > 0 {
+                let _ = write!(line, " attempt {}", transition.attempt);
+            }
+            if !transition.worker_id.is_empty() {
+                let _ = write!(line, " on {}", transition.worker_id);
+            }
+            if !transition.reason.is_empty() {
+                let _ = write!(line, ": {}", first_line(&transition.reason));
+            }
+            line
+        }
+        session_event::Kind::Progress(progress) => {
+            format!(
+                "{:<14} progress: {}",
+                progress.task_id,
+                first_line(&progress.note)
+            )
+        }
+        session_event::Kind::Message(message) => {
+            format!(
+                "message {} {} -> {} [{}] {}",
+                message.id, message.from, message.to, message.r#type, message.summary
+            )
+        }
+        session_event::Kind::Session(transition) => format!(
+            "session {} -> {}{}",
+            session_state_name(transition.from),
+            session_state_name(transition.to),
+            if transition.reason.is_empty() {
+                String::new()
+            } else {
+                format!(": {}", transition.reason)
+            }
+        ),
+    };
+    Some(format!("[{time}] {body}"))
+}
+
+/// The header printed when a session starts.
+pub fn session_header(session: &Session, tasks: &[Task]) -> String {
+    let waves = tasks.iter().map(|task| task.wave).max().unwrap_or(0);
+    let mut text = format!(
+        "session {} ({} tasks in {} waves, {} scheduling)\n",
+        session.id,
+        tasks.len(),
+        waves,
+        session.mode
+    );
+    for repo in &session.repos {
+        let _ = writeln!(
+            text,
+            "  repo {}: {} @ {} -> branch {}",
+            repo.name,
+            repo.path,
+            short(&repo.base_commit),
+            repo.branch
+        );
+    }
+    text
+}
+
+/// The final report: one block per task with its outcome, then the session's verdict.
+pub fn final_report(response: &GetSessionResponse) -> String {
+    let mut text = String::new();
+    let Some(session) = &response.session else {
+        return "no session in the response\n".to_owned();
+    };
+    let _ = writeln!(text, "\nreport for session {}", session.id);
+    for task in &response.tasks {
+        let _ = writeln!(
+            text,
+            "  {:<14} {:<10} attempts {}/{}  {}",
+            task.id,
+            task_state_name(task.state),
+            task.attempt,
+            task.max_attempts,
+            task.title
+        );
+        if let Some(result) = &task.result {
+            render_result(&mut text, result);
+        }
+        if let Some(error) = task
+            .last_error
+            .as_ref()
+            .filter(|_| task.state != TaskState::Completed as i32)
+        {
+            let _ = writeln!(text, "      error: {}", first_line(&error.message));
+            for detail in error.details.iter().take(5) {
+                let _ = writeln!(text, "        {}", first_line(detail));
+            }
+        }
+    }
+    let counts = session.counts.unwrap_or_default();
+    let _ = writeln!(
+        text,
+        "session {}: {} completed, {} failed, {} skipped, {} cancelled, {} timed out of {}",
+        session_state_name(session.state),
+        counts.completed,
+        counts.failed,
+        counts.skipped,
+        counts.cancelled,
+        counts.timed_out,
+        counts.total
+    );
+    for repo in &session.repos {
+        let _ = writeln!(
+            text,
+            "commits are on branch {} of {} (git -C {} log --oneline {}..{})",
+            repo.branch,
+            repo.path,
+            repo.path,
+            short(&repo.base_commit),
+            repo.branch
+        );
+    }
+    text
+}
+
+fn render_result(text: &mut String, result: &TaskResult) {
+    if !result.summary.is_empty() {
+        let _ = writeln!(text, "      {}", first_line(&result.summary));
+    }
+    if !result.commit.is_empty() {
+        let _ = writeln!(text, "      commit {}", short(&result.commit));
+    }
+    if !result.files_modified.is_empty() {
+        let _ = writeln!(text, "      files: {}", result.files_modified.join(", "));
+    }
+    for warning in &result.warnings {
+        let _ = writeln!(text, "      warning: {}", first_line(warning));
+    }
+    match &result.detail {
+        Some(task_result::Detail::Implementation(implementation)) => {
+            let _ = writeln!(
+                text,
+                "      backend {} (exit {}, {} ms)",
+                implementation.backend, implementation.exit_code, implementation.duration_ms
+            );
+        }
+        Some(task_result::Detail::Validation(validation)) => {
+            let verdict = Verdict::try_from(validation.verdict)
+                .map(|v| {
+                    v.as_str_name()
+                        .trim_start_matches("VERDICT_")
+                        .to_ascii_lowercase()
+                })
+                .unwrap_or_default();
+            let _ = writeln!(
+                text,
+                "      verdict {verdict}, {} checks:",
+                validation.checks.len()
+            );
+            for check in &validation.checks {
+                let status = troupe_proto::v1::CheckStatus::try_from(check.status)
+                    .map(|s| {
+                        s.as_str_name()
+                            .trim_start_matches("CHECK_STATUS_")
+                            .to_ascii_lowercase()
+                    })
+                    .unwrap_or_default();
+                let _ = writeln!(text, "        {status:<13} {}", check.name);
+            }
+        }
+        Some(task_result::Detail::TestRun(run)) => {
+            let outcome = TestOutcome::try_from(run.outcome)
+                .map(|o| {
+                    o.as_str_name()
+                        .trim_start_matches("TEST_OUTCOME_")
+                        .to_ascii_lowercase()
+                })
+                .unwrap_or_default();
+            let totals = run.totals.unwrap_or_default();
+            let _ = writeln!(
+                text,
+                "      tests {outcome}: {} passed, {} failed, {} skipped of {} (pass rate {:.1} %)",
+                totals.passed,
+                totals.failed,
+                totals.skipped,
+                totals.total,
+                run.pass_rate * 100.0
+            );
+            if let Some(coverage) = run.coverage.as_ref().and_then(|c| c.overall) {
+                let _ = writeln!(
+                    text,
+                    "      coverage {coverage:.1} % (target {:.0} %)",
+                    run.coverage_target
+                );
+            }
+            for failure in run.failures.iter().take(10) {
+                let _ = writeln!(
+                    text,
+                    "        FAILED {} ({}:{}) {}",
+                    failure.name,
+                    failure.file,
+                    failure.line,
+                    first_line(&failure.message)
+                );
+            }
+        }
+        None => {}
+    }
+}
+
+fn first_line(text: &str) -> &str {
+    text.lines().next().unwrap_or_default()
+}
+
+fn short(commit: &str) -> &str {
+    commit.get(..10).unwrap_or(commit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_names_are_lowercase_without_prefix() {
+        assert_eq!(task_state_name(TaskState::TimedOut as i32), "timed_out");
+        assert_eq!(
+            session_state_name(SessionState::Completed as i32),
+            "completed"
+        );
+        assert!(is_terminal(SessionState::Failed as i32));
+        assert!(!is_terminal(SessionState::Active as i32));
+    }
+
+    #[test]
+    fn a_failed_task_shows_its_error() {
+        let response = GetSessionResponse {
+            session: Some(Session {
+                id: "s".into(),
+                state: SessionState::Failed as i32,
+                ..Default::default()
+            }),
+            tasks: vec![Task {
+                id: "IMPL-001".into(),
+                state: TaskState::Failed as i32,
+                attempt: 2,
+                max_attempts: 2,
+                last_error: Some(troupe_proto::v1::TaskError {
+                    message: "agent exited with code 3".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }],
+        };
+        let text = final_report(&response);
+        assert!(
+            text.contains("IMPL-001       failed     attempts 2/2"),
+            "{text}"
+        );
+        assert!(text.contains("error: agent exited with code 3"), "{text}");
+        assert!(text.contains("session failed"), "{text}");
+    }
+}

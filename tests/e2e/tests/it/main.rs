@@ -1,0 +1,8 @@
+//! End-to-end tests: real services, real git, real SQLite, real pytest, real grpcurl.
+
+mod bad_plan;
+mod grpcurl;
+mod quickstart;
+mod shutdown;
+mod support;
+mod tour;

@@ -1,0 +1,105 @@
+//! The quickstart plan, end to end: in one process, in four processes, and through the CLI.
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use troupe::embedded::{Embedded, EmbeddedConfig};
+
+use crate::support::{self, ChildService};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn quickstart_completes_with_all_services_in_one_process() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let shutdown = CancellationToken::new();
+    let embedded = Embedded::start(
+        EmbeddedConfig {
+            data_dir: data.path().to_path_buf(),
+            executor_concurrency: 2,
+            python: "python3".into(),
+        },
+        listener,
+        shutdown.clone(),
+    )
+    .await?;
+    let url = troupe_grpc::url_for(embedded.addr());
+
+    let response = support::run_quickstart(&url).await?;
+    support::assert_quickstart_completed(&response)?;
+
+    shutdown.cancel();
+    embedded.wait().await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quickstart_completes_with_four_service_processes() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    let dir = |name: &str| data.path().join(name).display().to_string();
+    let coordinator = ChildService::start(
+        "troupe-coordinator",
+        &["--data-dir", &dir("coordinator")],
+        &[],
+    )
+    .await?;
+    let url = coordinator.url();
+    let mut workers = Vec::new();
+    for name in ["troupe-executor", "troupe-validator", "troupe-test-runner"] {
+        let worker_dir = dir(name);
+        workers.push(
+            ChildService::start(
+                name,
+                &["--data-dir", &worker_dir, "--coordinator-url", &url],
+                &[],
+            )
+            .await?,
+        );
+    }
+
+    let response = support::run_quickstart(&url).await?;
+    support::assert_quickstart_completed(&response)?;
+
+    for worker in workers {
+        let name = worker.name.clone();
+        let status = worker.terminate(Duration::from_secs(20)).await?;
+        assert!(status.success(), "{name} exited with {status}");
+    }
+    let status = coordinator.terminate(Duration::from_secs(20)).await?;
+    assert!(status.success(), "coordinator exited with {status}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn troupe_run_prints_a_report_and_exits_zero() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    let output = tokio::process::Command::new(support::binary("troupe"))
+        .arg("run")
+        .arg(support::quickstart_dir())
+        .arg("--data-dir")
+        .arg(data.path())
+        .env_remove("RUST_LOG")
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "troupe run failed: {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    for expected in [
+        "IMPL-001       completed",
+        "IMPL-002       completed",
+        "VALIDATE-001   completed",
+        "TESTRUN-001    completed",
+        "tests passed: 6 passed, 0 failed, 0 skipped of 6",
+        "session completed: 4 completed",
+        "commits are on branch troupe/quickstart-",
+    ] {
+        assert!(
+            stdout.contains(expected),
+            "missing {expected:?} in:\n{stdout}"
+        );
+    }
+    Ok(())
+}

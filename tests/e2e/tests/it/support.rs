@@ -1,0 +1,296 @@
+//! Helpers for the end-to-end tests: binaries, free ports, child services, the quickstart.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use tokio::process::{Child, Command};
+use tokio_stream::StreamExt;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use troupe_proto::v1::{
+    CreateSessionRequest, GetSessionRequest, GetSessionResponse, WatchSessionRequest,
+};
+
+/// Path of a binary built by this workspace (`cargo build --workspace` or nextest builds them).
+pub(crate) fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary has a path");
+    // target/debug/deps/it-<hash> -> target/debug/<name>
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary lives in target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.is_file(),
+        "{} is not built; run `cargo build --workspace` (scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// A loopback address that was free a moment ago, for binaries that take `--listen`.
+pub(crate) fn free_addr() -> SocketAddr {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener
+        .local_addr()
+        .expect("bound listener has an address")
+}
+
+/// The quickstart example directory.
+pub(crate) fn quickstart_dir() -> PathBuf {
+    troupe_testkit::workspace_root().join("examples/quickstart")
+}
+
+/// A service binary running as a child process, killed if the test panics.
+#[derive(Debug)]
+pub(crate) struct ChildService {
+    pub(crate) name: String,
+    pub(crate) addr: SocketAddr,
+    pub(crate) child: Child,
+}
+
+impl ChildService {
+    /// Starts `binary args...` with `--listen <free port>` and waits until it answers health.
+    pub(crate) async fn start(
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
+        let addr = free_addr();
+        let mut command = Command::new(binary(name));
+        command
+            .args(args)
+            .arg("--listen")
+            .arg(addr.to_string())
+            .env("TROUPE_LOG_FORMAT", "json")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        for (key, value) in env {
+            command.env(key, value);
+        }
+        let child = command
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        let service = Self {
+            name: name.to_owned(),
+            addr,
+            child,
+        };
+        service.wait_serving("").await?;
+        Ok(service)
+    }
+
+    pub(crate) fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Waits until the health service reports `service` as SERVING.
+    pub(crate) async fn wait_serving(&self, service: &str) -> anyhow::Result<()> {
+        let url = self.url();
+        let service = service.to_owned();
+        troupe_testkit::eventually(&format!("{} to serve", self.name), || {
+            let url = url.clone();
+            let service = service.clone();
+            async move {
+                health(&url, &service)
+                    .await
+                    .ok()
+                    .filter(|s| *s == ServingStatus::Serving)
+            }
+        })
+        .await;
+        Ok(())
+    }
+
+    /// Sends SIGTERM and returns the exit status, failing if it takes longer than `within`.
+    pub(crate) async fn terminate(
+        mut self,
+        within: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let pid = self.child.id().context("child already reaped")?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid)?),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        match tokio::time::timeout(within, self.child.wait()).await {
+            Ok(status) => Ok(status?),
+            Err(_) => bail!("{} did not exit within {within:?} of SIGTERM", self.name),
+        }
+    }
+}
+
+/// Asks the health service at `url` about `service` ("" = the whole server).
+pub(crate) async fn health(url: &str, service: &str) -> anyhow::Result<ServingStatus> {
+    let mut client = HealthClient::new(troupe_grpc::channel(url)?);
+    let response = client
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
+        .await?
+        .into_inner();
+    Ok(ServingStatus::try_from(response.status)?)
+}
+
+/// Submits the quickstart plan to the coordinator at `url`, follows its events to the end and
+/// returns the final session.
+pub(crate) async fn run_quickstart(url: &str) -> anyhow::Result<GetSessionResponse> {
+    let plan_dir = quickstart_dir();
+    let plan_json = std::fs::read_to_string(plan_dir.join("plan.json"))?;
+    let mut client = troupe_grpc::coordinator_client(url)?;
+    let created = client
+        .create_session(CreateSessionRequest {
+            plan_json,
+            base_dir: plan_dir.display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let session_id = created.session.context("no session")?.id;
+    let mut events = client
+        .watch_session(WatchSessionRequest {
+            session_id: session_id.clone(),
+            after_sequence: 0,
+            follow: false,
+        })
+        .await?
+        .into_inner();
+    let mut last_sequence = 0;
+    let drain = async {
+        while let Some(event) = events.next().await {
+            let event = event?;
+            assert_eq!(
+                event.sequence,
+                last_sequence + 1,
+                "event sequence has a gap or repeat"
+            );
+            last_sequence = event.sequence;
+        }
+        anyhow::Ok(())
+    };
+    tokio::time::timeout(Duration::from_secs(240), drain)
+        .await
+        .context("the quickstart did not finish within 240 s")??;
+    Ok(client
+        .get_session(GetSessionRequest { session_id })
+        .await?
+        .into_inner())
+}
+
+/// Asserts what a successful quickstart must show: every task completed, IMPL commits on the
+/// session branch, the validator's checks and the test-runner's parsed totals and coverage.
+pub(crate) fn assert_quickstart_completed(response: &GetSessionResponse) -> anyhow::Result<()> {
+    use troupe_proto::v1::{SessionState, TaskState, TestOutcome, Verdict, task_result::Detail};
+
+    let session = response.session.as_ref().context("no session")?;
+    let report = troupe::report::final_report(response);
+    assert_eq!(
+        session.state,
+        SessionState::Completed as i32,
+        "session did not complete:\n{report}"
+    );
+    assert_eq!(response.tasks.len(), 4);
+    for task in &response.tasks {
+        assert_eq!(
+            task.state,
+            TaskState::Completed as i32,
+            "{} did not complete:\n{report}",
+            task.id
+        );
+    }
+    let task = |id: &str| {
+        response
+            .tasks
+            .iter()
+            .find(|task| task.id == id)
+            .unwrap_or_else(|| panic!("no task {id}"))
+    };
+
+    // The session branch holds both IMPL commits, on top of the base commit.
+    let repo = session.repos.first().context("no repo")?;
+    let repo_path = Path::new(&repo.path);
+    let log = troupe_testkit::git(
+        repo_path,
+        &[
+            "log",
+            "--format=%s",
+            &format!("{}..{}", repo.base_commit, repo.branch),
+        ],
+    )?;
+    assert!(
+        log.contains("IMPL-001"),
+        "no IMPL-001 commit on {}:\n{log}",
+        repo.branch
+    );
+    assert!(
+        log.contains("IMPL-002"),
+        "no IMPL-002 commit on {}:\n{log}",
+        repo.branch
+    );
+    let report_py = troupe_testkit::git(
+        repo_path,
+        &["show", &format!("{}:stats/report.py", repo.branch)],
+    )?;
+    assert!(report_py.contains("def summary("));
+    // The repo's own checkout is untouched: work happens on branches and worktrees only.
+    assert!(!repo_path.join("stats/report.py").exists());
+
+    let impl_2 = task("IMPL-002")
+        .result
+        .as_ref()
+        .context("IMPL-002 has no result")?;
+    assert!(
+        impl_2.files_modified.iter().any(|f| f == "stats/report.py"),
+        "{:?}",
+        impl_2.files_modified
+    );
+
+    let validation = match task("VALIDATE-001")
+        .result
+        .as_ref()
+        .and_then(|r| r.detail.as_ref())
+    {
+        Some(Detail::Validation(validation)) => validation,
+        other => bail!("VALIDATE-001 has no validation report: {other:?}"),
+    };
+    assert_ne!(validation.verdict, Verdict::Fail as i32);
+    assert!(
+        validation.checks.iter().any(|c| c.kind == "file"),
+        "no file checks: {:?}",
+        validation.checks
+    );
+    assert!(
+        validation.checks.iter().any(|c| c.kind == "verification"),
+        "no verification check"
+    );
+
+    let run = match task("TESTRUN-001")
+        .result
+        .as_ref()
+        .and_then(|r| r.detail.as_ref())
+    {
+        Some(Detail::TestRun(run)) => run,
+        other => bail!("TESTRUN-001 has no test report: {other:?}"),
+    };
+    assert_eq!(run.outcome, TestOutcome::Passed as i32, "{run:?}");
+    let totals = run.totals.context("no totals")?;
+    // 2 tests in the base repo, 3 from IMPL-001, 1 from IMPL-002.
+    assert_eq!(
+        (totals.total, totals.passed, totals.failed),
+        (6, 6, 0),
+        "{totals:?}"
+    );
+    let coverage = run
+        .coverage
+        .as_ref()
+        .and_then(|c| c.lines)
+        .context("no line coverage")?;
+    assert!((coverage - 100.0).abs() < 1e-9, "line coverage {coverage}");
+    Ok(())
+}
