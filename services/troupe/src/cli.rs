@@ -23,7 +23,7 @@ const EXIT_INTERNAL: u8 = 70;
 /// troupe runs teams of coding agents: a plan's tasks go to a coordinator, executors
 /// implement them in git worktrees, validators and test-runners check the result.
 #[derive(Debug, Parser)]
-#[command(name = "troupe", version, about)]
+#[command(name = "troupe", version)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -55,10 +55,14 @@ pub fn event_line(event: &SessionEvent) -> Option<String> {
         .unwrap_or_default();
     let body = match event.kind.as_ref()? {
         session_event::Kind::Task(transition) => {
+            let from = if transition.from == TaskState::Unspecified as i32 {
+                "new".to_owned()
+            } else {
+                task_state_name(transition.from)
+            };
             let mut line = format!(
-                "{:<14} {:>9} -> {:<9}",
+                "{:<14} {from:>9} -> {:<9}",
                 transition.task_id,
-                task_state_name(transition.from),
                 task_state_name(transition.to)
             );
             if transition.attempt > 0 {
@@ -87,7 +91,11 @@ pub fn event_line(event: &SessionEvent) -> Option<String> {
         }
         session_event::Kind::Session(transition) => format!(
             "session {} -> {}{}",
-            session_state_name(transition.from),
+            if transition.from == SessionState::Unspecified as i32 {
+                "new".to_owned()
+            } else {
+                session_state_name(transition.from)
+            },
             session_state_name(transition.to),
             if transition.reason.is_empty() {
                 String::new()
