@@ -2,6 +2,7 @@
 
 mod bad_plan;
 mod grpcurl;
+mod otlp;
 mod quickstart;
 mod shutdown;
 mod support;
