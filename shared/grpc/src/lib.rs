@@ -103,9 +103,53 @@ impl Default for ServeOptions {
     fn default() -> Self {
         Self {
             drain_timeout: Duration::from_secs(10),
-            default_deadline: Some(Duration::from_secs(300)),
+            // Long enough for an agent run or a test suite (CCW gives its executor an hour);
+            // callers that want less send their own `grpc-timeout`.
+            default_deadline: Some(Duration::from_secs(2 * 3600)),
         }
     }
+}
+
+/// Creates the data directory if needed and returns it absolute and canonical: children run
+/// with other working directories, so relative paths would point elsewhere.
+pub async fn prepare_data_dir(dir: &std::path::Path) -> std::io::Result<std::path::PathBuf> {
+    tokio::fs::create_dir_all(dir).await?;
+    tokio::fs::canonicalize(dir).await
+}
+
+/// Serves `services` on `listener` and runs `background` (a worker loop, a reaper) beside it
+/// until `shutdown`. When either side ends, the other is stopped; the first error is returned.
+pub async fn serve_with_background<E, F, B>(
+    listener: TcpListener,
+    services: Services,
+    shutdown: CancellationToken,
+    options: ServeOptions,
+    background: F,
+) -> Result<(), E>
+where
+    E: From<Error>,
+    F: FnOnce(CancellationToken) -> B,
+    B: std::future::Future<Output = Result<(), E>>,
+{
+    let stop = shutdown.child_token();
+    let serve = async {
+        let result = serve(listener, services, stop.clone(), options)
+            .await
+            .map_err(E::from);
+        stop.cancel();
+        result
+    };
+    let background = {
+        let stop = stop.clone();
+        let work = background(stop.clone());
+        async move {
+            let result = work.await;
+            stop.cancel();
+            result
+        }
+    };
+    let (served, worked) = tokio::join!(serve, background);
+    served.and(worked)
 }
 
 /// Serves `services` plus health and reflection on `listener` until `shutdown` is cancelled,

@@ -139,6 +139,32 @@ impl WorkerConfig {
     }
 }
 
+/// Runs the worker loop when a coordinator URL is configured; otherwise the service only
+/// answers its own RPCs, and this waits for `shutdown`.
+pub async fn run_worker_if_configured<H: TaskHandler>(
+    coordinator_url: Option<String>,
+    worker_id: Option<String>,
+    role: Role,
+    concurrency: usize,
+    handler: Arc<H>,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let Some(url) = coordinator_url else {
+        shutdown.cancelled().await;
+        return Ok(());
+    };
+    let role_name = match role {
+        Role::Executor => "executor",
+        Role::Validator => "validator",
+        Role::TestRunner => "test-runner",
+        Role::Unspecified => "worker",
+    };
+    let worker_id = worker_id.unwrap_or_else(|| default_worker_id(role_name));
+    let mut config = WorkerConfig::new(url, worker_id, vec![role]);
+    config.concurrency = concurrency.max(1);
+    run_worker(config, handler, shutdown).await
+}
+
 /// Returns `<role>-<hostname>-<pid>`, the default worker id.
 pub fn default_worker_id(role: &str) -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
