@@ -19,7 +19,15 @@ impl From<Error> for Status {
             }
             Error::NotFound(_) => Status::not_found(err.to_string()),
             Error::FailedPrecondition(_) => Status::failed_precondition(err.to_string()),
-            Error::Database(sqlx::Error::PoolTimedOut) => Status::unavailable(err.to_string()),
+            Error::Database(sqlx::Error::PoolTimedOut | sqlx::Error::Io(_)) => {
+                Status::unavailable(err.to_string())
+            }
+            // PostgreSQL deadlock or serialization failure: safe for the caller to retry.
+            Error::Database(sqlx::Error::Database(db))
+                if matches!(db.code().as_deref(), Some("40P01" | "40001")) =>
+            {
+                Status::unavailable(err.to_string())
+            }
             Error::Git(_)
             | Error::Database(_)
             | Error::Corrupt(_)
@@ -160,6 +168,28 @@ impl coordinator_server::Coordinator for Adapter {
     ) -> Result<Response<pb::UpdateStateResponse>, Status> {
         Ok(Response::new(
             self.coordinator.update_state(request.into_inner()).await?,
+        ))
+    }
+
+    async fn check_session(
+        &self,
+        request: Request<pb::CheckSessionRequest>,
+    ) -> Result<Response<pb::CheckSessionResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator
+                .check_session(&request.into_inner().session_id)
+                .await?,
+        ))
+    }
+
+    async fn resume_session(
+        &self,
+        request: Request<pb::ResumeSessionRequest>,
+    ) -> Result<Response<pb::ResumeSessionResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator
+                .resume_session(&request.into_inner().session_id)
+                .await?,
         ))
     }
 

@@ -1,12 +1,14 @@
 //! The troupe coordinator: the single source of truth for sessions, their task DAG, leases and
 //! the message bus (`proto/troupe/v1/coordinator.proto`).
 //!
-//! Plans are validated with troupe-plan and stored atomically in SQLite (WAL) with a session
+//! Plans are validated with troupe-plan and stored atomically in SQLite (WAL, the default) or
+//! PostgreSQL (several coordinators may share one) with a session
 //! branch `troupe/<session>` created in each repository. Workers claim ready tasks under leases
 //! with fencing tokens; a reaper returns expired leases. Every state change appends an event
 //! with a per-session, gap-free sequence that `WatchSession` streams. Entry points: [`run`], or
 //! [`App`] to mount the service on a shared server.
 
+mod check;
 mod convert;
 mod error;
 mod grpc;
@@ -38,7 +40,8 @@ pub struct Config {
     /// Directory for the database and template repositories.
     #[arg(long, env = "TROUPE_DATA_DIR", default_value = ".troupe")]
     pub data_dir: PathBuf,
-    /// Database URL such as `sqlite:///var/lib/troupe/troupe.db` (default: `troupe.db` in the data dir).
+    /// Database URL: `sqlite:///var/lib/troupe/troupe.db` or `postgres://user@host/db`
+    /// (default: `troupe.db` in the data dir). Several coordinators may share one PostgreSQL.
     #[arg(long, env = "TROUPE_DATABASE_URL")]
     pub database_url: Option<String>,
 }
@@ -54,6 +57,23 @@ impl Config {
     }
 }
 
+/// Coordinator tuning beyond [`Config`], from flags or `TROUPE_*` environment variables.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Tuning {
+    /// Report a capability gap (a `capability_gap` message and in `check`) when ready tasks of
+    /// a role have had no worker claiming that role for this many seconds.
+    #[arg(long, env = "TROUPE_CAPABILITY_GAP_SECONDS", default_value_t = 60.0)]
+    pub capability_gap_seconds: f64,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Self {
+            capability_gap_seconds: 60.0,
+        }
+    }
+}
+
 /// The opened coordinator: store and scheduler state. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct App {
@@ -63,23 +83,30 @@ pub struct App {
 impl App {
     /// Creates the data directory, opens the database and applies migrations.
     pub async fn open(config: Config) -> Result<Self, Error> {
-        tokio::fs::create_dir_all(&config.data_dir)
-            .await
-            .map_err(|source| Error::Io {
-                path: config.data_dir.display().to_string(),
-                source,
-            })?;
-        let data_dir = tokio::fs::canonicalize(&config.data_dir)
+        Self::open_tuned(config, Tuning::default()).await
+    }
+
+    /// [`App::open`] with non-default tuning.
+    pub async fn open_tuned(config: Config, tuning: Tuning) -> Result<Self, Error> {
+        let capability_gap = Duration::try_from_secs_f64(tuning.capability_gap_seconds)
+            .map_err(|err| Error::InvalidArgument(format!("capability gap seconds: {err}")))?;
+        let data_dir = troupe_grpc::prepare_data_dir(&config.data_dir)
             .await
             .map_err(|source| Error::Io {
                 path: config.data_dir.display().to_string(),
                 source,
             })?;
         let store = match &config.database_url {
-            Some(url) if url.starts_with("sqlite:") => Store::open_url(url).await?,
+            Some(url)
+                if url.starts_with("sqlite:")
+                    || url.starts_with("postgres://")
+                    || url.starts_with("postgresql://") =>
+            {
+                Store::open_url(url).await?
+            }
             Some(url) => {
                 return Err(Error::InvalidArgument(format!(
-                    "database url `{url}` is not supported yet: only sqlite is (postgres is issue #3)"
+                    "database url `{url}` is not supported: use sqlite:// or postgres://"
                 )));
             }
             // A file path rather than a URL, so data dirs with `?` or `#` in them work.
@@ -87,7 +114,7 @@ impl App {
         };
         tracing::info!(data_dir = %data_dir.display(), "coordinator store open");
         Ok(Self {
-            inner: Arc::new(Coordinator::new(store, data_dir)),
+            inner: Arc::new(Coordinator::new(store, data_dir, capability_gap)),
         })
     }
 
@@ -98,9 +125,10 @@ impl App {
 
     /// Runs the lease reaper until `shutdown`, then ends open event streams.
     pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
-        self.inner
-            .run_reaper(REAPER_INTERVAL, shutdown.clone())
-            .await;
+        tokio::join!(
+            self.inner.run_reaper(REAPER_INTERVAL, shutdown.clone()),
+            self.inner.run_change_listener(shutdown.clone()),
+        );
         self.inner.stop();
         Ok(())
     }
@@ -112,25 +140,25 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let app = App::open(config).await?;
+    run_tuned(config, Tuning::default(), listener, shutdown).await
+}
+
+/// [`run`] with non-default tuning.
+pub async fn run_tuned(
+    config: Config,
+    tuning: Tuning,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let app = App::open_tuned(config, tuning).await?;
     let mut services = troupe_grpc::Services::new();
     app.mount(&mut services);
-    let background = app.run_background(shutdown.clone());
-    let serve = troupe_grpc::serve(
+    troupe_grpc::serve_with_background(
         listener,
         services,
-        shutdown.clone(),
+        shutdown,
         troupe_grpc::ServeOptions::default(),
-    );
-    let (served, background) = tokio::join!(
-        async {
-            let result = serve.await;
-            // If serving fails, stop the background work too.
-            shutdown.cancel();
-            result
-        },
-        background
-    );
-    served?;
-    background
+        |stop| app.run_background(stop),
+    )
+    .await
 }

@@ -9,13 +9,15 @@ use clap::Parser;
 struct Cli {
     #[command(flatten)]
     config: troupe_coordinator::Config,
+    #[command(flatten)]
+    tuning: troupe_coordinator::Tuning,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = troupe_telemetry::init("troupe-coordinator").context("telemetry init")?;
-    let result = serve(cli.config).await;
+    let result = serve(cli.config, cli.tuning).await;
     if let Err(err) = &result {
         tracing::error!(error = %format!("{err:#}"), "coordinator stopped");
     }
@@ -23,11 +25,14 @@ async fn main() -> anyhow::Result<()> {
     result
 }
 
-async fn serve(config: troupe_coordinator::Config) -> anyhow::Result<()> {
+async fn serve(
+    config: troupe_coordinator::Config,
+    tuning: troupe_coordinator::Tuning,
+) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
     let shutdown = troupe_grpc::shutdown_token();
-    troupe_coordinator::run(config, listener, shutdown).await?;
+    troupe_coordinator::run_tuned(config, tuning, listener, shutdown).await?;
     Ok(())
 }

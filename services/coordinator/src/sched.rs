@@ -208,6 +208,64 @@ pub(crate) fn completed_upstream<'a>(tasks: &'a [TaskRow], task_id: &str) -> Vec
     upstream
 }
 
+/// A task that cannot make progress, and why.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Stuck {
+    pub(crate) task_id: String,
+    pub(crate) state: TaskState,
+    pub(crate) reason: String,
+}
+
+/// Detects a stall: nothing ready, nothing running (nor waiting out a retry backoff), and
+/// work left (pending or blocked tasks). Returns the stuck tasks with their reasons, or `None`.
+pub(crate) fn stall(tasks: &[TaskRow], session: SessionState, now_ms: i64) -> Option<Vec<Stuck>> {
+    if matches!(session, SessionState::Completed | SessionState::Cancelled) {
+        return None;
+    }
+    let moving = tasks.iter().any(|task| {
+        matches!(task.state, TaskState::Ready | TaskState::Running)
+            || (task.state == TaskState::Pending && task.not_before.is_some_and(|at| at > now_ms))
+    });
+    if moving {
+        return None;
+    }
+    let index: HashMap<&str, &TaskRow> =
+        tasks.iter().map(|task| (task.id.as_str(), task)).collect();
+    let stuck: Vec<Stuck> = tasks
+        .iter()
+        .filter(|task| matches!(task.state, TaskState::Pending | TaskState::Blocked))
+        .map(|task| {
+            let waits: Vec<String> = task
+                .depends_on
+                .iter()
+                .filter_map(|dep| match index.get(dep.as_str()) {
+                    None => Some(format!("depends on unknown task {dep}")),
+                    Some(dep_task) if dep_task.state == TaskState::Completed => None,
+                    Some(dep_task) => {
+                        Some(format!("waits on {dep} ({})", state_name(dep_task.state)))
+                    }
+                })
+                .collect();
+            let reason = if !waits.is_empty() {
+                waits.join(", ")
+            } else if session == SessionState::Paused {
+                "the session is paused".to_owned()
+            } else {
+                format!(
+                    "dependencies completed but the task is {} (resume the session)",
+                    state_name(task.state)
+                )
+            };
+            Stuck {
+                task_id: task.id.clone(),
+                state: task.state,
+                reason,
+            }
+        })
+        .collect();
+    (!stuck.is_empty()).then_some(stuck)
+}
+
 /// Returns the lowercase name of a task state, for reasons and messages.
 pub(crate) fn state_name(state: TaskState) -> &'static str {
     match state {
@@ -352,6 +410,39 @@ mod tests {
         settle(&mut tasks, Mode::Eager, OnFailure::Skip, 100);
         assert_eq!(tasks[0].state, TaskState::Ready);
         assert_eq!(tasks[0].not_before, None);
+    }
+
+    #[test]
+    fn stall_names_stuck_tasks_and_why() {
+        let mut tasks = vec![
+            row("A", &[], 1, 0),
+            row("B", &["A"], 2, 1),
+            row("C", &["B", "X"], 3, 2),
+        ];
+        tasks[0].state = TaskState::Failed;
+        tasks[1].state = TaskState::Blocked;
+        let stuck = stall(&tasks, SessionState::Failed, 0).expect("stalled");
+        let reasons: Vec<(&str, &str)> = stuck
+            .iter()
+            .map(|s| (s.task_id.as_str(), s.reason.as_str()))
+            .collect();
+        assert_eq!(
+            reasons,
+            vec![
+                ("B", "waits on A (failed)"),
+                ("C", "waits on B (blocked), depends on unknown task X")
+            ]
+        );
+        tasks[2].state = TaskState::Ready;
+        assert_eq!(stall(&tasks, SessionState::Active, 0), None, "C can run");
+        tasks[2].state = TaskState::Pending;
+        tasks[2].not_before = Some(10);
+        assert_eq!(
+            stall(&tasks, SessionState::Active, 5),
+            None,
+            "backoff pending"
+        );
+        assert_eq!(stall(&tasks, SessionState::Completed, 50), None);
     }
 
     #[test]

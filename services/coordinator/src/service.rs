@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::Stream;
@@ -15,10 +15,12 @@ use troupe_proto::v1::{self as pb, SessionState, TaskState};
 use troupe_workspace::{Oid, Repo};
 
 use crate::Error;
+use crate::check;
 use crate::convert::{json_to_struct, now_ms, opt_timestamp, struct_to_json, timestamp};
 use crate::sched::{self, TaskRow};
 use crate::store::{
-    MessageFilter, NewMessage, NewSession, SessionRow, SessionView, Store, add_count,
+    CHANGES_CHANNEL, Dialect, MessageFilter, NewMessage, NewSession, SessionRow, SessionView,
+    Store, add_count,
 };
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -39,7 +41,20 @@ pub(crate) struct Coordinator {
     changes: watch::Sender<u64>,
     /// Cancelled at shutdown so open `WatchSession` streams end.
     stop: CancellationToken,
+    /// Ready tasks of a role no worker claimed for this long are a capability gap.
+    capability_gap: Duration,
+    /// When this coordinator started (unix ms): the floor of "unserved since".
+    started_at: i64,
+    /// When each worker was last recorded in the store, to write that at most every few seconds.
+    workers_seen: Mutex<HashMap<String, i64>>,
+    /// Random id of this coordinator, the payload of its change notifications.
+    origin: String,
 }
+
+/// How often a worker's "last seen" is written at most (less when the gap threshold is short).
+const WORKER_TOUCH_MS: i64 = 2_000;
+/// How many reaper ticks between capability-gap scans.
+const GAP_SCAN_TICKS: u32 = 4;
 
 /// Returns a `Duration` field, or `default` when absent; refuses negative values.
 fn duration(
@@ -144,19 +159,103 @@ struct ResolvedRepo {
 }
 
 impl Coordinator {
-    pub(crate) fn new(store: Store, data_dir: PathBuf) -> Self {
+    pub(crate) fn new(store: Store, data_dir: PathBuf, capability_gap: Duration) -> Self {
         let (changes, _) = watch::channel(0);
         Self {
             store,
             data_dir,
             changes,
             stop: CancellationToken::new(),
+            capability_gap,
+            started_at: now_ms(),
+            workers_seen: Mutex::new(HashMap::new()),
+            origin: uuid::Uuid::new_v4().simple().to_string(),
+        }
+    }
+
+    fn touch_interval_ms(&self) -> i64 {
+        WORKER_TOUCH_MS.min(millis(self.capability_gap) / 4)
+    }
+
+    /// Records the worker and its roles in the store (at most every few seconds per worker).
+    async fn touch_worker(&self, worker_id: &str, roles: &[pb::Role]) {
+        let now = now_ms();
+        let due = {
+            let mut seen = self
+                .workers_seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            match seen.get(worker_id) {
+                Some(at) if now - at < self.touch_interval_ms() => false,
+                _ => {
+                    seen.insert(worker_id.to_owned(), now);
+                    true
+                }
+            }
+        };
+        if due && let Err(err) = self.store.touch_worker(worker_id, roles, now).await {
+            tracing::warn!(worker_id, error = %err, "could not record worker");
         }
     }
 
     fn notify(&self) {
+        self.bump();
+        // Other coordinators on the same PostgreSQL learn of it through LISTEN/NOTIFY.
+        if self.store.dialect() == Dialect::Postgres {
+            let store = self.store.clone();
+            let origin = self.origin.clone();
+            tokio::spawn(async move {
+                if let Err(err) = store.publish_change(&origin).await {
+                    tracing::warn!(error = %err, "could not publish a change");
+                }
+            });
+        }
+    }
+
+    fn bump(&self) {
         self.changes
             .send_modify(|generation| *generation = generation.wrapping_add(1));
+    }
+
+    /// On PostgreSQL, wakes this coordinator's long polls and watchers when another
+    /// coordinator changes something; returns at once on SQLite.
+    pub(crate) async fn run_change_listener(&self, shutdown: CancellationToken) {
+        let Some(url) = self.store.postgres_url() else {
+            return;
+        };
+        let mut listener = loop {
+            let attempt = async {
+                let mut listener = sqlx::postgres::PgListener::connect(url).await?;
+                listener.listen(CHANGES_CHANNEL).await?;
+                Ok::<_, sqlx::Error>(listener)
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                result = attempt => match result {
+                    Ok(listener) => break listener,
+                    Err(err) => {
+                        tracing::warn!(error = %err, "change listener could not connect");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        };
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                received = listener.recv() => match received {
+                    // Our own changes already woke our waiters.
+                    Ok(notification) if notification.payload() == self.origin => {}
+                    Ok(_) => self.bump(),
+                    Err(err) => {
+                        // recv reconnects on the next call; wake everyone in case we missed one.
+                        tracing::warn!(error = %err, "change listener lost its connection");
+                        self.bump();
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        }
     }
 
     /// Ends open event streams (shutdown).
@@ -449,6 +548,7 @@ impl Coordinator {
             max => max.min(MAX_CLAIM),
         };
         let wait = duration(request.wait, "wait", Duration::ZERO)?.min(MAX_WAIT);
+        self.touch_worker(&request.worker_id, &roles).await;
         let lease_ms = millis(lease(request.lease_duration, DEFAULT_LEASE)?);
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = self.changes.subscribe();
@@ -596,6 +696,7 @@ impl Coordinator {
     pub(crate) async fn run_reaper(&self, interval: Duration, shutdown: CancellationToken) {
         let mut ticker = tokio::time::interval(interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ticks: u32 = 0;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -606,7 +707,140 @@ impl Coordinator {
                 Ok(_) => self.notify(),
                 Err(err) => tracing::warn!(error = %err, "reaper pass failed"),
             }
+            ticks = ticks.wrapping_add(1);
+            if ticks.is_multiple_of(GAP_SCAN_TICKS) {
+                match self.report_capability_gaps(now_ms()).await {
+                    Ok(0) => {}
+                    Ok(_) => self.notify(),
+                    Err(err) => tracing::warn!(error = %err, "capability gap scan failed"),
+                }
+            }
         }
+    }
+
+    /// Ready tasks grouped by session, and when each role was last served.
+    async fn gaps_by_session(
+        &self,
+        now: i64,
+    ) -> Result<BTreeMap<String, Vec<pb::CapabilityGap>>, Error> {
+        let ready = self.store.ready_tasks().await?;
+        let mut out = BTreeMap::new();
+        if ready.is_empty() {
+            return Ok(out);
+        }
+        let seen = self.store.role_last_seen(0).await?;
+        let mut by_session: BTreeMap<String, Vec<(String, pb::Role)>> = BTreeMap::new();
+        for (session_id, task_id, role) in ready {
+            by_session
+                .entry(session_id)
+                .or_default()
+                .push((task_id, role));
+        }
+        for (session_id, ready) in by_session {
+            let gaps =
+                check::capability_gaps(&ready, &seen, self.started_at, now, self.capability_gap);
+            if !gaps.is_empty() {
+                out.insert(session_id, gaps);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Logs a `capability_gap` message per session and unserved role, once per gap (the
+    /// idempotency key names the role and when it was last served, so coordinators sharing a
+    /// database report it once too). Returns how many were new.
+    async fn report_capability_gaps(&self, now: i64) -> Result<usize, Error> {
+        let mut logged = 0;
+        for (session_id, gaps) in self.gaps_by_session(now).await? {
+            for gap in gaps {
+                let unserved_ms = gap.unserved_for.map_or(0, |d| d.seconds * 1000);
+                let since = (now - unserved_ms) / 10_000;
+                let role = check::role_name(gap.role());
+                let mut data = serde_json::Map::new();
+                data.insert("role".into(), role.into());
+                data.insert("task_ids".into(), gap.task_ids.clone().into());
+                data.insert(
+                    "covered_by".into(),
+                    match gap.covered_by() {
+                        pb::Role::Unspecified => serde_json::Value::Null,
+                        other => check::role_name(other).into(),
+                    },
+                );
+                let message = NewMessage {
+                    from: "coordinator".to_owned(),
+                    to: "user".to_owned(),
+                    kind: "capability_gap".to_owned(),
+                    summary: format!("[coordinator] capability_gap: {}", gap.message),
+                    data: Some(data),
+                    idempotency_key: Some(format!("capability_gap:{role}:{since}")),
+                };
+                let (_, created) = self.store.log_message(&session_id, message, now).await?;
+                if created {
+                    tracing::warn!(session_id = %session_id, role, "capability gap");
+                    logged += 1;
+                }
+            }
+        }
+        Ok(logged)
+    }
+
+    // ----- session commands -----------------------------------------------------------------
+
+    /// CCW `check`: the session's status, read-only.
+    pub(crate) async fn check_session(
+        &self,
+        session_id: &str,
+    ) -> Result<pb::CheckSessionResponse, Error> {
+        require(session_id, "session_id")?;
+        let now = now_ms();
+        let view = self.store.get_session(session_id).await?;
+        let recent = |kind: &str, last: u32| MessageFilter {
+            kind: Some(kind.to_owned()),
+            last,
+            ..MessageFilter::default()
+        };
+        let (blockers, _) = self
+            .store
+            .list_messages(session_id, &recent("blocker", 10))
+            .await?;
+        let (progress, _) = self
+            .store
+            .list_messages(session_id, &recent("progress", 50))
+            .await?;
+        let gaps = if view.session.state == SessionState::Active {
+            self.gaps_by_session(now)
+                .await?
+                .remove(session_id)
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let counts = counts_of(&view.tasks);
+        let session = session_proto(&view.session, view.repos.clone(), counts);
+        Ok(check::status(
+            session,
+            &view.tasks,
+            blockers,
+            &progress,
+            gaps,
+            now,
+        ))
+    }
+
+    /// CCW `resume`: reconcile, advance, then report the status.
+    #[tracing::instrument(skip_all, fields(session_id = %session_id))]
+    pub(crate) async fn resume_session(
+        &self,
+        session_id: &str,
+    ) -> Result<pb::ResumeSessionResponse, Error> {
+        require(session_id, "session_id")?;
+        let reconciled = self.store.resume(session_id, now_ms()).await?;
+        self.notify();
+        tracing::info!(reconciled = reconciled.len(), "session resumed");
+        Ok(pb::ResumeSessionResponse {
+            reconciled,
+            status: Some(self.check_session(session_id).await?),
+        })
     }
 
     // ----- bus ------------------------------------------------------------------------------
@@ -640,7 +874,7 @@ impl Coordinator {
             data: request.data.as_ref().map(struct_to_json),
             idempotency_key: Some(request.idempotency_key).filter(|key| !key.is_empty()),
         };
-        let message = self
+        let (message, _) = self
             .store
             .log_message(&request.session_id, message, now_ms())
             .await?;
@@ -776,12 +1010,55 @@ impl Coordinator {
     }
 }
 
-/// Builds the stored rows of a plan's tasks (topological order, all pending).
+/// Returns a CCW runtime `status: "completed"` task's result: an imported session resumes
+/// where it was. `None` for every other status (those tasks start pending).
+fn imported_result(spec: &serde_json::Map<String, serde_json::Value>) -> Option<pb::TaskResult> {
+    use serde_json::Value;
+    if spec.get("status").and_then(Value::as_str) != Some("completed") {
+        return None;
+    }
+    let strings = |value: Option<&Value>| -> Vec<String> {
+        value
+            .and_then(Value::as_array)
+            .map(|items| {
+                items
+                    .iter()
+                    .filter_map(|item| item.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut result = pb::TaskResult {
+        summary: "imported as completed".to_owned(),
+        ..Default::default()
+    };
+    match spec.get("result") {
+        Some(Value::String(text)) => result.summary.clone_from(text),
+        Some(Value::Object(object)) => {
+            result.summary = match object.get("summary") {
+                Some(Value::String(text)) => text.clone(),
+                _ => Value::Object(object.clone()).to_string(),
+            };
+            if let Some(commit) = object.get("commit").and_then(Value::as_str) {
+                commit.clone_into(&mut result.commit);
+            }
+            result.files_modified = strings(object.get("files_modified"));
+            result.warnings = strings(object.get("warnings"));
+        }
+        Some(Value::Null) | None => {}
+        Some(other) => result.summary = other.to_string(),
+    }
+    Some(result)
+}
+
+/// Builds the stored rows of a plan's tasks (topological order): pending, or completed when
+/// the plan says so (CCW runtime `status`).
 fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
     plan.tasks
         .iter()
         .enumerate()
-        .map(|(position, task)| TaskRow {
+        .map(|(position, task)| (position, task, imported_result(&task.spec)))
+        .map(|(position, task, imported)| TaskRow {
             session_id: session_id.to_owned(),
             id: task.id.clone(),
             position: i64::try_from(position).unwrap_or(i64::MAX),
@@ -799,7 +1076,11 @@ fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
                 .map(troupe_plan::FileSpec::to_proto)
                 .collect(),
             spec: task.spec.clone(),
-            state: TaskState::Pending,
+            state: if imported.is_some() {
+                TaskState::Completed
+            } else {
+                TaskState::Pending
+            },
             attempt: 0,
             max_attempts: task.max_attempts,
             fencing_token: 0,
@@ -809,9 +1090,9 @@ fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
             not_before: None,
             created_at: now,
             started_at: None,
-            finished_at: None,
+            finished_at: imported.is_some().then_some(now),
             progress: String::new(),
-            result: None,
+            result: imported,
             last_error: None,
         })
         .collect()

@@ -1,11 +1,14 @@
 //! The store: every SQL statement of the coordinator lives here, behind [`Store`].
 //!
-//! SQLite in WAL mode with one writer connection (SQLite serialises writers anyway; a single
-//! connection means `BEGIN IMMEDIATE` never waits on ourselves) and a small reader pool. Each
-//! state change is one transaction that also appends its events with the session's gap-free
-//! sequence (`UPDATE sessions SET last_seq = last_seq + 1 ... RETURNING last_seq`). The SQL
-//! sticks to what PostgreSQL also accepts (`$n` parameters, `ON CONFLICT`, `RETURNING`), so a
-//! PostgreSQL store can reuse it with its own connection setup.
+//! One set of statements (sqlx `Any`, `$n` parameters, `ON CONFLICT`, `RETURNING`) and one set
+//! of migrations serve SQLite and PostgreSQL. SQLite (the default) runs in WAL mode with one
+//! writer connection (SQLite serialises writers anyway; `BEGIN IMMEDIATE` never waits on
+//! ourselves) and a small reader pool. PostgreSQL has one shared pool, and several
+//! coordinators may use the same database: every writer of a session first locks the session
+//! row (`FOR UPDATE`), claims lock candidate sessions with `FOR UPDATE SKIP LOCKED`, and
+//! `pg_notify` wakes the other coordinators' long polls. Each state change is one
+//! transaction that also appends its events with the session's gap-free sequence
+//! (`UPDATE sessions SET last_seq = last_seq + 1 ... RETURNING last_seq`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
@@ -13,11 +16,9 @@ use std::time::Duration;
 
 use prost::Message as _;
 use serde_json::{Map, Value};
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
-    SqliteSynchronous,
-};
-use sqlx::{Row, Sqlite, Transaction};
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::sqlite::SqliteConnectOptions;
+use sqlx::{Any, AnyPool, ConnectOptions as _, Row, Transaction};
 use troupe_plan::{Mode, OnFailure};
 use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
 
@@ -26,7 +27,10 @@ use crate::convert::{json_to_struct, rfc3339, timestamp};
 use crate::sched::{self, TaskRow};
 
 /// Schema migrations, applied in order and recorded in `schema_migrations`.
-const MIGRATIONS: &[(i64, &str, &str)] = &[(1, "init", include_str!("migrations/0001_init.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "init", include_str!("migrations/0001_init.sql")),
+    (2, "workers", include_str!("migrations/0002_workers.sql")),
+];
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
      wave, critical_path, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
@@ -36,7 +40,7 @@ const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, 
 const SESSION_COLUMNS: &str =
     "id, name, description, state, mode, on_failure, plan_dir, last_seq, created_at, updated_at";
 
-type Tx = Transaction<'static, Sqlite>;
+type Tx = Transaction<'static, Any>;
 
 /// A session row.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,7 +63,7 @@ pub(crate) struct NewSession {
     pub(crate) session: SessionRow,
     pub(crate) plan_json: String,
     pub(crate) repos: Vec<pb::SessionRepo>,
-    /// Tasks in topological order, all pending.
+    /// Tasks in topological order: pending, or completed when imported so.
     pub(crate) tasks: Vec<TaskRow>,
 }
 
@@ -109,13 +113,6 @@ pub(crate) struct MessageFilter {
     pub(crate) last: u32,
 }
 
-/// The SQLite store.
-#[derive(Debug, Clone)]
-pub(crate) struct Store {
-    writer: SqlitePool,
-    reader: SqlitePool,
-}
-
 fn corrupt(what: impl std::fmt::Display) -> Error {
     Error::Corrupt(what.to_string())
 }
@@ -145,51 +142,156 @@ struct StoredFile {
     change: String,
 }
 
+/// Returns a migration in a dialect: the files are written for SQLite with portable types; the
+/// only PostgreSQL difference is the binary type (`BLOB` is `BYTEA`).
+fn dialect_sql(sql: &str, dialect: Dialect) -> String {
+    match dialect {
+        Dialect::Sqlite => sql.to_owned(),
+        Dialect::Postgres => sql.replace(" BLOB", " BYTEA"),
+    }
+}
+
+/// Which database a [`Store`] talks to; the few statements that differ ask it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dialect {
+    /// SQLite in WAL mode: one writer connection, `BEGIN IMMEDIATE` serialises writers.
+    Sqlite,
+    /// PostgreSQL: a shared pool; row locks (`FOR UPDATE`, `SKIP LOCKED`) serialise writers
+    /// per session, so several coordinators can share one database.
+    Postgres,
+}
+
+/// The store over SQLite or PostgreSQL (sqlx `Any`, so one set of statements serves both).
+#[derive(Debug, Clone)]
+pub(crate) struct Store {
+    writer: AnyPool,
+    reader: AnyPool,
+    dialect: Dialect,
+    /// The PostgreSQL URL, for the change listener.
+    url: Option<String>,
+}
+
+/// Channel of the PostgreSQL notifications that wake other coordinators' long polls.
+pub(crate) const CHANGES_CHANNEL: &str = "troupe_changes";
+
+/// Serialises concurrent migrations of coordinators starting together on one PostgreSQL.
+const MIGRATION_LOCK: i64 = 0x7472_6f75_7065;
+
 impl Store {
     /// Opens (creating if needed) the database at a `sqlite:` URL and applies migrations.
     pub(crate) async fn open_url(url: &str) -> Result<Self, Error> {
-        Self::open(SqliteConnectOptions::from_str(url)?).await
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return Self::open_postgres(url).await;
+        }
+        Self::open_sqlite(SqliteConnectOptions::from_str(url)?).await
     }
 
-    /// Opens (creating if needed) the database file at `path` and applies migrations.
+    /// Opens (creating if needed) the SQLite database file at `path` and applies migrations.
     pub(crate) async fn open_file(path: &std::path::Path) -> Result<Self, Error> {
-        Self::open(SqliteConnectOptions::new().filename(path)).await
+        Self::open_sqlite(SqliteConnectOptions::new().filename(path)).await
     }
 
-    async fn open(options: SqliteConnectOptions) -> Result<Self, Error> {
-        let options = options
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(10))
-            .foreign_keys(true);
-        let writer = SqlitePoolOptions::new()
+    async fn open_sqlite(options: SqliteConnectOptions) -> Result<Self, Error> {
+        sqlx::any::install_default_drivers();
+        // `Any` connects by URL; the SQLite URL keeps the file name percent-encoded.
+        let url = options.create_if_missing(true).to_url_lossy().to_string();
+        let pragmas = |pool: AnyPoolOptions| {
+            pool.after_connect(|conn, _meta| {
+                Box::pin(async move {
+                    sqlx::raw_sql(
+                        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+                         PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;",
+                    )
+                    .execute(&mut *conn)
+                    .await?;
+                    Ok(())
+                })
+            })
+        };
+        let writer = pragmas(AnyPoolOptions::new())
             .max_connections(1)
             .min_connections(1)
             .acquire_timeout(Duration::from_secs(30))
-            .connect_with(options.clone())
+            .connect(&url)
             .await?;
-        let store_for_migrations = Self {
+        let store = Self {
             writer: writer.clone(),
             reader: writer.clone(),
+            dialect: Dialect::Sqlite,
+            url: None,
         };
-        store_for_migrations.migrate().await?;
-        let reader = SqlitePoolOptions::new()
+        store.migrate().await?;
+        let reader = pragmas(AnyPoolOptions::new())
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(30))
-            .connect_with(options)
+            .connect(&url)
             .await?;
-        Ok(Self { writer, reader })
+        Ok(Self { reader, ..store })
+    }
+
+    async fn open_postgres(url: &str) -> Result<Self, Error> {
+        sqlx::any::install_default_drivers();
+        let pool = AnyPoolOptions::new()
+            .max_connections(16)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect(url)
+            .await?;
+        let store = Self {
+            writer: pool.clone(),
+            reader: pool,
+            dialect: Dialect::Postgres,
+            url: Some(url.to_owned()),
+        };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// Returns the database this store talks to.
+    pub(crate) fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// Returns the PostgreSQL URL (for the change listener), `None` on SQLite.
+    pub(crate) fn postgres_url(&self) -> Option<&str> {
+        self.url.as_deref()
+    }
+
+    /// Tells other coordinators on the same PostgreSQL that something changed; `origin`
+    /// (the payload) lets this coordinator ignore its own notifications.
+    pub(crate) async fn publish_change(&self, origin: &str) -> Result<(), Error> {
+        if self.dialect == Dialect::Postgres {
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(CHANGES_CHANNEL)
+                .bind(origin)
+                .execute(&self.writer)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Row-lock suffix of a `SELECT` inside a write transaction: PostgreSQL locks the rows,
+    /// SQLite already holds the database's write lock (`BEGIN IMMEDIATE`).
+    fn for_update(&self) -> &'static str {
+        match self.dialect {
+            Dialect::Sqlite => "",
+            Dialect::Postgres => " FOR UPDATE",
+        }
     }
 
     async fn migrate(&self) -> Result<(), Error> {
+        let mut tx = self.begin().await?;
+        if self.dialect == Dialect::Postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(MIGRATION_LOCK)
+                .execute(&mut *tx)
+                .await?;
+        }
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
         )
-        .execute(&self.writer)
+        .execute(&mut *tx)
         .await?;
         for (version, name, sql) in MIGRATIONS {
-            let mut tx = self.begin().await?;
             let applied = sqlx::query("SELECT version FROM schema_migrations WHERE version = $1")
                 .bind(version)
                 .fetch_optional(&mut *tx)
@@ -197,7 +299,10 @@ impl Store {
             if applied.is_some() {
                 continue;
             }
-            sqlx::raw_sql(*sql).execute(&mut *tx).await?;
+            let sql = dialect_sql(sql, self.dialect);
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut *tx)
+                .await?;
             sqlx::query(
                 "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
             )
@@ -206,14 +311,17 @@ impl Store {
             .bind(crate::convert::now_ms())
             .execute(&mut *tx)
             .await?;
-            tx.commit().await?;
             tracing::info!(version, name, "applied migration");
         }
+        tx.commit().await?;
         Ok(())
     }
 
     async fn begin(&self) -> Result<Tx, Error> {
-        Ok(self.writer.begin_with("BEGIN IMMEDIATE").await?)
+        Ok(match self.dialect {
+            Dialect::Sqlite => self.writer.begin_with("BEGIN IMMEDIATE").await?,
+            Dialect::Postgres => self.writer.begin().await?,
+        })
     }
 
     // ----- sessions -------------------------------------------------------------------------
@@ -267,10 +375,14 @@ impl Store {
             transitions.push(pb::TaskTransition {
                 task_id: task.id.clone(),
                 from: TaskState::Unspecified as i32,
-                to: TaskState::Pending as i32,
+                to: task.state as i32,
                 attempt: 0,
                 worker_id: String::new(),
-                reason: "task created".to_owned(),
+                reason: if task.state == TaskState::Completed {
+                    "task imported as completed".to_owned()
+                } else {
+                    "task created".to_owned()
+                },
             });
         }
         let mut active = session.clone();
@@ -345,6 +457,8 @@ impl Store {
         now: i64,
     ) -> Result<SessionSummary, Error> {
         let mut tx = self.begin().await?;
+        lock_session(&mut tx, session_id, self.for_update()).await?;
+        let before = load_tasks_lite(&mut tx, session_id).await?;
         let mut session = load_session(&mut tx, session_id).await?;
         match session.state {
             SessionState::Cancelled => {}
@@ -360,7 +474,6 @@ impl Store {
                 } else {
                     reason
                 };
-                let before = load_tasks(&mut tx, session_id).await?;
                 let mut tasks = before.clone();
                 let mut transitions = Vec::new();
                 for task in tasks
@@ -388,6 +501,13 @@ impl Store {
     // ----- worker protocol ------------------------------------------------------------------
 
     /// Claims up to `max` ready tasks of `roles` (any role when empty) for `worker_id`.
+    ///
+    /// The best candidates are read without locks; then their sessions are locked (every writer
+    /// of a session holds its row lock). On PostgreSQL with `FOR UPDATE SKIP LOCKED`, so
+    /// concurrent claimers (other coordinators too) spread over sessions instead of queueing;
+    /// only when every candidate session is busy does a claimer wait, for one of them. Under
+    /// the lock the tasks are re-read and only those still ready are taken, topped up with the
+    /// session's next ready tasks when another claimer took a candidate first.
     pub(crate) async fn claim(
         &self,
         worker_id: &str,
@@ -431,14 +551,43 @@ impl Store {
                 None => by_session.push((session_id, vec![task_id])),
             }
         }
-        let mut claimed: HashMap<(String, String), Claimed> = HashMap::new();
-        for (session_id, task_ids) in &by_session {
+        let mut locked: Vec<&str> = Vec::new();
+        match self.dialect {
+            Dialect::Sqlite => locked.extend(by_session.iter().map(|(id, _)| id.as_str())),
+            Dialect::Postgres => {
+                for (session_id, _) in &by_session {
+                    if try_lock_session(&mut tx, session_id, " FOR UPDATE SKIP LOCKED").await? {
+                        locked.push(session_id);
+                    }
+                }
+                if locked.is_empty() {
+                    let first = &by_session[0].0;
+                    lock_session(&mut tx, first, " FOR UPDATE").await?;
+                    locked.push(first);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        for (session_id, task_ids) in by_session
+            .iter()
+            .filter(|(id, _)| locked.contains(&id.as_str()))
+        {
             let session = load_session(&mut tx, session_id).await?;
+            if session.state != SessionState::Active {
+                continue;
+            }
             let repos = load_repos(&mut tx, session_id).await?;
-            let before = load_tasks(&mut tx, session_id).await?;
+            // The session's best claimable tasks: the candidates picked above while still ready,
+            // else (another claimer took some first) the next ones.
+            let before = load_claimable(&mut tx, session_id, roles, task_ids.len()).await?;
+            let taken: Vec<String> = before.iter().map(|task| task.id.clone()).collect();
+            if taken.is_empty() {
+                continue;
+            }
             let mut tasks = before.clone();
             let mut transitions = Vec::new();
-            for task in tasks.iter_mut().filter(|task| task_ids.contains(&task.id)) {
+            for task_id in &taken {
+                let task = find_task_mut(&mut tasks, task_id, session_id)?;
                 task.attempt += 1;
                 task.fencing_token += 1;
                 task.worker_id = worker_id.to_owned();
@@ -448,35 +597,30 @@ impl Store {
                 transitions.push(sched::transition(task, TaskState::Running, "claimed", now));
                 task.lease_expires_at = Some(now + lease_ms);
             }
-            save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
-            for task_id in task_ids {
-                let Some(task) = tasks.iter().find(|task| &task.id == task_id) else {
-                    continue;
-                };
-                let upstream = sched::completed_upstream(&tasks, task_id)
+            // A claim changes nothing else in the graph: no settling needed.
+            write_changes(&mut tx, &session, &before, &tasks, transitions, now).await?;
+            // Upstream results need the whole graph, but only for tasks with dependencies.
+            let graph = if tasks.iter().any(|task| !task.depends_on.is_empty()) {
+                load_tasks_lite(&mut tx, session_id).await?
+            } else {
+                Vec::new()
+            };
+            for task_id in &taken {
+                let task = find_task_mut(&mut tasks, task_id, session_id)?.clone();
+                let upstream = sched::completed_upstream(&graph, task_id)
                     .into_iter()
                     .cloned()
                     .collect();
                 let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
-                claimed.insert(
-                    (session_id.clone(), task_id.clone()),
-                    Claimed {
-                        task: task.clone(),
-                        repo,
-                        plan_dir: session.plan_dir.clone(),
-                        upstream,
-                    },
-                );
+                out.push(Claimed {
+                    task,
+                    repo,
+                    plan_dir: session.plan_dir.clone(),
+                    upstream,
+                });
             }
         }
         tx.commit().await?;
-        let mut out = Vec::with_capacity(claimed.len());
-        for row in &picked {
-            let key = (row.try_get("session_id")?, row.try_get("id")?);
-            if let Some(task) = claimed.remove(&key) {
-                out.push(task);
-            }
-        }
         Ok(out)
     }
 
@@ -492,6 +636,7 @@ impl Store {
         now: i64,
     ) -> Result<(i64, bool), Error> {
         let mut tx = self.begin().await?;
+        lock_session(&mut tx, session_id, self.for_update()).await?;
         let before = load_task(&mut tx, session_id, task_id).await?;
         if before.fencing_token != token {
             return Err(stale(&before, token));
@@ -537,8 +682,14 @@ impl Store {
         now: i64,
     ) -> Result<TaskRow, Error> {
         let mut tx = self.begin().await?;
+        lock_session(&mut tx, session_id, self.for_update()).await?;
         let session = load_session(&mut tx, session_id).await?;
-        let before = load_tasks(&mut tx, session_id).await?;
+        if session.mode == Mode::Eager && session.state == SessionState::Active {
+            return self
+                .complete_eager(tx, &session, task_id, token, result, now)
+                .await;
+        }
+        let before = load_tasks_lite(&mut tx, session_id).await?;
         let mut tasks = before.clone();
         let task = find_task_mut(&mut tasks, task_id, session_id)?;
         if task.state != TaskState::Running || task.fencing_token != token {
@@ -555,8 +706,97 @@ impl Store {
             now,
         )
         .await?;
+        let task = load_task(&mut tx, session_id, task_id).await?;
         tx.commit().await?;
-        find_task(tasks, task_id)
+        Ok(task)
+    }
+
+    /// [`Store::complete`] in an active eager session without reading the whole graph: a
+    /// completion can only make its own pending dependents ready, so only they and their
+    /// dependencies are loaded. The whole graph is read only when the session may have ended
+    /// or stalled (nothing left open, or nothing ready or running).
+    async fn complete_eager(
+        &self,
+        mut tx: Tx,
+        session: &SessionRow,
+        task_id: &str,
+        token: u64,
+        result: pb::TaskResult,
+        now: i64,
+    ) -> Result<TaskRow, Error> {
+        let session_id = session.id.as_str();
+        let original = load_task(&mut tx, session_id, task_id).await?;
+        if original.state != TaskState::Running || original.fencing_token != token {
+            return Err(stale(&original, token));
+        }
+        let mut task = original.clone();
+        task.result = Some(result);
+        let transition = sched::transition(&mut task, TaskState::Completed, "completed", now);
+        // Pending tasks that name this one among their dependencies (the LIKE is a coarse
+        // filter on the JSON text; the parsed list decides).
+        let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
+        let pattern = format!("%{}%", Value::String(task_id.to_owned()));
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {columns} FROM tasks WHERE session_id = $1 AND state = $2 AND depends_on LIKE $3 ORDER BY position"
+        )))
+        .bind(session_id)
+        .bind(TaskState::Pending as i32)
+        .bind(pattern)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut subset = vec![original];
+        for row in &rows {
+            let dependent = task_from_row(row)?;
+            if dependent.depends_on.iter().any(|dep| dep == task_id) {
+                subset.push(dependent);
+            }
+        }
+        let mut wanted: Vec<String> = Vec::new();
+        for dependent in &subset[1..] {
+            for dep in &dependent.depends_on {
+                if !subset.iter().any(|known| &known.id == dep) && !wanted.contains(dep) {
+                    wanted.push(dep.clone());
+                }
+            }
+        }
+        for dep in &wanted {
+            let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT {columns} FROM tasks WHERE session_id = $1 AND id = $2"
+            )))
+            .bind(session_id)
+            .bind(dep)
+            .fetch_optional(&mut *tx)
+            .await?;
+            if let Some(row) = row {
+                subset.push(task_from_row(&row)?);
+            }
+        }
+        let before = subset.clone();
+        subset[0] = task;
+        let mut transitions = vec![transition];
+        transitions.extend(sched::settle(
+            &mut subset,
+            session.mode,
+            session.on_failure,
+            now,
+        ));
+        let count = write_changes(&mut tx, session, &before, &subset, transitions, now).await?;
+        let open = count_tasks(
+            &mut tx,
+            session_id,
+            &[TaskState::Pending, TaskState::Ready, TaskState::Running],
+        )
+        .await?;
+        let moving =
+            count_tasks(&mut tx, session_id, &[TaskState::Ready, TaskState::Running]).await?;
+        if open == 0 || moving == 0 {
+            // Rare: the session may have ended or stalled; decide on the whole graph.
+            let tasks = load_tasks_lite(&mut tx, session_id).await?;
+            finish(&mut tx, session, &tasks, count, now).await?;
+        }
+        let task = load_task(&mut tx, session_id, task_id).await?;
+        tx.commit().await?;
+        Ok(task)
     }
 
     /// Fails an attempt: back to pending with a retry time while attempts remain and the error
@@ -573,8 +813,9 @@ impl Store {
         now: i64,
     ) -> Result<(TaskRow, Option<i64>), Error> {
         let mut tx = self.begin().await?;
+        lock_session(&mut tx, session_id, self.for_update()).await?;
+        let before = load_tasks_lite(&mut tx, session_id).await?;
         let session = load_session(&mut tx, session_id).await?;
-        let before = load_tasks(&mut tx, session_id).await?;
         let mut tasks = before.clone();
         let task = find_task_mut(&mut tasks, task_id, session_id)?;
         if task.fencing_token != token {
@@ -624,8 +865,9 @@ impl Store {
             now,
         )
         .await?;
+        let task = load_task(&mut tx, session_id, task_id).await?;
         tx.commit().await?;
-        Ok((find_task(tasks, task_id)?, retry_at))
+        Ok((task, retry_at))
     }
 
     /// Returns expired leases (ready again while attempts remain, else timed out) and releases
@@ -646,8 +888,9 @@ impl Store {
         for row in due {
             let session_id: String = row.try_get("session_id")?;
             let mut tx = self.begin().await?;
+            lock_session(&mut tx, &session_id, self.for_update()).await?;
+            let before = load_tasks_lite(&mut tx, &session_id).await?;
             let session = load_session(&mut tx, &session_id).await?;
-            let before = load_tasks(&mut tx, &session_id).await?;
             let mut tasks = before.clone();
             let mut transitions = Vec::new();
             for task in tasks.iter_mut() {
@@ -693,20 +936,158 @@ impl Store {
         Ok(changed)
     }
 
+    /// Reconciles a session (ccw-reference 4.3) and advances it, in one transaction: orphaned
+    /// running tasks (lease expired) become ready, failed / timed-out tasks pending with one
+    /// more attempt, blocked / skipped tasks pending; a paused or failed session becomes active.
+    pub(crate) async fn resume(
+        &self,
+        session_id: &str,
+        now: i64,
+    ) -> Result<Vec<pb::TaskTransition>, Error> {
+        let mut tx = self.begin().await?;
+        lock_session(&mut tx, session_id, self.for_update()).await?;
+        let before = load_tasks_lite(&mut tx, session_id).await?;
+        let mut session = load_session(&mut tx, session_id).await?;
+        match session.state {
+            SessionState::Cancelled => {
+                return Err(Error::FailedPrecondition(format!(
+                    "session {session_id} was cancelled and cannot be resumed"
+                )));
+            }
+            SessionState::Completed => {
+                tx.rollback().await?;
+                return Ok(Vec::new());
+            }
+            _ => {}
+        }
+        let mut tasks = before.clone();
+        let mut transitions = Vec::new();
+        for task in &mut tasks {
+            let reason = match task.state {
+                TaskState::Running if task.lease_expires_at.is_some_and(|at| at < now) => {
+                    task.max_attempts = task.max_attempts.max(task.attempt + 1);
+                    let transition = sched::transition(
+                        task,
+                        TaskState::Ready,
+                        "resumed: lease expired (orphaned)",
+                        now,
+                    );
+                    task.worker_id.clear();
+                    transitions.push(transition);
+                    continue;
+                }
+                TaskState::Failed | TaskState::TimedOut => {
+                    task.max_attempts = task.max_attempts.max(task.attempt + 1);
+                    "resumed: retrying"
+                }
+                TaskState::Blocked | TaskState::Skipped => "resumed: dependency retried",
+                _ => continue,
+            };
+            task.not_before = None;
+            task.finished_at = None;
+            task.worker_id.clear();
+            transitions.push(sched::transition(task, TaskState::Pending, reason, now));
+        }
+        if matches!(session.state, SessionState::Paused | SessionState::Failed) {
+            set_session_state(&mut tx, &mut session, SessionState::Active, "resumed", now).await?;
+        }
+        let reconciled = transitions.clone();
+        save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+        tx.commit().await?;
+        Ok(reconciled)
+    }
+
+    /// Records that `worker_id` claims `roles` (empty: every role).
+    pub(crate) async fn touch_worker(
+        &self,
+        worker_id: &str,
+        roles: &[pb::Role],
+        now: i64,
+    ) -> Result<(), Error> {
+        let roles: Vec<i32> = roles.iter().map(|role| *role as i32).collect();
+        sqlx::query(
+            "INSERT INTO workers (worker_id, roles, last_seen) VALUES ($1, $2, $3) \
+             ON CONFLICT (worker_id) DO UPDATE SET roles = excluded.roles, last_seen = excluded.last_seen",
+        )
+        .bind(worker_id)
+        .bind(serde_json::to_string(&roles).map_err(corrupt)?)
+        .bind(now)
+        .execute(&self.writer)
+        .await?;
+        Ok(())
+    }
+
+    /// Returns, per role, when a worker serving it was last seen (workers serving every role
+    /// count for each), among workers seen after `since`.
+    pub(crate) async fn role_last_seen(&self, since: i64) -> Result<HashMap<pb::Role, i64>, Error> {
+        let rows = sqlx::query("SELECT roles, last_seen FROM workers WHERE last_seen > $1")
+            .bind(since)
+            .fetch_all(&self.reader)
+            .await?;
+        let all = [
+            pb::Role::Executor,
+            pb::Role::Validator,
+            pb::Role::TestRunner,
+        ];
+        let mut seen: HashMap<pb::Role, i64> = HashMap::new();
+        for row in rows {
+            let roles: Vec<i32> =
+                serde_json::from_str(&row.try_get::<String, _>("roles")?).map_err(corrupt)?;
+            let last: i64 = row.try_get("last_seen")?;
+            let roles: Vec<pb::Role> = if roles.is_empty() {
+                all.to_vec()
+            } else {
+                roles
+                    .into_iter()
+                    .filter_map(|role| pb::Role::try_from(role).ok())
+                    .collect()
+            };
+            for role in roles {
+                let entry = seen.entry(role).or_insert(last);
+                *entry = (*entry).max(last);
+            }
+        }
+        Ok(seen)
+    }
+
+    /// Returns the ready tasks of active sessions as (session id, task id, role).
+    pub(crate) async fn ready_tasks(&self) -> Result<Vec<(String, String, pb::Role)>, Error> {
+        let rows = sqlx::query(
+            "SELECT t.session_id, t.id, t.role FROM tasks t JOIN sessions s ON s.id = t.session_id \
+             WHERE t.state = $1 AND s.state = $2 ORDER BY t.session_id, t.position",
+        )
+        .bind(TaskState::Ready as i32)
+        .bind(SessionState::Active as i32)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    row.try_get("session_id")?,
+                    row.try_get("id")?,
+                    pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
+                ))
+            })
+            .collect()
+    }
+
     // ----- bus ------------------------------------------------------------------------------
 
-    /// Appends a message (or returns the first one logged with the same idempotency key).
+    /// Appends a message (or returns the first one logged with the same idempotency key, and
+    /// `false`).
     pub(crate) async fn log_message(
         &self,
         session_id: &str,
         message: NewMessage,
         now: i64,
-    ) -> Result<pb::Message, Error> {
+    ) -> Result<(pb::Message, bool), Error> {
         let mut tx = self.begin().await?;
-        load_session(&mut tx, session_id).await?;
+        lock_session(&mut tx, session_id, self.for_update()).await?;
+        let before = load_session(&mut tx, session_id).await?.last_seq;
         let stored = insert_message(&mut tx, session_id, message, now).await?;
         tx.commit().await?;
-        Ok(stored)
+        let created = stored.sequence > before;
+        Ok((stored, created))
     }
 
     /// Lists messages matching `filter`, oldest first, with the cursor to continue from.
@@ -731,7 +1112,14 @@ impl Store {
                 sql.push_str(&format!(" AND {column} = ${}", binds.len() + 3));
             }
         }
-        sql.push_str(" ORDER BY seq DESC LIMIT $3");
+        // Without a cursor, CCW's `list last=N`: the newest N. With one, page forward: the N
+        // that follow it, so `next_sequence` never skips a message.
+        let forward = filter.after_sequence > 0;
+        sql.push_str(if forward {
+            " ORDER BY seq ASC LIMIT $3"
+        } else {
+            " ORDER BY seq DESC LIMIT $3"
+        });
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(session_id)
             .bind(to_i64(filter.after_sequence))
@@ -745,7 +1133,9 @@ impl Store {
             .iter()
             .map(message_from_row)
             .collect::<Result<Vec<_>, _>>()?;
-        messages.reverse();
+        if !forward {
+            messages.reverse();
+        }
         let next = messages
             .last()
             .map_or(filter.after_sequence, |message| message.sequence);
@@ -792,7 +1182,7 @@ impl Store {
         now: i64,
     ) -> Result<(Map<String, Value>, pb::Message), Error> {
         let mut tx = self.begin().await?;
-        load_session(&mut tx, session_id).await?;
+        lock_session(&mut tx, session_id, self.for_update()).await?;
         let existing =
             sqlx::query("SELECT state FROM role_state WHERE session_id = $1 AND role = $2")
                 .bind(session_id)
@@ -892,15 +1282,35 @@ async fn save(
     if session.state == SessionState::Active {
         transitions.extend(sched::settle(tasks, session.mode, session.on_failure, now));
     }
-    for (old, new) in before.iter().zip(tasks.iter()) {
-        if old != new {
-            update_task(tx, new).await?;
-        }
+    let count = write_changes(tx, session, before, tasks, transitions, now).await?;
+    finish(tx, session, tasks, count, now).await?;
+    Ok(count)
+}
+
+/// Counts a session's tasks in `states`.
+async fn count_tasks(tx: &mut Tx, session_id: &str, states: &[TaskState]) -> Result<i64, Error> {
+    let placeholders: Vec<String> = (0..states.len()).map(|i| format!("${}", i + 2)).collect();
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT COUNT(*) AS n FROM tasks WHERE session_id = $1 AND state IN ({})",
+        placeholders.join(", ")
+    )))
+    .bind(session_id);
+    for state in states {
+        query = query.bind(*state as i32);
     }
-    let count = transitions.len();
-    for transition in transitions {
-        append_event(tx, &session.id, now, Kind::Task(transition)).await?;
-    }
+    Ok(query.fetch_one(&mut **tx).await?.try_get("n")?)
+}
+
+/// After `count` transitions on the whole graph `tasks`: ends the session when every task is
+/// terminal, and reports a stall once, as it happens.
+async fn finish(
+    tx: &mut Tx,
+    session: &SessionRow,
+    tasks: &[TaskRow],
+    count: usize,
+    now: i64,
+) -> Result<(), Error> {
+    let mut state = session.state;
     if session.state == SessionState::Active
         && let Some(outcome) = sched::session_outcome(tasks)
     {
@@ -911,6 +1321,67 @@ async fn save(
         };
         let mut session = session.clone();
         set_session_state(tx, &mut session, outcome, reason, now).await?;
+        state = outcome;
+    }
+    // A change that leaves nothing able to move is reported once, as it happens.
+    if count > 0
+        && let Some(stuck) = sched::stall(tasks, state, now)
+    {
+        tracing::warn!(session_id = %session.id, stuck = stuck.len(), "session stalled");
+        insert_message(tx, &session.id, stall_message(&stuck), now).await?;
+    }
+    Ok(())
+}
+
+/// Returns the bus message reporting a stall.
+pub(crate) fn stall_message(stuck: &[sched::Stuck]) -> NewMessage {
+    let names: Vec<&str> = stuck.iter().map(|task| task.task_id.as_str()).collect();
+    let tasks = stuck
+        .iter()
+        .map(|task| {
+            let mut entry = Map::new();
+            entry.insert("task_id".to_owned(), Value::String(task.task_id.clone()));
+            entry.insert(
+                "state".to_owned(),
+                Value::String(sched::state_name(task.state).to_owned()),
+            );
+            entry.insert("reason".to_owned(), Value::String(task.reason.clone()));
+            Value::Object(entry)
+        })
+        .collect();
+    let mut data = Map::new();
+    data.insert("kind".to_owned(), Value::String("stall".to_owned()));
+    data.insert("tasks".to_owned(), Value::Array(tasks));
+    NewMessage {
+        from: "coordinator".to_owned(),
+        to: "user".to_owned(),
+        kind: "warning".to_owned(),
+        summary: format!(
+            "[coordinator] stalled: nothing ready or running, stuck: {}",
+            names.join(", ")
+        ),
+        data: Some(data),
+        idempotency_key: None,
+    }
+}
+
+/// Writes the tasks that changed and appends every transition as an event.
+async fn write_changes(
+    tx: &mut Tx,
+    session: &SessionRow,
+    before: &[TaskRow],
+    tasks: &[TaskRow],
+    transitions: Vec<pb::TaskTransition>,
+    now: i64,
+) -> Result<usize, Error> {
+    for (old, new) in before.iter().zip(tasks.iter()) {
+        if old != new {
+            update_task(tx, new).await?;
+        }
+    }
+    let count = transitions.len();
+    for transition in transitions {
+        append_event(tx, &session.id, now, Kind::Task(transition)).await?;
     }
     Ok(count)
 }
@@ -1043,7 +1514,7 @@ async fn insert_message(
     Ok(stored)
 }
 
-fn message_from_row(row: &SqliteRow) -> Result<pb::Message, Error> {
+fn message_from_row(row: &AnyRow) -> Result<pb::Message, Error> {
     let data: Option<String> = row.try_get("data")?;
     let data = data.map(|text| parse_object(&text)).transpose()?;
     Ok(pb::Message {
@@ -1076,7 +1547,33 @@ async fn load_session(tx: &mut Tx, session_id: &str) -> Result<SessionRow, Error
     session_from_row(&row)
 }
 
-fn session_from_row(row: &SqliteRow) -> Result<SessionRow, Error> {
+/// Checks a session exists and, in write transactions on PostgreSQL, locks its row: every
+/// writer of a session takes this lock first (claims take several in id order), so writers
+/// of one session are serialised and never wait on each other crosswise.
+async fn lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> Result<(), Error> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM sessions WHERE id = $1{lock}"
+    )))
+    .bind(session_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    Ok(())
+}
+
+/// Locks a session's row unless another transaction holds it (PostgreSQL `SKIP LOCKED`);
+/// returns whether this transaction now holds it.
+async fn try_lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> Result<bool, Error> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM sessions WHERE id = $1{lock}"
+    )))
+    .bind(session_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(row.is_some())
+}
+
+fn session_from_row(row: &AnyRow) -> Result<SessionRow, Error> {
     let mode: String = row.try_get("mode")?;
     let on_failure: String = row.try_get("on_failure")?;
     Ok(SessionRow {
@@ -1122,7 +1619,7 @@ async fn load_counts(tx: &mut Tx, session_id: &str) -> Result<pb::TaskCounts, Er
     counts_from_rows(&rows)
 }
 
-fn counts_from_rows(rows: &[SqliteRow]) -> Result<pb::TaskCounts, Error> {
+fn counts_from_rows(rows: &[AnyRow]) -> Result<pb::TaskCounts, Error> {
     let mut counts = pb::TaskCounts::default();
     for row in rows {
         let state = TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?;
@@ -1150,6 +1647,8 @@ pub(crate) fn add_count(counts: &mut pb::TaskCounts, state: TaskState, n: u32) {
     *slot += n;
 }
 
+/// Loads a session's tasks in topological order. Writers call [`lock_session`] first: the
+/// session row lock serialises every writer of a session, so what they read stays current.
 async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 ORDER BY position"
@@ -1157,6 +1656,48 @@ async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error
     .bind(session_id)
     .fetch_all(&mut **tx)
     .await?;
+    rows.iter().map(task_from_row).collect()
+}
+
+/// Loads a session's tasks without their `spec` (left empty): what write transactions need
+/// to move the graph, without parsing every task's plan object. Never written back (the
+/// UPDATE leaves `spec` alone) nor sent to clients.
+async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error> {
+    let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {columns} FROM tasks WHERE session_id = $1 ORDER BY position"
+    )))
+    .bind(session_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    rows.iter().map(task_from_row).collect()
+}
+
+/// Loads up to `limit` ready tasks of `roles` (any when empty) of a session, best first (the
+/// claim order).
+async fn load_claimable(
+    tx: &mut Tx,
+    session_id: &str,
+    roles: &[pb::Role],
+    limit: usize,
+) -> Result<Vec<TaskRow>, Error> {
+    let role_filter = if roles.is_empty() {
+        String::new()
+    } else {
+        let placeholders: Vec<String> = (0..roles.len()).map(|i| format!("${}", i + 4)).collect();
+        format!(" AND role IN ({})", placeholders.join(", "))
+    };
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = $2{role_filter} \
+         ORDER BY priority, critical_path DESC, id LIMIT $3"
+    )))
+    .bind(session_id)
+    .bind(TaskState::Ready as i32)
+    .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+    for role in roles {
+        query = query.bind(*role as i32);
+    }
+    let rows = query.fetch_all(&mut **tx).await?;
     rows.iter().map(task_from_row).collect()
 }
 
@@ -1183,14 +1724,7 @@ fn find_task_mut<'a>(
         .ok_or_else(|| Error::NotFound(format!("task {task_id} not found in session {session_id}")))
 }
 
-fn find_task(tasks: Vec<TaskRow>, task_id: &str) -> Result<TaskRow, Error> {
-    tasks
-        .into_iter()
-        .find(|task| task.id == task_id)
-        .ok_or_else(|| corrupt(format!("task {task_id} vanished inside its transaction")))
-}
-
-fn task_from_row(row: &SqliteRow) -> Result<TaskRow, Error> {
+fn task_from_row(row: &AnyRow) -> Result<TaskRow, Error> {
     let depends_on: String = row.try_get("depends_on")?;
     let files: String = row.try_get("files")?;
     let spec: String = row.try_get("spec")?;
@@ -1253,8 +1787,9 @@ async fn insert_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
         .collect();
     sqlx::query(
         "INSERT INTO tasks (session_id, id, position, title, description, role, priority, repo, wave, critical_path, \
-         depends_on, files, spec, state, attempt, max_attempts, fencing_token, worker_id, lease_ms, created_at, progress) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0, $15, 0, '', 0, $16, '')",
+         depends_on, files, spec, state, attempt, max_attempts, fencing_token, worker_id, lease_ms, created_at, progress, \
+         finished_at, result) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0, $15, 0, '', 0, $16, '', $17, $18)",
     )
     .bind(&task.session_id)
     .bind(&task.id)
@@ -1272,6 +1807,8 @@ async fn insert_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
     .bind(task.state as i32)
     .bind(i64::from(task.max_attempts))
     .bind(task.created_at)
+    .bind(task.finished_at)
+    .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
     .execute(&mut **tx)
     .await?;
     Ok(())
@@ -1282,7 +1819,7 @@ async fn update_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
     sqlx::query(
         "UPDATE tasks SET state = $3, attempt = $4, fencing_token = $5, worker_id = $6, lease_ms = $7, \
          lease_expires_at = $8, not_before = $9, started_at = $10, finished_at = $11, progress = $12, \
-         result = $13, last_error = $14 WHERE session_id = $1 AND id = $2",
+         result = $13, last_error = $14, max_attempts = $15 WHERE session_id = $1 AND id = $2",
     )
     .bind(&task.session_id)
     .bind(&task.id)
@@ -1298,6 +1835,7 @@ async fn update_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
     .bind(&task.progress)
     .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
     .bind(task.last_error.as_ref().map(prost::Message::encode_to_vec))
+    .bind(i64::from(task.max_attempts))
     .execute(&mut **tx)
     .await?;
     Ok(())

@@ -6,7 +6,7 @@ use serde_json::json;
 use tonic::Code;
 use troupe_proto::v1 as pb;
 
-use crate::support::{Harness, assert_code, session_id, t};
+use crate::support::{Db, Harness, assert_code, db_tests, session_id, t};
 
 fn data(value: serde_json::Value) -> prost_types::Struct {
     let serde_json::Value::Object(object) = value else {
@@ -30,9 +30,8 @@ fn data(value: serde_json::Value) -> prost_types::Struct {
     }
 }
 
-#[tokio::test]
-async fn concurrent_messages_get_unique_gap_free_ids() {
-    let harness = Harness::start().await;
+async fn concurrent_messages_get_unique_gap_free_ids(db: Db) {
+    let harness = Harness::start(db).await;
     let session = session_id(
         &harness
             .create(json!({"name": "bus", "tasks": [t("IMPL-1", &[])]}))
@@ -141,12 +140,31 @@ async fn concurrent_messages_get_unique_gap_free_ids() {
         .into_inner();
     assert_eq!(after.messages.len(), 10);
     assert_eq!(after.messages[0].id, listed.messages[90].id);
+
+    // With a cursor, `last` pages forward: the 5 after message 50, not the newest 5.
+    let page = harness
+        .client()
+        .list_messages(pb::ListMessagesRequest {
+            session_id: session.clone(),
+            after_sequence: listed.messages[49].sequence,
+            last: 5,
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    let ids: Vec<&str> = page.messages.iter().map(|m| m.id.as_str()).collect();
+    let expected: Vec<&str> = listed.messages[50..55]
+        .iter()
+        .map(|m| m.id.as_str())
+        .collect();
+    assert_eq!(ids, expected);
+    assert_eq!(page.next_sequence, listed.messages[54].sequence);
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn idempotency_key_returns_the_first_message() {
-    let harness = Harness::start().await;
+async fn idempotency_key_returns_the_first_message(db: Db) {
+    let harness = Harness::start(db).await;
     let session = session_id(
         &harness
             .create(json!({"name": "idem", "tasks": [t("IMPL-1", &[])]}))
@@ -200,9 +218,8 @@ async fn idempotency_key_returns_the_first_message() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn update_state_merges_and_records_a_state_update() {
-    let harness = Harness::start().await;
+async fn update_state_merges_and_records_a_state_update(db: Db) {
+    let harness = Harness::start(db).await;
     let session = session_id(
         &harness
             .create(json!({"name": "state", "tasks": [t("IMPL-1", &[])]}))
@@ -293,3 +310,9 @@ async fn update_state_merges_and_records_a_state_update() {
     assert_eq!(updates.messages.len(), 3);
     harness.stop().await;
 }
+
+db_tests!(
+    concurrent_messages_get_unique_gap_free_ids,
+    idempotency_key_returns_the_first_message,
+    update_state_merges_and_records_a_state_update,
+);

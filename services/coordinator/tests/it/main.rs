@@ -3,7 +3,9 @@
 
 mod bus;
 mod plans;
+mod processes;
 mod restart;
 mod scheduling;
+mod sessions;
 mod support;
 mod watch;

@@ -4,11 +4,10 @@ use serde_json::json;
 use tonic::Code;
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
 
-use crate::support::{Harness, assert_code, session_id, t, task};
+use crate::support::{Db, Harness, assert_code, db_tests, session_id, t, task};
 
-#[tokio::test]
-async fn create_session_stores_tasks_and_makes_the_session_branch() {
-    let harness = Harness::start().await;
+async fn create_session_stores_tasks_and_makes_the_session_branch(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness
         .create(
             json!({"name": "quickstart", "description": "demo", "tasks": [
@@ -77,9 +76,8 @@ async fn create_session_stores_tasks_and_makes_the_session_branch() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn bad_plans_are_refused_with_every_problem_and_nothing_is_stored() {
-    let harness = Harness::start().await;
+async fn bad_plans_are_refused_with_every_problem_and_nothing_is_stored(db: Db) {
+    let harness = Harness::start(db).await;
     let plan = json!({"name": "broken", "repos": {"app": {"path": "repo"}}, "tasks": [
         t("IMPL-001", &["IMPL-404"]),
         t("IMPL-002", &["IMPL-003"]),
@@ -139,9 +137,8 @@ async fn bad_plans_are_refused_with_every_problem_and_nothing_is_stored() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn dry_run_validates_and_stores_nothing() {
-    let harness = Harness::start().await;
+async fn dry_run_validates_and_stores_nothing(db: Db) {
+    let harness = Harness::start(db).await;
     let response = harness
         .client()
         .create_session(pb::CreateSessionRequest {
@@ -168,9 +165,8 @@ async fn dry_run_validates_and_stores_nothing() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn template_repo_is_imported_once_and_reused() {
-    let harness = Harness::start().await;
+async fn template_repo_is_imported_once_and_reused(db: Db) {
+    let harness = Harness::start(db).await;
     let plan = json!({"name": "tmpl", "repos": {"web": {"template": "sample"}}, "tasks": [t("IMPL-1", &[])]});
     let first = harness.create(plan.clone()).await;
     let second = harness.create(plan).await;
@@ -192,9 +188,8 @@ async fn template_repo_is_imported_once_and_reused() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn repo_paths_override_the_default_repo() {
-    let harness = Harness::start().await;
+async fn repo_paths_override_the_default_repo(db: Db) {
+    let harness = Harness::start(db).await;
     let other = harness.dir.path().join("other");
     let other_head = troupe_testkit::git_repo(&other, &[("x.txt", "x\n")]).expect("repo");
     let response = harness
@@ -214,3 +209,11 @@ async fn repo_paths_override_the_default_repo() {
     );
     harness.stop().await;
 }
+
+db_tests!(
+    create_session_stores_tasks_and_makes_the_session_branch,
+    bad_plans_are_refused_with_every_problem_and_nothing_is_stored,
+    dry_run_validates_and_stores_nothing,
+    template_repo_is_imported_once_and_reused,
+    repo_paths_override_the_default_repo,
+);

@@ -5,11 +5,10 @@ use troupe_coordinator::{App, Config, Error};
 use troupe_proto::v1::{self as pb, Role, TaskState};
 use troupe_testkit::TestService;
 
-use crate::support::{Harness, ids, session_id, t, token};
+use crate::support::{Db, Harness, db_tests, ids, session_id, t, token};
 
-#[tokio::test]
-async fn a_restart_keeps_sessions_leases_and_sequences() {
-    let harness = Harness::start().await;
+async fn a_restart_keeps_sessions_leases_and_sequences(db: Db) {
+    let harness = Harness::start(db).await;
     let session = session_id(
         &harness
             .create(
@@ -24,11 +23,10 @@ async fn a_restart_keeps_sessions_leases_and_sequences() {
         .session
         .expect("session")
         .last_sequence;
-    let data_dir = harness.dir.path().join("data");
+    let config = harness.config();
     let Harness { service, dir, .. } = harness;
     service.stop().await;
 
-    let config = Config::new(&data_dir);
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_coordinator::run(config, listener, shutdown)
     })
@@ -76,8 +74,8 @@ async fn a_restart_keeps_sessions_leases_and_sequences() {
 async fn unsupported_database_urls_are_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let mut config = Config::new(dir.path());
-    config.database_url = Some("postgres://localhost/troupe".into());
-    let err = App::open(config).await.expect_err("postgres not yet");
+    config.database_url = Some("mysql://localhost/troupe".into());
+    let err = App::open(config).await.expect_err("mysql is not supported");
     assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
 
     let mut config = Config::new(dir.path().join("data"));
@@ -88,3 +86,5 @@ async fn unsupported_database_urls_are_refused() {
     App::open(config).await.expect("sqlite url");
     assert!(dir.path().join("explicit.db").is_file());
 }
+
+db_tests!(a_restart_keeps_sessions_leases_and_sequences,);

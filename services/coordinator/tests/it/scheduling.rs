@@ -6,11 +6,10 @@ use serde_json::json;
 use tonic::Code;
 use troupe_proto::v1::{self as pb, Role, SessionState, TaskState};
 
-use crate::support::{Harness, assert_code, id_of, ids, session_id, t, task, token};
+use crate::support::{Db, Harness, assert_code, db_tests, id_of, ids, session_id, t, task, token};
 
-#[tokio::test]
-async fn claims_follow_roles_dependencies_and_priority() {
-    let harness = Harness::start().await;
+async fn claims_follow_roles_dependencies_and_priority(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness
         .create(json!({"name": "prio", "tasks": [
             {"id": "IMPL-A", "title": "low", "priority": "P2"},
@@ -75,9 +74,8 @@ async fn claims_follow_roles_dependencies_and_priority() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn completing_tasks_advances_the_dag_until_the_session_completes() {
-    let harness = Harness::start().await;
+async fn completing_tasks_advances_the_dag_until_the_session_completes(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness
         .create(json!({"name": "chain", "tasks": [
             t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("VALIDATE-1", &["IMPL-2"]), t("TESTRUN-1", &["VALIDATE-1"]),
@@ -115,9 +113,8 @@ async fn completing_tasks_advances_the_dag_until_the_session_completes() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn transitive_upstream_is_handed_to_workers() {
-    let harness = Harness::start().await;
+async fn transitive_upstream_is_handed_to_workers(db: Db) {
+    let harness = Harness::start(db).await;
     harness.create(json!({"name": "up", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("VALIDATE-1", &["IMPL-2"])]})).await;
     for _ in 0..2 {
         let claimed = harness.claim(&[Role::Executor], 1).await;
@@ -133,9 +130,8 @@ async fn transitive_upstream_is_handed_to_workers() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn stale_fencing_tokens_are_refused() {
-    let harness = Harness::start().await;
+async fn stale_fencing_tokens_are_refused(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness
         .create(json!({"name": "fence", "tasks": [t("IMPL-1", &[])]}))
         .await;
@@ -200,9 +196,8 @@ async fn stale_fencing_tokens_are_refused() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn heartbeats_extend_leases_and_record_progress() {
-    let harness = Harness::start().await;
+async fn heartbeats_extend_leases_and_record_progress(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness
         .create(json!({"name": "beat", "tasks": [t("IMPL-1", &[])]}))
         .await;
@@ -238,9 +233,8 @@ async fn heartbeats_extend_leases_and_record_progress() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn expired_leases_are_redispatched_then_time_out() {
-    let harness = Harness::start().await;
+async fn expired_leases_are_redispatched_then_time_out(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness.create(json!({"name": "lease", "max_attempts": 2, "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"])]})).await;
     let session = session_id(&created);
     let lease = Duration::from_secs(1);
@@ -282,9 +276,8 @@ async fn expired_leases_are_redispatched_then_time_out() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn retryable_failure_backs_off_then_succeeds() {
-    let harness = Harness::start().await;
+async fn retryable_failure_backs_off_then_succeeds(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness.create(json!({"name": "retry", "tasks": [{"id": "IMPL-1", "title": "flaky", "max_attempts": 3}]})).await;
     let session = session_id(&created);
     let first = harness.claim(&[Role::Executor], 1).await;
@@ -332,9 +325,8 @@ async fn retryable_failure_backs_off_then_succeeds() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn terminal_failure_skips_downstream() {
-    let harness = Harness::start().await;
+async fn terminal_failure_skips_downstream(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness
         .create(json!({"name": "skip", "tasks": [
             t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("VALIDATE-1", &["IMPL-2"]), t("IMPL-3", &[]),
@@ -364,9 +356,8 @@ async fn terminal_failure_skips_downstream() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn block_policy_blocks_downstream_and_retries_run_out() {
-    let harness = Harness::start().await;
+async fn block_policy_blocks_downstream_and_retries_run_out(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness
         .create(
             json!({"name": "block", "on_failure": "block", "max_attempts": 1, "tasks": [
@@ -386,9 +377,8 @@ async fn block_policy_blocks_downstream_and_retries_run_out() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn waves_mode_waits_for_the_whole_wave() {
-    let harness = Harness::start().await;
+async fn waves_mode_waits_for_the_whole_wave(db: Db) {
+    let harness = Harness::start(db).await;
     harness
         .create(json!({"name": "waves", "mode": "waves", "tasks": [
             t("IMPL-1", &[]), t("IMPL-2", &[]), t("IMPL-3", &["IMPL-1"]),
@@ -409,9 +399,8 @@ async fn waves_mode_waits_for_the_whole_wave() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn cancel_stops_everything_and_tells_running_workers() {
-    let harness = Harness::start().await;
+async fn cancel_stops_everything_and_tells_running_workers(db: Db) {
+    let harness = Harness::start(db).await;
     let created = harness.create(json!({"name": "cancel", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("IMPL-3", &[])]})).await;
     let session = session_id(&created);
     let claimed = harness.claim(&[Role::Executor], 1).await;
@@ -458,9 +447,8 @@ async fn cancel_stops_everything_and_tells_running_workers() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn long_poll_claim_wakes_when_work_appears() {
-    let harness = Harness::start().await;
+async fn long_poll_claim_wakes_when_work_appears(db: Db) {
+    let harness = Harness::start(db).await;
     let waiter = {
         let client = harness.client();
         tokio::spawn(async move {
@@ -496,3 +484,18 @@ async fn long_poll_claim_wakes_when_work_appears() {
     );
     harness.stop().await;
 }
+
+db_tests!(
+    claims_follow_roles_dependencies_and_priority,
+    completing_tasks_advances_the_dag_until_the_session_completes,
+    transitive_upstream_is_handed_to_workers,
+    stale_fencing_tokens_are_refused,
+    heartbeats_extend_leases_and_record_progress,
+    expired_leases_are_redispatched_then_time_out,
+    retryable_failure_backs_off_then_succeeds,
+    terminal_failure_skips_downstream,
+    block_policy_blocks_downstream_and_retries_run_out,
+    waves_mode_waits_for_the_whole_wave,
+    cancel_stops_everything_and_tells_running_workers,
+    long_poll_claim_wakes_when_work_appears,
+);

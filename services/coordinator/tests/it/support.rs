@@ -1,4 +1,5 @@
-//! Fixtures: a running coordinator with a git repository, and plan/claim helpers.
+//! Fixtures: a running coordinator with a git repository, and plan/claim helpers, on SQLite or
+//! on PostgreSQL (`TROUPE_TEST_DATABASE_URL`, a schema per test so tests run in parallel).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -11,6 +12,84 @@ use troupe_testkit::TestService;
 
 pub(crate) type Client = troupe_grpc::CoordinatorClient;
 
+/// The database a test runs against.
+#[derive(Debug, Clone)]
+pub(crate) enum Db {
+    /// `troupe.db` in the data directory (the default configuration).
+    Sqlite,
+    /// A fresh schema in the PostgreSQL database of this URL.
+    Postgres(String),
+}
+
+impl Db {
+    /// Returns the PostgreSQL of `TROUPE_TEST_DATABASE_URL`. When unset, fails under CI
+    /// (`CI` set) and otherwise prints a notice and returns `None` (the test is skipped).
+    pub(crate) fn postgres() -> Option<Self> {
+        match std::env::var("TROUPE_TEST_DATABASE_URL") {
+            Ok(url) if !url.is_empty() => Some(Self::Postgres(url)),
+            _ if std::env::var_os("CI").is_some_and(|ci| !ci.is_empty() && ci != "false") => {
+                panic!(
+                    "TROUPE_TEST_DATABASE_URL is not set but CI is: PostgreSQL tests must run in CI \
+                     (source scripts/setup/20-postgres.sh to start a throwaway cluster)"
+                )
+            }
+            _ => {
+                eprintln!(
+                    "notice: skipping a PostgreSQL test: TROUPE_TEST_DATABASE_URL is not set \
+                     (source scripts/setup/20-postgres.sh)"
+                );
+                None
+            }
+        }
+    }
+
+    /// Returns the database URL for a coordinator config: `None` (the default SQLite file) or
+    /// a URL naming a new, empty schema.
+    pub(crate) async fn database_url(&self) -> Option<String> {
+        match self {
+            Self::Sqlite => None,
+            Self::Postgres(url) => Some(fresh_schema(url).await),
+        }
+    }
+}
+
+/// Creates an empty schema and returns `url` with it as the search path.
+pub(crate) async fn fresh_schema(url: &str) -> String {
+    use sqlx::Connection as _;
+    let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(url)
+        .await
+        .expect("connect to TROUPE_TEST_DATABASE_URL");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&mut conn)
+        .await
+        .expect("create schema");
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}options=-c%20search_path%3D{schema}")
+}
+
+/// Runs each named `async fn(Db)` as two tests: `<name>::sqlite` and `<name>::postgres`.
+macro_rules! db_tests {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn sqlite() {
+                    super::$name(crate::support::Db::Sqlite).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn postgres() {
+                    if let Some(db) = crate::support::Db::postgres() {
+                        super::$name(db).await;
+                    }
+                }
+            }
+        )*
+    };
+}
+pub(crate) use db_tests;
+
 /// A coordinator running on its own data directory, next to a sample repository.
 pub(crate) struct Harness {
     pub(crate) client: Client,
@@ -19,11 +98,17 @@ pub(crate) struct Harness {
     /// Base directory of plans: holds `repo/` (a git work tree) and `sample/` (a template).
     pub(crate) base_dir: PathBuf,
     pub(crate) base_commit: String,
+    /// The coordinator's database URL (`None`: SQLite in the data directory).
+    pub(crate) database_url: Option<String>,
     _log: tracing::subscriber::DefaultGuard,
 }
 
 impl Harness {
-    pub(crate) async fn start() -> Self {
+    pub(crate) async fn start(db: Db) -> Self {
+        Self::start_tuned(db, troupe_coordinator::Tuning::default()).await
+    }
+
+    pub(crate) async fn start_tuned(db: Db, tuning: troupe_coordinator::Tuning) -> Self {
         let log = troupe_testkit::trace_init();
         let dir = tempfile::tempdir().expect("tempdir");
         let base_dir = dir.path().join("plan");
@@ -32,9 +117,11 @@ impl Harness {
                 .expect("git repo");
         std::fs::create_dir_all(base_dir.join("sample/src")).expect("sample dir");
         std::fs::write(base_dir.join("sample/src/app.py"), "print('hi')\n").expect("sample file");
-        let config = troupe_coordinator::Config::new(dir.path().join("data"));
+        let database_url = db.database_url().await;
+        let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
+        config.database_url.clone_from(&database_url);
         let service = TestService::spawn(move |listener, shutdown| {
-            troupe_coordinator::run(config, listener, shutdown)
+            troupe_coordinator::run_tuned(config, tuning, listener, shutdown)
         })
         .await;
         let client = troupe_grpc::coordinator_client(&service.url()).expect("client");
@@ -44,8 +131,16 @@ impl Harness {
             dir,
             base_dir,
             base_commit,
+            database_url,
             _log: log,
         }
+    }
+
+    /// Returns the configuration of this harness's coordinator (same data dir and database).
+    pub(crate) fn config(&self) -> troupe_coordinator::Config {
+        let mut config = troupe_coordinator::Config::new(self.dir.path().join("data"));
+        config.database_url.clone_from(&self.database_url);
+        config
     }
 
     pub(crate) fn client(&self) -> Client {
@@ -96,6 +191,32 @@ impl Harness {
     pub(crate) async fn claim(&self, roles: &[Role], max: u32) -> Vec<pb::ClaimedTask> {
         self.claim_with(roles, max, Duration::ZERO, Duration::from_secs(30))
             .await
+    }
+
+    /// Returns the session's status (`CheckSession`).
+    pub(crate) async fn check(&self, session_id: &str) -> pb::CheckSessionResponse {
+        self.client()
+            .check_session(pb::CheckSessionRequest {
+                session_id: session_id.to_owned(),
+            })
+            .await
+            .expect("check session")
+            .into_inner()
+    }
+
+    /// Returns the session's messages of one type.
+    pub(crate) async fn messages(&self, session_id: &str, kind: &str) -> Vec<pb::Message> {
+        self.client()
+            .list_messages(pb::ListMessagesRequest {
+                session_id: session_id.to_owned(),
+                r#type: kind.to_owned(),
+                last: 100,
+                ..Default::default()
+            })
+            .await
+            .expect("list messages")
+            .into_inner()
+            .messages
     }
 
     pub(crate) async fn claim_with(

@@ -6,7 +6,7 @@ use serde_json::json;
 use tonic::Code;
 use troupe_proto::v1::{self as pb, Role, SessionState, TaskState, session_event::Kind};
 
-use crate::support::{Harness, assert_code, session_id, t};
+use crate::support::{Db, Harness, assert_code, db_tests, session_id, t};
 
 async fn next_event(stream: &mut tonic::Streaming<pb::SessionEvent>) -> pb::SessionEvent {
     tokio::time::timeout(Duration::from_secs(10), stream.message())
@@ -16,9 +16,8 @@ async fn next_event(stream: &mut tonic::Streaming<pb::SessionEvent>) -> pb::Sess
         .expect("stream still open")
 }
 
-#[tokio::test]
-async fn watch_replays_from_a_cursor_then_follows_live_events_and_ends() {
-    let harness = Harness::start().await;
+async fn watch_replays_from_a_cursor_then_follows_live_events_and_ends(db: Db) {
+    let harness = Harness::start(db).await;
     let session = session_id(
         &harness
             .create(json!({"name": "watch", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"])]}))
@@ -99,9 +98,8 @@ async fn watch_replays_from_a_cursor_then_follows_live_events_and_ends() {
     harness.stop().await;
 }
 
-#[tokio::test]
-async fn follow_keeps_the_stream_open_for_messages() {
-    let harness = Harness::start().await;
+async fn follow_keeps_the_stream_open_for_messages(db: Db) {
+    let harness = Harness::start(db).await;
     let session = session_id(
         &harness
             .create(json!({"name": "follow", "tasks": [t("IMPL-1", &[])]}))
@@ -149,3 +147,8 @@ async fn follow_keeps_the_stream_open_for_messages() {
     assert_code(missing.map(|_| ()), Code::NotFound, "not found");
     harness.stop().await;
 }
+
+db_tests!(
+    watch_replays_from_a_cursor_then_follows_live_events_and_ends,
+    follow_keeps_the_stream_open_for_messages,
+);

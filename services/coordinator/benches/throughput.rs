@@ -1,0 +1,282 @@
+//! Coordinator benchmarks through the gRPC worker protocol (performance.md S1 and S2), on
+//! SQLite (default settings: WAL, `synchronous=NORMAL`) and PostgreSQL.
+//!
+//! ```text
+//! cargo bench -p troupe-coordinator --bench throughput -- --db sqlite
+//! TROUPE_BENCH_DATABASE_URL=postgres://postgres@127.0.0.1:5432/postgres \
+//!   cargo bench -p troupe-coordinator --bench throughput -- --db postgres --tasks 2000 --workers 8 --batch 8
+//! ```
+//!
+//! S1 burn-down: one session of `--tasks` independent no-op tasks drained by `--workers`
+//! concurrent workers claiming up to `--batch` tasks per `ClaimTasks`, completing each with
+//! `CompleteTask`. S2 pickup latency: a chain of tasks; a worker long-polls `ClaimTasks` while
+//! the previous task is completed; the sample is from sending `CompleteTask` to the long-poll
+//! returning the next task (it includes the CompleteTask round trip).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+use troupe_proto::v1::{self as pb, Role, SessionState};
+
+#[derive(Debug, Parser)]
+struct Args {
+    /// `sqlite` or `postgres` (URL from TROUPE_BENCH_DATABASE_URL or TROUPE_TEST_DATABASE_URL).
+    #[arg(long, default_value = "sqlite")]
+    db: String,
+    /// S1: tasks to burn down.
+    #[arg(long, default_value_t = 1000)]
+    tasks: usize,
+    /// S1: concurrent workers.
+    #[arg(long, default_value_t = 4)]
+    workers: usize,
+    /// S1: tasks per claim.
+    #[arg(long, default_value_t = 1)]
+    batch: u32,
+    /// S2: latency samples.
+    #[arg(long, default_value_t = 300)]
+    samples: usize,
+    /// Skip S1 or S2.
+    #[arg(long)]
+    only: Option<String>,
+    // `cargo bench` passes `--bench`; accept and ignore it.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+type Client = troupe_grpc::CoordinatorClient;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let dir = tempfile::tempdir()?;
+    let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
+    config.database_url = match args.db.as_str() {
+        "sqlite" => None,
+        "postgres" => {
+            let url = std::env::var("TROUPE_BENCH_DATABASE_URL")
+                .or_else(|_| std::env::var("TROUPE_TEST_DATABASE_URL"))
+                .context(
+                    "set TROUPE_BENCH_DATABASE_URL (or source scripts/setup/20-postgres.sh)",
+                )?;
+            Some(fresh_schema(&url).await?)
+        }
+        other => bail!("unknown --db {other}"),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let shutdown = CancellationToken::new();
+    let server = tokio::spawn(troupe_coordinator::run(config, listener, shutdown.clone()));
+    let repo = dir.path().join("plan/repo");
+    std::fs::create_dir_all(&repo)?;
+    git(&repo, &["init", "-q"])?;
+    std::fs::write(repo.join("README.md"), "bench\n")?;
+    git(&repo, &["add", "."])?;
+    git(
+        &repo,
+        &[
+            "-c",
+            "user.name=b",
+            "-c",
+            "user.email=b@b",
+            "commit",
+            "-qm",
+            "init",
+        ],
+    )?;
+    let base_dir = dir.path().join("plan").display().to_string();
+    let client = troupe_grpc::coordinator_client(&url)?;
+
+    if args.only.as_deref() != Some("s2") {
+        s1(&client, &base_dir, &args).await?;
+    }
+    if args.only.as_deref() != Some("s1") {
+        s2(&client, &base_dir, &args).await?;
+    }
+    shutdown.cancel();
+    server.await??;
+    Ok(())
+}
+
+fn git(dir: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
+    let status = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .status()?;
+    if !status.success() {
+        bail!("git {args:?} failed");
+    }
+    Ok(())
+}
+
+async fn fresh_schema(url: &str) -> anyhow::Result<String> {
+    use sqlx::Connection as _;
+    let schema = format!("bench_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(url).await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&mut conn)
+        .await?;
+    let separator = if url.contains('?') { '&' } else { '?' };
+    Ok(format!(
+        "{url}{separator}options=-c%20search_path%3D{schema}"
+    ))
+}
+
+async fn create(
+    client: &Client,
+    base_dir: &str,
+    name: &str,
+    tasks: Vec<serde_json::Value>,
+) -> anyhow::Result<String> {
+    let plan = json!({"name": name, "repos": {"app": {"path": "repo"}}, "tasks": tasks});
+    let response = client
+        .clone()
+        .create_session(pb::CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: base_dir.to_owned(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    Ok(response.session.context("no session")?.id)
+}
+
+fn claim_request(worker: &str, max: u32, wait: Duration) -> pb::ClaimTasksRequest {
+    pb::ClaimTasksRequest {
+        worker_id: worker.to_owned(),
+        roles: vec![Role::Executor as i32],
+        max_tasks: max,
+        wait: prost_types::Duration::try_from(wait).ok(),
+        lease_duration: prost_types::Duration::try_from(Duration::from_secs(60)).ok(),
+        capabilities: Vec::new(),
+    }
+}
+
+async fn complete(client: &mut Client, claimed: &pb::ClaimedTask) -> anyhow::Result<()> {
+    let task = claimed.task.as_ref().context("task")?;
+    client
+        .complete_task(pb::CompleteTaskRequest {
+            session_id: task.session_id.clone(),
+            task_id: task.id.clone(),
+            fencing_token: claimed.lease.as_ref().context("lease")?.fencing_token,
+            result: Some(pb::TaskResult {
+                summary: "no-op".to_owned(),
+                ..Default::default()
+            }),
+        })
+        .await?;
+    Ok(())
+}
+
+async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
+    let tasks = (1..=args.tasks)
+        .map(|i| json!({"id": format!("IMPL-{i}"), "title": "no-op"}))
+        .collect();
+    let session = create(client, base_dir, "s1", tasks).await?;
+    let done = Arc::new(AtomicUsize::new(0));
+    let start = Instant::now();
+    let mut workers = tokio::task::JoinSet::new();
+    for w in 0..args.workers {
+        let mut client = client.clone();
+        let done = Arc::clone(&done);
+        let total = args.tasks;
+        let batch = args.batch;
+        workers.spawn(async move {
+            let worker = format!("bench-{w}");
+            while done.load(Ordering::Relaxed) < total {
+                let claimed = client
+                    .claim_tasks(claim_request(&worker, batch, Duration::from_millis(200)))
+                    .await?
+                    .into_inner()
+                    .tasks;
+                for task in &claimed {
+                    complete(&mut client, task).await?;
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            anyhow::Ok(())
+        });
+    }
+    while let Some(result) = workers.join_next().await {
+        result??;
+    }
+    let elapsed = start.elapsed();
+    let view = client
+        .clone()
+        .get_session(pb::GetSessionRequest {
+            session_id: session,
+        })
+        .await?
+        .into_inner();
+    let state = view.session.context("session")?.state();
+    if state != SessionState::Completed {
+        bail!("session ended {state:?}");
+    }
+    println!(
+        "S1 db={} tasks={} workers={} batch={}: {:.2}s, {:.0} tasks/s",
+        args.db,
+        args.tasks,
+        args.workers,
+        args.batch,
+        elapsed.as_secs_f64(),
+        args.tasks as f64 / elapsed.as_secs_f64()
+    );
+    Ok(())
+}
+
+async fn s2(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
+    let tasks = (0..=args.samples)
+        .map(|i| {
+            let deps: Vec<String> = if i == 0 {
+                Vec::new()
+            } else {
+                vec![format!("IMPL-{}", i - 1)]
+            };
+            json!({"id": format!("IMPL-{i}"), "title": "step", "depends_on": deps})
+        })
+        .collect();
+    create(client, base_dir, "s2", tasks).await?;
+    let mut holder = client.clone();
+    let mut held = holder
+        .claim_tasks(claim_request("bench-holder", 1, Duration::from_secs(5)))
+        .await?
+        .into_inner()
+        .tasks
+        .pop()
+        .context("first task")?;
+    let mut samples = Vec::with_capacity(args.samples);
+    for _ in 0..args.samples {
+        let mut waiter = client.clone();
+        let poll = tokio::spawn(async move {
+            let response = waiter
+                .claim_tasks(claim_request("bench-waiter", 1, Duration::from_secs(10)))
+                .await;
+            (Instant::now(), response)
+        });
+        // Let the long poll park before the next task becomes ready.
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        let sent = Instant::now();
+        complete(&mut holder, &held).await?;
+        let (claimed_at, response) = poll.await?;
+        held = response?.into_inner().tasks.pop().context("next task")?;
+        samples.push(claimed_at - sent);
+    }
+    complete(&mut holder, &held).await?;
+    samples.sort();
+    let pick = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
+    println!(
+        "S2 db={} samples={}: p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        args.db,
+        samples.len(),
+        pick(0.50).as_secs_f64() * 1e3,
+        pick(0.95).as_secs_f64() * 1e3,
+        pick(0.99).as_secs_f64() * 1e3,
+        pick(1.0).as_secs_f64() * 1e3,
+    );
+    Ok(())
+}

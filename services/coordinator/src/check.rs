@@ -1,0 +1,240 @@
+//! CCW's `check`, free of I/O: the status graph, waves, active workers, stall report and
+//! capability gaps of a session, computed from rows the store loaded.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use troupe_proto::v1::{self as pb, SessionState, TaskState};
+
+use crate::convert::{opt_timestamp, struct_to_json};
+use crate::sched::{self, TaskRow};
+
+/// Returns the graph status word of a task state (CCW's done / running / ready / pending).
+pub(crate) fn status_word(state: TaskState) -> &'static str {
+    match state {
+        TaskState::Completed => "done",
+        TaskState::Running => "running",
+        TaskState::Ready => "ready",
+        TaskState::Pending | TaskState::Unspecified => "pending",
+        TaskState::Blocked => "blocked",
+        TaskState::Failed => "failed",
+        TaskState::TimedOut => "timed_out",
+        TaskState::Skipped => "skipped",
+        TaskState::Cancelled => "cancelled",
+    }
+}
+
+/// The task a `progress` message is about: `data.task_id`, else its sender.
+fn progress_task(message: &pb::Message) -> String {
+    message
+        .data
+        .as_ref()
+        .map(struct_to_json)
+        .and_then(|data| {
+            data.get("task_id")
+                .and_then(|id| id.as_str().map(str::to_owned))
+        })
+        .unwrap_or_else(|| message.from.clone())
+}
+
+/// Builds the read-only status of a session.
+pub(crate) fn status(
+    session: pb::Session,
+    tasks: &[TaskRow],
+    blockers: Vec<pb::Message>,
+    progress_messages: &[pb::Message],
+    capability_gaps: Vec<pb::CapabilityGap>,
+    now_ms: i64,
+) -> pb::CheckSessionResponse {
+    let total = tasks.len();
+    let done = tasks
+        .iter()
+        .filter(|task| task.state == TaskState::Completed)
+        .count();
+    // An empty plan is trivially complete.
+    let percent_complete = (done * 100)
+        .checked_div(total)
+        .map_or(100, |percent| u32::try_from(percent).unwrap_or(100));
+    // Oldest first, so later notes win.
+    let mut latest: HashMap<String, String> = HashMap::new();
+    for message in progress_messages {
+        latest.insert(progress_task(message), message.summary.clone());
+    }
+    let state_of: HashMap<&str, TaskState> = tasks
+        .iter()
+        .map(|task| (task.id.as_str(), task.state))
+        .collect();
+    let graph = tasks
+        .iter()
+        .map(|task| pb::StatusNode {
+            task_id: task.id.clone(),
+            title: task.title.clone(),
+            role: task.role as i32,
+            state: task.state as i32,
+            status: status_word(task.state).to_owned(),
+            wave: task.wave,
+            depends_on: task.depends_on.clone(),
+            waiting_on: task
+                .depends_on
+                .iter()
+                .filter(|dep| state_of.get(dep.as_str()) != Some(&TaskState::Completed))
+                .cloned()
+                .collect(),
+            progress: if task.progress.is_empty() {
+                latest.get(&task.id).cloned().unwrap_or_default()
+            } else {
+                task.progress.clone()
+            },
+            worker_id: task.worker_id.clone(),
+            attempt: task.attempt,
+        })
+        .collect();
+    let mut waves: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    for task in tasks {
+        waves.entry(task.wave).or_default().push(task.id.clone());
+    }
+    let waves = waves
+        .into_iter()
+        .map(|(number, task_ids)| pb::Wave { number, task_ids })
+        .collect();
+    let active_workers = tasks
+        .iter()
+        .filter(|task| task.state == TaskState::Running)
+        .map(|task| {
+            let started = task.started_at.unwrap_or(now_ms);
+            let elapsed = Duration::from_millis(u64::try_from(now_ms - started).unwrap_or(0));
+            pb::ActiveWorker {
+                worker_id: task.worker_id.clone(),
+                task_id: task.id.clone(),
+                role: task.role as i32,
+                attempt: task.attempt,
+                started_at: opt_timestamp(task.started_at),
+                elapsed: prost_types::Duration::try_from(elapsed).ok(),
+                lease_expires_at: opt_timestamp(task.lease_expires_at),
+            }
+        })
+        .collect();
+    let state = session.state();
+    let stall = sched::stall(tasks, state, now_ms).map(|stuck| stall_report(&stuck, state));
+    pb::CheckSessionResponse {
+        session: Some(session),
+        percent_complete,
+        graph,
+        waves,
+        active_workers,
+        blockers,
+        stall,
+        capability_gaps,
+    }
+}
+
+fn stall_report(stuck: &[sched::Stuck], state: SessionState) -> pb::StallReport {
+    let names: Vec<&str> = stuck.iter().map(|task| task.task_id.as_str()).collect();
+    let hint = match state {
+        SessionState::Paused | SessionState::Failed => "; `resume` retries and reactivates",
+        _ => "",
+    };
+    pb::StallReport {
+        summary: format!(
+            "stalled: nothing ready or running and {} task(s) cannot start: {}{hint}",
+            stuck.len(),
+            names.join(", ")
+        ),
+        tasks: stuck
+            .iter()
+            .map(|task| pb::StuckTask {
+                task_id: task.task_id.clone(),
+                state: task.state as i32,
+                reason: task.reason.clone(),
+            })
+            .collect(),
+    }
+}
+
+/// Returns the roles whose ready tasks (`ready`: task id and role) no worker has claimed for
+/// `threshold`: `seen` is when a worker serving each role was last seen, `floor` when the
+/// coordinator started (no one could have claimed before).
+pub(crate) fn capability_gaps(
+    ready: &[(String, pb::Role)],
+    seen: &HashMap<pb::Role, i64>,
+    floor: i64,
+    now_ms: i64,
+    threshold: Duration,
+) -> Vec<pb::CapabilityGap> {
+    let threshold_ms = i64::try_from(threshold.as_millis()).unwrap_or(i64::MAX);
+    let served = |role: pb::Role| seen.get(&role).is_some_and(|at| now_ms - at < threshold_ms);
+    let mut by_role: BTreeMap<i32, Vec<String>> = BTreeMap::new();
+    for (task_id, role) in ready {
+        by_role
+            .entry(*role as i32)
+            .or_default()
+            .push(task_id.clone());
+    }
+    let mut gaps = Vec::new();
+    for (role, task_ids) in by_role {
+        let role = pb::Role::try_from(role).unwrap_or(pb::Role::Unspecified);
+        let last = seen.get(&role).copied().unwrap_or(floor).max(floor);
+        let unserved = now_ms - last;
+        if unserved < threshold_ms {
+            continue;
+        }
+        // CCW's redirect: another role whose id prefix covers these tasks and has workers.
+        let covered_by = task_ids
+            .iter()
+            .filter_map(|id| troupe_plan::ccw::role_for_prefix(id.split('-').next().unwrap_or("")))
+            .map(troupe_plan::Role::to_proto)
+            .find(|other| *other != role && served(*other));
+        let name = role_name(role);
+        let mut message = format!(
+            "no worker has claimed role {name} for {}s; ready: {}",
+            unserved / 1000,
+            task_ids.join(", ")
+        );
+        match covered_by {
+            Some(other) => message.push_str(&format!(
+                "; role {} covers their id prefix and has workers: redirect them there or start a worker for role {name}",
+                role_name(other)
+            )),
+            None => message.push_str(&format!("; start a worker for role {name}")),
+        }
+        gaps.push(pb::CapabilityGap {
+            role: role as i32,
+            task_ids,
+            unserved_for: prost_types::Duration::try_from(Duration::from_millis(
+                u64::try_from(unserved).unwrap_or(0),
+            ))
+            .ok(),
+            covered_by: covered_by.unwrap_or(pb::Role::Unspecified) as i32,
+            message,
+        });
+    }
+    gaps
+}
+
+/// Returns the plan name of a role (`executor`, `validator`, `test-runner`).
+pub(crate) fn role_name(role: pb::Role) -> &'static str {
+    troupe_plan::Role::from_proto(role).map_or("unspecified", troupe_plan::Role::as_str)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gaps_need_the_threshold_and_name_a_covering_role() {
+        let ready = vec![
+            ("TEST-1".to_owned(), pb::Role::Validator),
+            ("IMPL-1".to_owned(), pb::Role::Executor),
+        ];
+        let mut seen = HashMap::new();
+        seen.insert(pb::Role::Executor, 9_500);
+        seen.insert(pb::Role::TestRunner, 9_900);
+        let gaps = capability_gaps(&ready, &seen, 0, 10_000, Duration::from_secs(2));
+        assert_eq!(gaps.len(), 1, "{gaps:?}");
+        assert_eq!(gaps[0].role(), pb::Role::Validator);
+        assert_eq!(gaps[0].covered_by(), pb::Role::TestRunner);
+        assert!(gaps[0].message.contains("validator"), "{}", gaps[0].message);
+        // Right after the coordinator started nobody could have claimed yet.
+        assert!(capability_gaps(&ready, &seen, 9_000, 10_000, Duration::from_secs(2)).is_empty());
+    }
+}

@@ -1,0 +1,382 @@
+//! Session commands: imported task status, `CheckSession`, `ResumeSession`, stall reports and
+//! capability gaps.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tonic::Code;
+use troupe_proto::v1::{self as pb, Role, SessionState, TaskState};
+
+use crate::support::{Db, Harness, assert_code, db_tests, ids, session_id, t, task, token};
+
+fn node<'a>(check: &'a pb::CheckSessionResponse, id: &str) -> &'a pb::StatusNode {
+    check
+        .graph
+        .iter()
+        .find(|node| node.task_id == id)
+        .unwrap_or_else(|| panic!("node {id} missing"))
+}
+
+fn data_of(message: &pb::Message) -> Value {
+    let data = message.data.as_ref().expect("data");
+    serde_json::to_value(
+        data.fields
+            .iter()
+            .map(|(key, value)| (key.clone(), proto_value(value)))
+            .collect::<serde_json::Map<_, _>>(),
+    )
+    .expect("json")
+}
+
+fn proto_value(value: &prost_types::Value) -> Value {
+    use prost_types::value::Kind;
+    match &value.kind {
+        Some(Kind::StringValue(text)) => Value::String(text.clone()),
+        Some(Kind::NumberValue(number)) => json!(number),
+        Some(Kind::BoolValue(flag)) => Value::Bool(*flag),
+        Some(Kind::ListValue(list)) => Value::Array(list.values.iter().map(proto_value).collect()),
+        Some(Kind::StructValue(object)) => Value::Object(
+            object
+                .fields
+                .iter()
+                .map(|(key, value)| (key.clone(), proto_value(value)))
+                .collect(),
+        ),
+        Some(Kind::NullValue(_)) | None => Value::Null,
+    }
+}
+
+async fn imported_completed_tasks_resume_where_they_were(db: Db) {
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(json!({"name": "imported", "tasks": [
+            {"id": "IMPL-1", "title": "done before", "status": "completed",
+             "result": {"summary": "rotated tokens", "files_modified": ["src/auth.py"]}},
+            {"id": "IMPL-2", "title": "was running", "status": "in_progress", "depends_on": ["IMPL-1"]},
+            {"id": "IMPL-3", "title": "string result", "status": "completed", "result": "ok"},
+            {"id": "VALIDATE-1", "title": "check", "status": "pending", "depends_on": ["IMPL-2", "IMPL-3"]},
+        ]}))
+        .await;
+    let session = session_id(&created);
+    let view = harness.session(&session).await;
+    let first = task(&view.tasks, "IMPL-1");
+    assert_eq!(first.state(), TaskState::Completed);
+    let result = first.result.as_ref().expect("imported result");
+    assert_eq!(result.summary, "rotated tokens");
+    assert_eq!(result.files_modified, vec!["src/auth.py"]);
+    assert_eq!(
+        task(&view.tasks, "IMPL-3")
+            .result
+            .as_ref()
+            .expect("result")
+            .summary,
+        "ok"
+    );
+    assert_eq!(task(&view.tasks, "IMPL-2").state(), TaskState::Ready);
+    assert_eq!(task(&view.tasks, "VALIDATE-1").state(), TaskState::Pending);
+    let claimed = harness.claim(&[Role::Executor], 5).await;
+    assert_eq!(
+        ids(&claimed),
+        vec!["IMPL-2"],
+        "only the unfinished task runs"
+    );
+    assert_eq!(claimed[0].upstream[0].task_id, "IMPL-1");
+    harness.complete(&claimed[0], "ok").await.expect("complete");
+    let validators = harness.claim(&[Role::Validator], 5).await;
+    assert_eq!(ids(&validators), vec!["VALIDATE-1"]);
+    harness.stop().await;
+}
+
+async fn check_reports_graph_workers_progress_and_blockers(db: Db) {
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(json!({"name": "check", "tasks": [
+            t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("IMPL-3", &["IMPL-2"]), t("VALIDATE-1", &["IMPL-1"]),
+        ]}))
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    harness
+        .client()
+        .heartbeat(pb::HeartbeatRequest {
+            session_id: session.clone(),
+            task_id: "IMPL-1".into(),
+            fencing_token: token(&claimed[0]),
+            progress: "halfway".into(),
+            lease_duration: None,
+        })
+        .await
+        .expect("heartbeat");
+    harness
+        .client()
+        .log_message(pb::LogMessageRequest {
+            session_id: session.clone(),
+            from: "IMPL-1".into(),
+            r#type: "blocker".into(),
+            summary: "need an API key".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("log blocker");
+    let before = harness
+        .session(&session)
+        .await
+        .session
+        .expect("s")
+        .last_sequence;
+
+    let check = harness.check(&session).await;
+    assert_eq!(check.percent_complete, 0);
+    assert_eq!(node(&check, "IMPL-1").status, "running");
+    assert_eq!(node(&check, "IMPL-1").progress, "halfway");
+    assert_eq!(node(&check, "IMPL-1").worker_id, "worker-test");
+    assert_eq!(node(&check, "IMPL-2").status, "pending");
+    assert_eq!(node(&check, "IMPL-2").waiting_on, vec!["IMPL-1"]);
+    let waves: Vec<(u32, Vec<String>)> = check
+        .waves
+        .iter()
+        .map(|wave| (wave.number, wave.task_ids.clone()))
+        .collect();
+    assert_eq!(
+        waves,
+        vec![
+            (1, vec!["IMPL-1".to_owned()]),
+            (2, vec!["IMPL-2".to_owned(), "VALIDATE-1".to_owned()]),
+            (3, vec!["IMPL-3".to_owned()]),
+        ]
+    );
+    assert_eq!(check.active_workers.len(), 1);
+    let worker = &check.active_workers[0];
+    assert_eq!(
+        (worker.worker_id.as_str(), worker.task_id.as_str()),
+        ("worker-test", "IMPL-1")
+    );
+    assert!(worker.elapsed.is_some() && worker.lease_expires_at.is_some());
+    assert_eq!(check.blockers.len(), 1);
+    assert_eq!(check.blockers[0].summary, "need an API key");
+    assert!(check.stall.is_none());
+    assert!(check.capability_gaps.is_empty());
+    let after = harness
+        .session(&session)
+        .await
+        .session
+        .expect("s")
+        .last_sequence;
+    assert_eq!(before, after, "check is read-only");
+
+    harness.complete(&claimed[0], "ok").await.expect("complete");
+    let check = harness.check(&session).await;
+    assert_eq!(check.percent_complete, 25);
+    assert_eq!(node(&check, "IMPL-1").status, "done");
+    assert_eq!(node(&check, "IMPL-2").status, "ready");
+    assert!(check.active_workers.is_empty());
+    assert_code(
+        harness
+            .client()
+            .check_session(pb::CheckSessionRequest {
+                session_id: "nope".into(),
+            })
+            .await,
+        Code::NotFound,
+        "nope",
+    );
+    harness.stop().await;
+}
+
+async fn stall_is_reported_then_resume_retries_and_finishes(db: Db) {
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(
+            json!({"name": "stall", "on_failure": "block", "max_attempts": 1, "tasks": [
+                t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("IMPL-3", &["IMPL-2"]),
+            ]}),
+        )
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    harness.fail(&claimed[0], false).await;
+
+    let check = harness.check(&session).await;
+    assert_eq!(
+        check.session.as_ref().expect("s").state(),
+        SessionState::Failed
+    );
+    let stall = check.stall.expect("stall report");
+    let stuck: Vec<(&str, &str)> = stall
+        .tasks
+        .iter()
+        .map(|task| (task.task_id.as_str(), task.reason.as_str()))
+        .collect();
+    assert_eq!(
+        stuck,
+        vec![
+            ("IMPL-2", "waits on IMPL-1 (failed)"),
+            ("IMPL-3", "waits on IMPL-2 (blocked)")
+        ]
+    );
+    assert!(
+        stall.summary.contains("IMPL-2, IMPL-3"),
+        "{}",
+        stall.summary
+    );
+    let warnings = harness.messages(&session, "warning").await;
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert_eq!(data_of(&warnings[0])["kind"], "stall");
+    assert_eq!(data_of(&warnings[0])["tasks"][0]["task_id"], "IMPL-2");
+
+    let resumed = harness
+        .client()
+        .resume_session(pb::ResumeSessionRequest {
+            session_id: session.clone(),
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    let reconciled: Vec<(&str, TaskState)> = resumed
+        .reconciled
+        .iter()
+        .map(|change| (change.task_id.as_str(), change.to()))
+        .collect();
+    assert_eq!(
+        reconciled,
+        vec![
+            ("IMPL-1", TaskState::Pending),
+            ("IMPL-2", TaskState::Pending),
+            ("IMPL-3", TaskState::Pending)
+        ]
+    );
+    let status = resumed.status.expect("status");
+    assert_eq!(
+        status.session.as_ref().expect("s").state(),
+        SessionState::Active
+    );
+    assert_eq!(node(&status, "IMPL-1").status, "ready");
+    assert!(status.stall.is_none());
+    for id in ["IMPL-1", "IMPL-2", "IMPL-3"] {
+        let claimed = harness.claim(&[Role::Executor], 1).await;
+        assert_eq!(ids(&claimed), vec![id]);
+        harness.complete(&claimed[0], "ok").await.expect("complete");
+    }
+    let view = harness.session(&session).await;
+    assert_eq!(view.session.expect("s").state(), SessionState::Completed);
+    assert_eq!(
+        task(&view.tasks, "IMPL-1").attempt,
+        2,
+        "one more attempt was granted"
+    );
+    harness.stop().await;
+}
+
+async fn resume_keeps_live_leases_and_refuses_cancelled_sessions(db: Db) {
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(json!({"name": "resume", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &[])]}))
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    let resumed = harness
+        .client()
+        .resume_session(pb::ResumeSessionRequest {
+            session_id: session.clone(),
+        })
+        .await
+        .expect("resume")
+        .into_inner();
+    assert!(resumed.reconciled.is_empty(), "{:?}", resumed.reconciled);
+    let status = resumed.status.expect("status");
+    assert_eq!(node(&status, "IMPL-1").status, "running");
+    assert_eq!(node(&status, "IMPL-2").status, "ready");
+    harness
+        .complete(&claimed[0], "ok")
+        .await
+        .expect("lease still valid");
+    harness
+        .client()
+        .cancel_session(pb::CancelSessionRequest {
+            session_id: session.clone(),
+            reason: String::new(),
+        })
+        .await
+        .expect("cancel");
+    assert_code(
+        harness
+            .client()
+            .resume_session(pb::ResumeSessionRequest {
+                session_id: session,
+            })
+            .await,
+        Code::FailedPrecondition,
+        "cancelled",
+    );
+    harness.stop().await;
+}
+
+async fn capability_gap_is_warned_and_names_a_covering_role(db: Db) {
+    let harness = Harness::start_tuned(
+        db,
+        troupe_coordinator::Tuning {
+            capability_gap_seconds: 1.0,
+        },
+    )
+    .await;
+    let created = harness
+        .create(json!({"name": "gap", "tasks": [
+            {"id": "TEST-1", "title": "tests, assigned to the validator", "role": "validator"},
+        ]}))
+        .await;
+    let session = session_id(&created);
+    // A test-runner worker keeps polling: it is alive but may not take validator tasks.
+    let client = harness.client();
+    let poller = tokio::spawn(async move {
+        loop {
+            let mut client = client.clone();
+            let claimed = client
+                .claim_tasks(pb::ClaimTasksRequest {
+                    worker_id: "test-runner-1".into(),
+                    roles: vec![Role::TestRunner as i32],
+                    wait: Some(prost_types::Duration {
+                        seconds: 0,
+                        nanos: 200_000_000,
+                    }),
+                    ..Default::default()
+                })
+                .await
+                .expect("claim")
+                .into_inner();
+            assert!(
+                claimed.tasks.is_empty(),
+                "test-runner took a validator task"
+            );
+        }
+    });
+    let gap = troupe_testkit::eventually("a capability_gap message", || async {
+        harness
+            .messages(&session, "capability_gap")
+            .await
+            .into_iter()
+            .next()
+    })
+    .await;
+    let data = data_of(&gap);
+    assert_eq!(data["role"], "validator");
+    assert_eq!(data["covered_by"], "test-runner");
+    assert_eq!(data["task_ids"], json!(["TEST-1"]));
+    assert!(gap.summary.contains("validator"), "{}", gap.summary);
+    let check = harness.check(&session).await;
+    assert_eq!(check.capability_gaps.len(), 1);
+    assert_eq!(check.capability_gaps[0].role(), Role::Validator);
+    assert_eq!(check.capability_gaps[0].covered_by(), Role::TestRunner);
+    // Reported once per gap, not once per scan.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(harness.messages(&session, "capability_gap").await.len(), 1);
+    poller.abort();
+    harness.stop().await;
+}
+
+db_tests!(
+    imported_completed_tasks_resume_where_they_were,
+    check_reports_graph_workers_progress_and_blockers,
+    stall_is_reported_then_resume_retries_and_finishes,
+    resume_keeps_live_leases_and_refuses_cancelled_sessions,
+    capability_gap_is_warned_and_names_a_covering_role,
+);
