@@ -11,12 +11,13 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
-use troupe_backends::{Backend, BackendError, RunSpec};
+use troupe_backends::{BackendError, BackendsConfig, ResumeFrom, RunOutcome, RunSpec};
 use troupe_grpc::worker::TaskFailure;
 use troupe_proto::v1::{ErrorKind, ImplementationReport, TaskResult, task_result};
 use troupe_workspace::{Oid, Repo, Worktree};
 
 use crate::Error;
+use crate::mode::{self, CliExecution, Resolved};
 use crate::prompt::{UpstreamNote, handoff_prompt};
 use crate::spec::{DEFAULT_AGENT_TIMEOUT, ScopePolicy, TaskSpec};
 
@@ -65,6 +66,27 @@ pub struct Job {
 #[derive(Debug, Clone)]
 pub struct Executor {
     data_dir: PathBuf,
+    config: Arc<BackendsConfig>,
+}
+
+/// What `<data_dir>/sessions/<session>/<task>/session.json` remembers of a task's last
+/// successful run, so later tasks can resume or fork its native session.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct SavedSession {
+    backend: String,
+    native_session_id: String,
+    /// The run's home (left in place: CLIs keep absolute paths into it).
+    home: PathBuf,
+    cwd: PathBuf,
+    final_message: String,
+    /// Usage as the CLI reported it (codex and qwen count the whole session).
+    #[serde(default)]
+    usage: (u64, u64, u64),
+}
+
+/// CLIs whose reported usage covers the whole session, not just this run (agent-clis.md).
+fn cumulative_usage(backend: &str) -> bool {
+    matches!(backend, "codex" | "qwen")
 }
 
 /// The branch a session task commits on. Not `troupe/<session>/<task>`: git cannot hold that
@@ -141,32 +163,6 @@ fn short(oid: &Oid) -> &str {
     &oid.as_str()[..12]
 }
 
-/// Which backend runs the task, and why.
-fn resolve_backend(spec: &TaskSpec) -> Result<(Arc<dyn Backend>, String), TaskFailure> {
-    let (name, reason) = match (&spec.agent.backend, &spec.agent.command) {
-        (Some(name), _) => (name.clone(), "task agent.backend".to_owned()),
-        (None, Some(_)) => ("command".to_owned(), "task agent.command".to_owned()),
-        (None, None) => {
-            return Err(failure(
-                ErrorKind::InvalidTask,
-                "task names no agent: set agent.backend or agent.command (CCW Executor:/meta.execution_config resolution is issue #4)",
-                false,
-            ));
-        }
-    };
-    let backend = troupe_backends::by_name(&name).ok_or_else(|| {
-        failure(
-            ErrorKind::InvalidTask,
-            format!(
-                "unknown backend `{name}` (known: {})",
-                troupe_backends::BACKEND_NAMES.join(", ")
-            ),
-            false,
-        )
-    })?;
-    Ok((backend, reason))
-}
-
 /// What the agent produced in the worktree.
 struct Produced {
     commit: Option<Oid>,
@@ -179,8 +175,10 @@ struct Produced {
 struct Prepared {
     spec: TaskSpec,
     task_id: String,
-    backend: Arc<dyn Backend>,
-    backend_reason: String,
+    session_id: String,
+    resolved: Resolved,
+    cli: Option<CliExecution>,
+    read_only: bool,
     repo: Repo,
     base: Oid,
     /// The branch checked out in the worktree.
@@ -202,9 +200,25 @@ fn partial(report: &ImplementationReport, summary: String) -> TaskResult {
 impl Executor {
     /// An executor keeping worktrees and attempt files under `data_dir` (absolute).
     pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        Self::with_config(data_dir, BackendsConfig::default())
+    }
+
+    /// An executor whose backends are configured by `config`.
+    pub fn with_config(data_dir: impl Into<PathBuf>, config: BackendsConfig) -> Self {
         Self {
             data_dir: data_dir.into(),
+            config: Arc::new(config),
         }
+    }
+
+    /// The backend configuration.
+    pub fn config(&self) -> &BackendsConfig {
+        &self.config
+    }
+
+    /// Probes every backend with this executor's settings.
+    pub async fn probe(&self) -> Vec<troupe_backends::BackendInfo> {
+        troupe_backends::probe_all_with(&self.config).await
     }
 
     /// Runs one attempt of a session task: worktree on the task branch from the session
@@ -392,7 +406,16 @@ impl Executor {
             .clone()
             .filter(|id| !id.is_empty())
             .unwrap_or_else(|| spec.id.clone());
-        let (backend, backend_reason) = resolve_backend(&spec)?;
+        let plan = mode::load_plan(job.plan_dir.as_deref());
+        let resolved = mode::resolve(&job.spec, plan.as_ref(), &self.config)
+            .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
+        let read_only = job
+            .spec
+            .get("mode")
+            .or_else(|| job.spec.get("agent").and_then(|a| a.get("mode")))
+            .and_then(Value::as_str)
+            .is_some_and(|m| m.eq_ignore_ascii_case("analysis"));
+        let cli = mode::cli_execution(&job.spec);
         let branch = branch_for(&spec, &task_id, &job.session_id);
         let run_key =
             match &job.target {
@@ -412,8 +435,10 @@ impl Executor {
         Ok(Prepared {
             spec,
             task_id,
-            backend,
-            backend_reason,
+            session_id: job.session_id.clone(),
+            resolved,
+            cli,
+            read_only,
             repo,
             base,
             branch,
@@ -431,7 +456,17 @@ impl Executor {
         progress: Progress<'_>,
     ) -> Result<Produced, TaskFailure> {
         let attempt_dir = self.data_dir.join("attempts").join(&p.run_key);
-        let worktree_path = self.data_dir.join("worktrees").join(&p.run_key);
+        let mut worktree_path = self.data_dir.join("worktrees").join(&p.run_key);
+        // Resuming: work where the parent worked. Gemini, qwen and opencode find sessions by
+        // directory, and the parent's worktree is gone once its run ended.
+        if let Some(cli) = &p.cli
+            && let Some(parent) = cli.from.first()
+            && let Some((saved, _)) = self.load_session(&p.session_id, parent)
+            && saved.cwd.starts_with(self.data_dir.join("worktrees"))
+            && !tokio::fs::try_exists(&saved.cwd).await.unwrap_or(true)
+        {
+            worktree_path = saved.cwd;
+        }
         tokio::fs::create_dir_all(&attempt_dir)
             .await
             .map_err(|err| io_failure(&attempt_dir, &err))?;
@@ -440,7 +475,18 @@ impl Executor {
                 .await
                 .map_err(|err| io_failure(parent, &err))?;
         }
-        let prompt = handoff_prompt(&p.spec, &p.upstream);
+        let mut prompt = handoff_prompt(&p.spec, &p.upstream);
+        if p.read_only {
+            prompt = prompt.replace(
+                "\nMODE: write\n",
+                "\nMODE: analysis (read only: change nothing)\n",
+            );
+        }
+        // Agents that need absolute paths (claude, qwen, opencode) take them from here.
+        prompt.push_str(&format!(
+            "\nWorking directory: {}\n",
+            worktree_path.display()
+        ));
         let prompt_file = attempt_dir.join("prompt.md");
         tokio::fs::write(&prompt_file, &prompt)
             .await
@@ -466,6 +512,284 @@ impl Executor {
         result
     }
 
+    fn session_dir(&self, session_id: &str, task_id: &str) -> PathBuf {
+        self.data_dir
+            .join("sessions")
+            .join(path_component(session_id))
+            .join(path_component(task_id))
+    }
+
+    fn load_session(&self, session_id: &str, task_id: &str) -> Option<(SavedSession, PathBuf)> {
+        let dir = self.session_dir(session_id, task_id);
+        let text = std::fs::read_to_string(dir.join("session.json")).ok()?;
+        let saved: SavedSession = serde_json::from_str(&text).ok()?;
+        let home = saved.home.clone();
+        Some((saved, home))
+    }
+
+    /// The usage recorded by the parent run whose home is `home`.
+    fn parent_usage(&self, p: &Prepared, home: &Path) -> Option<(u64, u64, u64)> {
+        let cli = p.cli.as_ref()?;
+        cli.from.iter().find_map(|parent| {
+            let (saved, parent_home) = self.load_session(&p.session_id, parent)?;
+            (parent_home == home).then_some(saved.usage)
+        })
+    }
+
+    /// Keeps a successful run's home and session id under the task, for resume and fork.
+    async fn save_session(
+        &self,
+        p: &Prepared,
+        backend: &str,
+        home: &Path,
+        worktree: &Path,
+        outcome: &RunOutcome,
+    ) {
+        // Saved even without a native id: its final message still serves as context.
+        let native = outcome.native_session_id.clone().unwrap_or_default();
+        let dir = self.session_dir(&p.session_id, &p.task_id);
+        let saved = SavedSession {
+            backend: backend.to_owned(),
+            native_session_id: native,
+            home: home.to_path_buf(),
+            cwd: worktree.to_path_buf(),
+            final_message: outcome.final_message.clone(),
+            usage: outcome.usage.map_or((0, 0, 0), |u| {
+                (u.input_tokens, u.output_tokens, u.cached_input_tokens)
+            }),
+        };
+        let result = async {
+            if tokio::fs::try_exists(&dir).await? {
+                tokio::fs::remove_dir_all(&dir).await?;
+            }
+            tokio::fs::create_dir_all(&dir).await?;
+            let json = serde_json::to_vec_pretty(&saved).map_err(std::io::Error::other)?;
+            tokio::fs::write(dir.join("session.json"), json).await
+        }
+        .await;
+        if let Err(err) = result {
+            warn!(dir = %dir.display(), error = %err, "could not keep the native session");
+        }
+    }
+
+    /// The native session to continue with `backend`, and context text from parents that
+    /// cannot be continued natively (other backend, or the 2nd+ parent of a merge).
+    fn resume_for(&self, p: &Prepared, backend: &str) -> (Option<ResumeFrom>, String) {
+        let Some(cli) = &p.cli else {
+            return (None, String::new());
+        };
+        let mut native = None;
+        let mut context = String::new();
+        for parent in &cli.from {
+            let Some((saved, home)) = self.load_session(&p.session_id, parent) else {
+                context.push_str(&format!(
+                    "- {parent}: no earlier session is recorded here\n"
+                ));
+                continue;
+            };
+            if native.is_none() && saved.backend == backend && !saved.native_session_id.is_empty() {
+                native = Some(ResumeFrom {
+                    native_session_id: saved.native_session_id,
+                    home: Some(home),
+                    cwd: Some(saved.cwd),
+                });
+            } else {
+                context.push_str(&format!(
+                    "- {parent} ({}): {}\n",
+                    saved.backend,
+                    troupe_process::tail(&saved.final_message, 40, 4096)
+                ));
+            }
+        }
+        if !context.is_empty() {
+            context = format!(
+                "\nCONTEXT FROM EARLIER SESSIONS ({}):\n{context}",
+                cli.strategy
+            );
+        }
+        (native, context)
+    }
+
+    /// Puts the worktree back to its commit after a failed backend (before another one runs).
+    async fn reset_worktree(worktree: &Path) {
+        for args in [
+            ["reset", "--hard", "HEAD"].as_slice(),
+            ["clean", "-fdq"].as_slice(),
+        ] {
+            let cmd = troupe_process::Command::new("git")
+                .args(args.iter().copied())
+                .cwd(worktree)
+                .timeout(std::time::Duration::from_secs(60));
+            if let Err(err) = cmd.run(&CancellationToken::new()).await {
+                warn!(worktree = %worktree.display(), error = %err, "could not reset the worktree");
+            }
+        }
+    }
+
+    /// Runs the resolved backend, retrying with backoff and falling back along the chain on
+    /// classified failures.
+    async fn run_backends(
+        &self,
+        p: &Prepared,
+        worktree: &Worktree,
+        prompt: String,
+        prompt_file: PathBuf,
+        cancel: &CancellationToken,
+        progress: Progress<'_>,
+    ) -> Result<(RunOutcome, ImplementationReport), TaskFailure> {
+        let spec = &p.spec;
+        let started = std::time::Instant::now();
+        let attempt_dir = prompt_file
+            .parent()
+            .map_or_else(|| self.data_dir.clone(), Path::to_path_buf);
+        let chain = mode::candidates(&p.resolved.backend, &self.config);
+        let mut fallbacks: Vec<String> = Vec::new();
+        let mut last: Option<BackendError> = None;
+        let mut failures: Vec<String> = Vec::new();
+        let mut runs = 0u32;
+        for name in &chain {
+            let Some(backend) = troupe_backends::by_name_with(name, &self.config) else {
+                continue;
+            };
+            let settings = self.config.backend(name);
+            let (resume, context) = self.resume_for(p, name);
+            let prompt = format!("{prompt}{context}");
+            let mut attempt = 0u32;
+            loop {
+                runs += 1;
+                let home = attempt_dir.join(format!("home-{name}-{runs}"));
+                let run = RunSpec {
+                    worktree: worktree.path().to_path_buf(),
+                    prompt: prompt.clone(),
+                    prompt_file: prompt_file.clone(),
+                    placeholders: p.placeholders.clone(),
+                    command: spec.agent.command.clone().unwrap_or_default(),
+                    timeout: Some(
+                        spec.agent
+                            .timeout
+                            .or(spec.timeout)
+                            .or(settings.timeout())
+                            .unwrap_or(DEFAULT_AGENT_TIMEOUT),
+                    ),
+                    idle_timeout: spec.agent.idle_timeout.or(settings.idle_timeout()),
+                    env: spec.agent.env.clone(),
+                    home: Some(home.clone()),
+                    read_only: p.read_only,
+                    resume: resume.clone(),
+                };
+                progress(format!("running backend {name}"));
+                match backend.run(run, cancel).await {
+                    Ok(mut outcome) => {
+                        self.save_session(p, name, &home, worktree.path(), &outcome)
+                            .await;
+                        // Report this run's tokens, not the resumed session's running total.
+                        if cumulative_usage(name)
+                            && let (Some(usage), Some(parent)) = (
+                                outcome.usage.as_mut(),
+                                resume.as_ref().and_then(|r| r.home.as_deref()),
+                            )
+                            && let Some(before) = self.parent_usage(p, parent)
+                        {
+                            usage.input_tokens = usage.input_tokens.saturating_sub(before.0);
+                            usage.output_tokens = usage.output_tokens.saturating_sub(before.1);
+                            usage.cached_input_tokens =
+                                usage.cached_input_tokens.saturating_sub(before.2);
+                        }
+                        let mut reason = p.resolved.reason.clone();
+                        if !fallbacks.is_empty() {
+                            reason.push_str(&format!(
+                                "; fell back from {} to {name}",
+                                fallbacks.join(", ")
+                            ));
+                        }
+                        let report = ImplementationReport {
+                            backend: name.clone(),
+                            backend_reason: reason,
+                            fallbacks: fallbacks.clone(),
+                            duration_ms: u64::try_from(started.elapsed().as_millis())
+                                .unwrap_or(u64::MAX),
+                            ..ImplementationReport::default()
+                        };
+                        return Ok((outcome, report));
+                    }
+                    Err(err) => {
+                        let kind = err.kind();
+                        warn!(backend = %name, ?kind, error = %err, "backend failed");
+                        failures.push(err.to_string());
+                        if matches!(
+                            kind,
+                            troupe_backends::ErrorKind::Cancelled
+                                | troupe_backends::ErrorKind::InvalidTask
+                                | troupe_backends::ErrorKind::Internal
+                        ) {
+                            last = Some(err);
+                            break;
+                        }
+                        Self::reset_worktree(worktree.path()).await;
+                        if mode::retries_same(kind) && attempt < self.config.retries {
+                            let backoff = self
+                                .config
+                                .retry_backoff_ms
+                                .saturating_mul(1 << attempt.min(10));
+                            attempt += 1;
+                            progress(format!("retrying {name} in {backoff} ms after {err}"));
+                            tokio::select! {
+                                () = cancel.cancelled() => { last = Some(BackendError::Cancelled); break; }
+                                () = tokio::time::sleep(std::time::Duration::from_millis(backoff)) => {}
+                            }
+                            continue;
+                        }
+                        last = Some(err);
+                        break;
+                    }
+                }
+            }
+            let Some(err) = &last else { break };
+            if !mode::falls_back(err.kind()) {
+                break;
+            }
+            fallbacks.push(name.clone());
+        }
+        let err = last.unwrap_or_else(|| BackendError::Internal {
+            message: "no backend could run".to_owned(),
+        });
+        let mut report = ImplementationReport {
+            backend: fallbacks
+                .last()
+                .cloned()
+                .unwrap_or_else(|| p.resolved.backend.clone()),
+            backend_reason: p.resolved.reason.clone(),
+            fallbacks: fallbacks.clone(),
+            duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ..ImplementationReport::default()
+        };
+        report.exit_code = match &err {
+            BackendError::Crash {
+                exit_code: Some(code),
+                ..
+            } => *code,
+            _ => -1,
+        };
+        report.output_tail = err.details().join("\n");
+        let mut message = match err {
+            BackendError::Cancelled => "attempt cancelled".to_owned(),
+            ref other => other.to_string(),
+        };
+        if failures.len() > 1 {
+            // The last error is the headline; the earlier ones say why each backend was left.
+            message.push_str(&format!(
+                " (earlier: {})",
+                failures[..failures.len() - 1].join("; ")
+            ));
+        }
+        let retryable = err.retryable() || err.kind() == troupe_backends::ErrorKind::Cancelled;
+        Err(
+            failure(backend_kind(err.kind()), message.clone(), retryable)
+                .with_details(err.details())
+                .with_partial(partial(&report, format!("{}: {message}", p.task_id))),
+        )
+    }
+
     async fn run_in(
         &self,
         p: &Prepared,
@@ -476,58 +800,19 @@ impl Executor {
         progress: Progress<'_>,
     ) -> Result<Produced, TaskFailure> {
         let spec = &p.spec;
-        let run = RunSpec {
-            worktree: worktree.path().to_path_buf(),
-            prompt,
-            prompt_file,
-            placeholders: p.placeholders.clone(),
-            command: spec.agent.command.clone().unwrap_or_default(),
-            timeout: Some(
-                spec.agent
-                    .timeout
-                    .or(spec.timeout)
-                    .unwrap_or(DEFAULT_AGENT_TIMEOUT),
-            ),
-            idle_timeout: spec.agent.idle_timeout,
-            env: spec.agent.env.clone(),
-        };
-        progress(format!("running backend {}", p.backend.name()));
-        let started = std::time::Instant::now();
-        let outcome = p.backend.run(run, cancel).await;
-        let mut report = ImplementationReport {
-            backend: p.backend.name().to_owned(),
-            backend_reason: p.backend_reason.clone(),
-            duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
-            ..ImplementationReport::default()
-        };
-        let outcome = match outcome {
-            Ok(outcome) => outcome,
-            Err(err) => {
-                report.exit_code = match &err {
-                    BackendError::Crash {
-                        exit_code: Some(code),
-                        ..
-                    } => *code,
-                    _ => -1,
-                };
-                report.output_tail = err.details().join("\n");
-                let message = match err {
-                    BackendError::Cancelled => "attempt cancelled".to_owned(),
-                    ref other => other.to_string(),
-                };
-                let retryable =
-                    err.retryable() || err.kind() == troupe_backends::ErrorKind::Cancelled;
-                warn!(kind = ?err.kind(), error = %message, "backend failed");
-                return Err(
-                    failure(backend_kind(err.kind()), message.clone(), retryable)
-                        .with_details(err.details())
-                        .with_partial(partial(&report, format!("{}: {message}", p.task_id))),
-                );
-            }
-        };
+        let (outcome, mut report) = self
+            .run_backends(p, worktree, prompt, prompt_file, cancel, progress)
+            .await?;
         report.exit_code = outcome.exit_code;
         report.output_tail = outcome.output_tail();
         report.native_session_id = outcome.native_session_id.clone().unwrap_or_default();
+        if let Some(usage) = outcome.usage {
+            report.usage = Some(troupe_proto::v1::Usage {
+                input_tokens: usage.input_tokens,
+                output_tokens: usage.output_tokens,
+                cached_input_tokens: usage.cached_input_tokens,
+            });
+        }
 
         let title = if spec.title.is_empty() {
             p.task_id.clone()
@@ -539,7 +824,7 @@ impl Executor {
             .await
             .map_err(workspace_failure)?;
         let Some(commit) = commit else {
-            if spec.allow_empty {
+            if spec.allow_empty || p.read_only {
                 return Ok(Produced {
                     commit: None,
                     files: Vec::new(),
@@ -563,6 +848,22 @@ impl Executor {
             .changed_paths(&p.base, &commit)
             .await
             .map_err(workspace_failure)?;
+        if p.read_only {
+            // An analysis run that changed files broke its contract: keep nothing of it.
+            return Err(failure(
+                ErrorKind::OutOfScope,
+                format!(
+                    "analysis (read-only) run changed files: {}",
+                    files.join(", ")
+                ),
+                false,
+            )
+            .with_details(files)
+            .with_partial(partial(
+                &report,
+                format!("{}: read-only run wrote files", p.task_id),
+            )));
+        }
 
         let mut warnings = Vec::new();
         match spec.out_of_scope(&files) {

@@ -64,6 +64,7 @@ impl From<Error> for Status {
                     Status::internal(message)
                 }
             },
+            Error::Config(_) => Status::failed_precondition(message),
             Error::Io { .. } | Error::Grpc(_) => {
                 tracing::error!(error = %message, "executor failed");
                 Status::internal(message)
@@ -158,7 +159,9 @@ impl ExecutorRpc for ExecutorService {
         &self,
         _request: Request<ListBackendsRequest>,
     ) -> Result<Response<ListBackendsResponse>, Status> {
-        let backends = troupe_backends::probe_all()
+        let backends = self
+            .executor
+            .probe()
             .await
             .into_iter()
             .map(|info| BackendInfo {

@@ -11,6 +11,7 @@
 
 mod execute;
 mod grpc;
+mod mode;
 mod prompt;
 mod spec;
 mod worker;
@@ -18,11 +19,10 @@ mod worker;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use troupe_grpc::worker::{TaskFailure, WorkerConfig, default_worker_id, run_worker};
+use troupe_grpc::worker::{TaskFailure, run_worker_if_configured};
 use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::executor_server::ExecutorServer;
@@ -51,6 +51,10 @@ pub struct Config {
     /// Worker id (default `executor-<hostname>-<pid>`).
     #[arg(long, env = "TROUPE_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// Backend configuration file (TOML: per-backend command, model, endpoint, env allow-list,
+    /// timeouts; fallback chain and retries).
+    #[arg(long = "config", env = "TROUPE_EXECUTOR_CONFIG")]
+    pub backends_config: Option<PathBuf>,
 }
 
 /// Errors of the executor.
@@ -85,6 +89,9 @@ pub enum Error {
     /// Serving or the worker loop failed.
     #[error(transparent)]
     Grpc(#[from] troupe_grpc::Error),
+    /// The backend configuration file is unusable.
+    #[error(transparent)]
+    Config(#[from] troupe_backends::ConfigError),
 }
 
 /// The opened service.
@@ -97,19 +104,17 @@ pub struct App {
 impl App {
     /// Creates the data directory (made absolute: agents run with the worktree as cwd).
     pub async fn open(mut config: Config) -> Result<Self, Error> {
-        tokio::fs::create_dir_all(&config.data_dir)
+        config.data_dir = troupe_grpc::prepare_data_dir(&config.data_dir)
             .await
             .map_err(|source| Error::Io {
                 path: config.data_dir.clone(),
                 source,
             })?;
-        config.data_dir = tokio::fs::canonicalize(&config.data_dir)
-            .await
-            .map_err(|source| Error::Io {
-                path: config.data_dir.clone(),
-                source,
-            })?;
-        let executor = Arc::new(Executor::new(config.data_dir.clone()));
+        let backends = match &config.backends_config {
+            Some(path) => troupe_backends::BackendsConfig::load(path)?,
+            None => troupe_backends::BackendsConfig::default(),
+        };
+        let executor = Arc::new(Executor::with_config(config.data_dir.clone(), backends));
         Ok(Self { config, executor })
     }
 
@@ -127,19 +132,11 @@ impl App {
 
     /// Runs the executor worker loop when a coordinator is configured, else waits for shutdown.
     pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let Some(url) = self.config.coordinator_url.clone() else {
-            shutdown.cancelled().await;
-            return Ok(());
-        };
-        let worker_id = self
-            .config
-            .worker_id
-            .clone()
-            .unwrap_or_else(|| default_worker_id("executor"));
-        let mut worker = WorkerConfig::new(url, worker_id, vec![Role::Executor]);
-        worker.concurrency = self.config.concurrency.max(1);
-        run_worker(
-            worker,
+        run_worker_if_configured(
+            self.config.coordinator_url.clone(),
+            self.config.worker_id.clone(),
+            Role::Executor,
+            self.config.concurrency,
             Arc::new(ExecuteHandler::new(self.executor())),
             shutdown,
         )
@@ -157,24 +154,12 @@ pub async fn run(
     let app = App::open(config).await?;
     let mut services = Services::new();
     app.mount(&mut services);
-    let stop = shutdown.child_token();
-    // An agent may run for an hour (CCW's executor limit); callers that want less set a deadline.
-    let options = ServeOptions {
-        default_deadline: Some(Duration::from_secs(2 * 3600)),
-        ..ServeOptions::default()
-    };
-    let serve = async {
-        let result = troupe_grpc::serve(listener, services, stop.clone(), options)
-            .await
-            .map_err(Error::from);
-        stop.cancel();
-        result
-    };
-    let background = async {
-        let result = app.run_background(stop.clone()).await;
-        stop.cancel();
-        result
-    };
-    let (served, worked) = tokio::join!(serve, background);
-    served.and(worked)
+    troupe_grpc::serve_with_background(
+        listener,
+        services,
+        shutdown,
+        ServeOptions::default(),
+        |stop| app.run_background(stop),
+    )
+    .await
 }

@@ -3,8 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use prost_types::value::Kind;
-use serde_json::{Map, Number, Value};
+use serde_json::{Map, Value};
 
 /// A wall-clock limit when neither the agent nor the task sets one: CCW's executors give a
 /// CLI agent one hour.
@@ -429,35 +428,8 @@ fn risk_lines(value: Option<&Value>) -> Vec<String> {
         .collect()
 }
 
-/// Converts a protobuf `Struct` to a JSON object.
-pub fn struct_to_json(value: &prost_types::Struct) -> Map<String, Value> {
-    value
-        .fields
-        .iter()
-        .map(|(k, v)| (k.clone(), value_to_json(v)))
-        .collect()
-}
-
-fn value_to_json(value: &prost_types::Value) -> Value {
-    match &value.kind {
-        None | Some(Kind::NullValue(_)) => Value::Null,
-        Some(Kind::BoolValue(b)) => Value::Bool(*b),
-        Some(Kind::NumberValue(n)) => {
-            // Whole numbers come back as integers, so `"timeout_seconds": 60` stays 60.
-            if n.fract() == 0.0 && n.abs() < 9.0e15 {
-                #[allow(clippy::cast_possible_truncation)]
-                Value::Number(Number::from(*n as i64))
-            } else {
-                Number::from_f64(*n).map_or(Value::Null, Value::Number)
-            }
-        }
-        Some(Kind::StringValue(s)) => Value::String(s.clone()),
-        Some(Kind::ListValue(list)) => {
-            Value::Array(list.values.iter().map(value_to_json).collect())
-        }
-        Some(Kind::StructValue(s)) => Value::Object(struct_to_json(s)),
-    }
-}
+/// Converts a protobuf `Struct` to a JSON object (see [`troupe_proto::json`]).
+pub use troupe_proto::json::struct_to_object as struct_to_json;
 
 #[cfg(test)]
 mod tests {
@@ -551,32 +523,6 @@ mod tests {
         assert_eq!(
             ok.agent.command.expect("argv"),
             ["python3", "agent.py", "{worktree}"]
-        );
-    }
-
-    #[test]
-    fn struct_round_trip_keeps_integers() {
-        let s = prost_types::Struct {
-            fields: [
-                (
-                    "n".to_owned(),
-                    prost_types::Value {
-                        kind: Some(Kind::NumberValue(60.0)),
-                    },
-                ),
-                (
-                    "f".to_owned(),
-                    prost_types::Value {
-                        kind: Some(Kind::NumberValue(0.5)),
-                    },
-                ),
-            ]
-            .into_iter()
-            .collect(),
-        };
-        assert_eq!(
-            Value::Object(struct_to_json(&s)),
-            json!({"n": 60, "f": 0.5})
         );
     }
 }

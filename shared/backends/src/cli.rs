@@ -1,59 +1,81 @@
-//! The coding-agent CLIs (`codex`, `gemini`, `qwen`, `claude`, `opencode`) and the built-in
-//! `agent` loop. Running them is issue #4; until then they report honestly what is installed
-//! and refuse to run.
+//! The coding-agent CLIs: `codex`, `claude`, `gemini`, `qwen`, `opencode`
+//! (docs/agent-clis.md has the measurements behind every flag here).
+//!
+//! Each run gets its own `HOME`, `TMPDIR` and CLI home under [`RunSpec::home`], with the CLI's
+//! config files written there (endpoint, model, retries off when `fast_fail`), the prompt on
+//! stdin, and the JSON-lines output parsed into [`AgentEvent`]s. Resume and fork continue the
+//! CLI's own session: the parent run's home is copied in first (the parent's copy stays as it
+//! was, so a fork never disturbs it) and the CLI's resume flag names the native session id.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use serde_json::json;
 use tokio_util::sync::CancellationToken;
-use troupe_process::Command;
+use tracing::info;
+use troupe_process::{Command, Termination};
 
-use crate::{Backend, BackendError, BackendInfo, BoxFuture, RunOutcome, RunSpec};
+use crate::events::CliKind;
+use crate::events::{self, AgentEvent};
+use crate::{
+    Backend, BackendConfig, BackendError, BackendInfo, BoxFuture, ErrorKind, RunOutcome, RunSpec,
+};
 
-/// CCW's tool probe limit (ccw-reference §3.4).
-const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longer than CCW's 5 s probe: `gemini --version` alone takes about 5 s on a 2-core machine
+/// (node start plus its self-relaunch).
+const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+const TAIL_LINES: usize = 40;
+const TAIL_CHARS: usize = 4000;
+/// The variable our children read their API key from (codex `env_key`, opencode `{env:..}`).
+const KEY_VAR: &str = "TROUPE_MODEL_API_KEY";
 
-fn not_implemented(name: &str) -> BackendError {
-    BackendError::InvalidTask {
-        message: format!("backend `{name}` is not implemented yet (issue #4); use `command`"),
-    }
-}
-
-/// A coding-agent CLI found on `PATH`.
+/// A coding-agent CLI.
 #[derive(Debug, Clone)]
 pub struct CliBackend {
-    name: &'static str,
-    program: &'static str,
+    kind: CliKind,
+    config: BackendConfig,
 }
 
 impl CliBackend {
-    /// The backend `name`, run through `program`.
-    pub fn new(name: &'static str, program: &'static str) -> Self {
-        Self { name, program }
+    /// The CLI `kind` with its settings.
+    pub fn new(kind: CliKind, config: BackendConfig) -> Self {
+        Self { kind, config }
+    }
+
+    fn program(&self) -> String {
+        self.config
+            .command
+            .clone()
+            .unwrap_or_else(|| self.kind.name().to_owned())
+    }
+
+    fn model(&self) -> Option<String> {
+        self.config.model.clone()
     }
 }
 
 impl Backend for CliBackend {
     fn name(&self) -> &'static str {
-        self.name
+        self.kind.name()
     }
 
     fn probe(&self) -> BoxFuture<'_, BackendInfo> {
         Box::pin(async move {
-            let (version, installed) = probe_version(self.program).await;
-            let detail = match (&installed, &version) {
-                (Err(reason), _) => reason.clone(),
-                (Ok(()), Some(version)) => format!(
-                    "`{}` {version} is installed, but the `{}` backend is not implemented yet (issue #4)",
-                    self.program, self.name
-                ),
-                (Ok(()), None) => format!(
-                    "`{}` is installed, but the `{}` backend is not implemented yet (issue #4)",
-                    self.program, self.name
+            let program = self.program();
+            let (version, installed) = probe_version(&program).await;
+            let (available, detail) = match installed {
+                Err(reason) => (false, reason),
+                Ok(()) => (
+                    true,
+                    match &self.config.endpoint {
+                        Some(endpoint) => format!("`{program}` against {endpoint}"),
+                        None => format!("`{program}` with its default endpoint"),
+                    },
                 ),
             };
             BackendInfo {
-                name: self.name.to_owned(),
-                available: false,
+                name: self.kind.name().to_owned(),
+                available,
                 version,
                 detail,
             }
@@ -62,21 +84,28 @@ impl Backend for CliBackend {
 
     fn run<'a>(
         &'a self,
-        _spec: RunSpec,
-        _cancel: &'a CancellationToken,
+        spec: RunSpec,
+        cancel: &'a CancellationToken,
     ) -> BoxFuture<'a, Result<RunOutcome, BackendError>> {
-        Box::pin(async move { Err(not_implemented(self.name)) })
+        Box::pin(self.run_cli(spec, cancel))
     }
 }
 
-/// Runs `<program> --version`; returns the version line (if any) and whether the program is
-/// installed (the error says why not).
-async fn probe_version(program: &str) -> (Option<String>, Result<(), String>) {
+/// Runs `<program> --version` in a throw-away home (bare `--version` runs create `~/.codex` and
+/// friends); returns the version line and whether the program is installed.
+pub(crate) async fn probe_version(program: &str) -> (Option<String>, Result<(), String>) {
     if troupe_process::which(program).is_none() {
         return (None, Err(format!("`{program}` not found on PATH")));
     }
+    let home = match tempfile::tempdir() {
+        Ok(dir) => dir,
+        Err(err) => return (None, Err(format!("cannot make a probe home: {err}"))),
+    };
     let cmd = Command::new(program)
         .arg("--version")
+        .env("HOME", home.path().display().to_string())
+        .env("TMPDIR", home.path().display().to_string())
+        .env("CODEX_HOME", home.path().display().to_string())
         .timeout(PROBE_TIMEOUT)
         .max_output_bytes(64 * 1024);
     match cmd.run(&CancellationToken::new()).await {
@@ -90,7 +119,7 @@ async fn probe_version(program: &str) -> (Option<String>, Result<(), String>) {
             let version = text
                 .lines()
                 .map(str::trim)
-                .find(|l| !l.is_empty())
+                .find(|l| !l.is_empty() && !l.starts_with("WARNING"))
                 .map(str::to_owned);
             (version, Ok(()))
         }
@@ -110,45 +139,540 @@ async fn probe_version(program: &str) -> (Option<String>, Result<(), String>) {
     }
 }
 
-/// The built-in tool-using loop against an OpenAI-compatible endpoint (issue #4).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AgentLoopBackend;
+fn internal(what: &str, path: &Path, err: &std::io::Error) -> BackendError {
+    BackendError::Internal {
+        message: format!("{what} {}: {err}", path.display()),
+    }
+}
 
-impl Backend for AgentLoopBackend {
-    fn name(&self) -> &'static str {
-        "agent"
+async fn write(path: PathBuf, text: String) -> Result<(), BackendError> {
+    if let Some(parent) = path.parent() {
+        tokio::fs::create_dir_all(parent)
+            .await
+            .map_err(|err| internal("creating", parent, &err))?;
+    }
+    tokio::fs::write(&path, text)
+        .await
+        .map_err(|err| internal("writing", &path, &err))
+}
+
+/// Copies a directory tree (the parent run's CLI home) into `to`.
+pub(crate) fn copy_tree(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let kind = entry.file_type()?;
+        let target = to.join(entry.file_name());
+        if kind.is_dir() {
+            copy_tree(&entry.path(), &target)?;
+        } else if kind.is_file() {
+            std::fs::copy(entry.path(), &target)?;
+        } else if kind.is_symlink() {
+            let link = std::fs::read_link(entry.path())?;
+            let _ = std::fs::remove_file(&target);
+            std::os::unix::fs::symlink(link, &target)?;
+        }
+    }
+    Ok(())
+}
+
+/// Claude keeps sessions under `projects/<cwd with every non-alphanumeric as '-'>`; a resumed
+/// run works in a new worktree, so the parent's project folder is linked under the new name.
+fn claude_project_key(cwd: &Path) -> String {
+    cwd.display()
+        .to_string()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect()
+}
+
+/// Makes a copied CLI home find the parent's session from the new worktree: several CLIs key
+/// their session stores by the working directory, and each attempt has its own worktree.
+fn relocate(kind: CliKind, home: &Path, old_cwd: &Path, new_cwd: &Path) -> std::io::Result<()> {
+    let link = |dir: PathBuf| -> std::io::Result<()> {
+        let old = dir.join(claude_project_key(old_cwd));
+        let new = dir.join(claude_project_key(new_cwd));
+        if old.is_dir() && !new.exists() {
+            std::os::unix::fs::symlink(&old, &new)?;
+        }
+        Ok(())
+    };
+    match kind {
+        CliKind::Claude => link(home.join(".claude/projects")),
+        CliKind::Qwen => link(home.join(".qwen/projects")),
+        CliKind::Gemini => {
+            // projects.json maps a directory to its slug under tmp/<slug>/chats.
+            let path = home.join("gemini/.gemini/projects.json");
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                return Ok(());
+            };
+            let mut map: serde_json::Value =
+                serde_json::from_str(&text).map_err(std::io::Error::other)?;
+            let old = old_cwd.display().to_string();
+            let new = new_cwd.display().to_string();
+            if let Some(projects) = map.get_mut("projects").and_then(|p| p.as_object_mut())
+                && let Some(slug) = projects.get(&old).cloned()
+            {
+                projects.insert(new, slug);
+            }
+            std::fs::write(&path, map.to_string())
+        }
+        CliKind::Codex => {
+            // Codex's state databases hold absolute paths into the parent's home; without
+            // them it finds the thread by its rollout file in the copied `sessions/`.
+            for entry in std::fs::read_dir(home.join(".codex"))? {
+                let entry = entry?;
+                if entry.file_name().to_string_lossy().contains(".sqlite") {
+                    std::fs::remove_file(entry.path())?;
+                }
+            }
+            Ok(())
+        }
+        CliKind::Opencode => Ok(()),
+    }
+}
+
+impl CliBackend {
+    /// argv (after the program) and environment for one run.
+    async fn prepare(
+        &self,
+        spec: &RunSpec,
+        home: &Path,
+    ) -> Result<(Vec<String>, Vec<(String, String)>), BackendError> {
+        let mut env: Vec<(String, String)> = vec![
+            ("HOME".to_owned(), home.display().to_string()),
+            ("TMPDIR".to_owned(), home.join("tmp").display().to_string()),
+            (
+                "XDG_CONFIG_HOME".to_owned(),
+                home.join(".config").display().to_string(),
+            ),
+            (
+                "XDG_DATA_HOME".to_owned(),
+                home.join(".local/share").display().to_string(),
+            ),
+            (
+                "XDG_CACHE_HOME".to_owned(),
+                home.join(".cache").display().to_string(),
+            ),
+            (
+                "XDG_STATE_HOME".to_owned(),
+                home.join(".local/state").display().to_string(),
+            ),
+            ("NO_COLOR".to_owned(), "1".to_owned()),
+        ];
+        let key = self.config.key();
+        if let Some(key) = &key {
+            env.push((KEY_VAR.to_owned(), key.clone()));
+        }
+        let endpoint = self.config.endpoint.clone();
+        let model = self.model();
+        let resume = spec.resume.as_ref().map(|r| r.native_session_id.clone());
+        let fast = self.config.fast_fail;
+        let mut args: Vec<String> = Vec::new();
+        match self.kind {
+            CliKind::Codex => {
+                let codex_home = home.join(".codex");
+                let mut toml = String::new();
+                if let Some(model) = &model {
+                    toml.push_str(&format!("model = {}\n", json!(model)));
+                }
+                toml.push_str(&format!(
+                    "sandbox_mode = \"{}\"\napproval_policy = \"never\"\n",
+                    if spec.read_only {
+                        "read-only"
+                    } else {
+                        "workspace-write"
+                    }
+                ));
+                if let Some(endpoint) = &endpoint {
+                    toml.push_str("model_provider = \"troupe\"\n\n[model_providers.troupe]\nname = \"troupe\"\n");
+                    toml.push_str(&format!(
+                        "base_url = {}\nenv_key = \"{KEY_VAR}\"\nwire_api = \"responses\"\n",
+                        json!(endpoint)
+                    ));
+                    if fast {
+                        toml.push_str("request_max_retries = 0\nstream_max_retries = 0\n");
+                    }
+                }
+                write(codex_home.join("config.toml"), toml).await?;
+                env.push(("CODEX_HOME".to_owned(), codex_home.display().to_string()));
+                args.push("exec".to_owned());
+                if let Some(id) = &resume {
+                    args.extend(["resume".to_owned(), id.clone()]);
+                } else {
+                    args.extend([
+                        "-s".to_owned(),
+                        if spec.read_only {
+                            "read-only"
+                        } else {
+                            "workspace-write"
+                        }
+                        .to_owned(),
+                    ]);
+                }
+                args.extend([
+                    "--json".to_owned(),
+                    "--skip-git-repo-check".to_owned(),
+                    // Codex otherwise retries a refused connection forever.
+                    "--disable".to_owned(),
+                    "unbounded_connection_retries".to_owned(),
+                ]);
+                if let Some(model) = &model {
+                    args.extend(["-m".to_owned(), model.clone()]);
+                }
+                args.push("-".to_owned());
+            }
+            CliKind::Claude => {
+                let dir = home.join(".claude");
+                tokio::fs::create_dir_all(&dir)
+                    .await
+                    .map_err(|err| internal("creating", &dir, &err))?;
+                env.extend(
+                    [
+                        ("CLAUDE_CONFIG_DIR", dir.display().to_string()),
+                        ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1".to_owned()),
+                        ("DISABLE_AUTOUPDATER", "1".to_owned()),
+                        ("DISABLE_TELEMETRY", "1".to_owned()),
+                    ]
+                    .map(|(k, v)| (k.to_owned(), v)),
+                );
+                if let Some(endpoint) = &endpoint {
+                    env.push(("ANTHROPIC_BASE_URL".to_owned(), endpoint.clone()));
+                }
+                if let Some(key) = &key {
+                    env.push(("ANTHROPIC_API_KEY".to_owned(), key.clone()));
+                }
+                if fast {
+                    env.push(("CLAUDE_CODE_MAX_RETRIES".to_owned(), "0".to_owned()));
+                }
+                args.extend(
+                    [
+                        "-p",
+                        "--output-format",
+                        "stream-json",
+                        "--verbose",
+                        "--permission-mode",
+                        // `default` denies every write and shell call headless (exit 0);
+                        // `plan` could end the run early asking to leave plan mode.
+                        if spec.read_only {
+                            "default"
+                        } else {
+                            "acceptEdits"
+                        },
+                    ]
+                    .map(str::to_owned),
+                );
+                if let Some(model) = &model {
+                    args.extend(["--model".to_owned(), model.clone()]);
+                }
+                if let Some(id) = &resume {
+                    args.extend(["--resume".to_owned(), id.clone()]);
+                }
+            }
+            CliKind::Gemini => {
+                let dir = home.join("gemini");
+                let mut general = json!({"disableAutoUpdate": true});
+                if fast {
+                    general["maxAttempts"] = json!(1);
+                }
+                let settings = json!({
+                    "security": {"auth": {"selectedType": "gemini-api-key"}},
+                    "privacy": {"usageStatisticsEnabled": false},
+                    "general": general,
+                    "telemetry": {"enabled": false},
+                });
+                write(dir.join(".gemini/settings.json"), settings.to_string()).await?;
+                env.push(("GEMINI_CLI_HOME".to_owned(), dir.display().to_string()));
+                env.push(("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned()));
+                if let Some(endpoint) = &endpoint {
+                    env.push(("GOOGLE_GEMINI_BASE_URL".to_owned(), endpoint.clone()));
+                }
+                if let Some(key) = &key {
+                    env.push(("GEMINI_API_KEY".to_owned(), key.clone()));
+                }
+                args.extend(["-o", "stream-json", "--approval-mode"].map(str::to_owned));
+                args.push(if spec.read_only { "default" } else { "yolo" }.to_owned());
+                if let Some(model) = &model {
+                    args.extend(["-m".to_owned(), model.clone()]);
+                }
+                if let Some(id) = &resume {
+                    args.extend(["--resume".to_owned(), id.clone()]);
+                }
+            }
+            CliKind::Qwen => {
+                let dir = home.join(".qwen");
+                let mut settings = json!({"memory": {"enableManagedAutoMemory": false}});
+                if fast {
+                    settings["model"] = json!({"generationConfig": {"maxRetries": 0}});
+                }
+                write(dir.join("settings.json"), settings.to_string()).await?;
+                env.push(("QWEN_HOME".to_owned(), dir.display().to_string()));
+                env.push(("QWEN_CODE_SUPPRESS_YOLO_WARNING".to_owned(), "1".to_owned()));
+                if let Some(endpoint) = &endpoint {
+                    env.push(("OPENAI_BASE_URL".to_owned(), endpoint.clone()));
+                }
+                if let Some(key) = &key {
+                    env.push(("OPENAI_API_KEY".to_owned(), key.clone()));
+                }
+                if let Some(model) = &model {
+                    env.push(("OPENAI_MODEL".to_owned(), model.clone()));
+                }
+                args.extend(
+                    [
+                        "-o",
+                        "stream-json",
+                        "--auth-type",
+                        "openai",
+                        "--approval-mode",
+                    ]
+                    .map(str::to_owned),
+                );
+                args.push(if spec.read_only { "plan" } else { "yolo" }.to_owned());
+                if let Some(model) = &model {
+                    args.extend(["-m".to_owned(), model.clone()]);
+                }
+                if let Some(id) = &resume {
+                    args.extend(["--resume".to_owned(), id.clone()]);
+                }
+            }
+            CliKind::Opencode => {
+                let model_name = model.clone().unwrap_or_else(|| "default".to_owned());
+                let mut config = json!({
+                    "$schema": "https://opencode.ai/config.json",
+                    "autoupdate": false,
+                    "share": "disabled",
+                });
+                if let Some(endpoint) = &endpoint {
+                    config["model"] = json!(format!("troupe/{model_name}"));
+                    config["small_model"] = json!(format!("troupe/{model_name}"));
+                    config["provider"] = json!({"troupe": {
+                        "npm": "@ai-sdk/openai-compatible",
+                        "name": "troupe",
+                        "options": {"baseURL": endpoint, "apiKey": format!("{{env:{KEY_VAR}}}")},
+                        "models": {model_name.clone(): {"name": model_name, "tool_call": true,
+                            "limit": {"context": 100_000, "output": 8000}}},
+                    }});
+                } else if let Some(model) = &model {
+                    config["model"] = json!(model);
+                }
+                let path = home.join("opencode.json");
+                write(path.clone(), config.to_string()).await?;
+                env.extend(
+                    [
+                        ("OPENCODE_CONFIG", path.display().to_string()),
+                        ("OPENCODE_DISABLE_MODELS_FETCH", "1".to_owned()),
+                        ("OPENCODE_DISABLE_AUTOUPDATE", "1".to_owned()),
+                    ]
+                    .map(|(k, v)| (k.to_owned(), v)),
+                );
+                if spec.read_only {
+                    // `--agent plan` still lets bash write files; denying the permissions
+                    // removes write, edit and bash from the tool list.
+                    env.push((
+                        "OPENCODE_PERMISSION".to_owned(),
+                        json!({"edit": "deny", "bash": "deny", "webfetch": "deny"}).to_string(),
+                    ));
+                }
+                args.extend(["run", "--format", "json"].map(str::to_owned));
+                if let Some(id) = &resume {
+                    args.extend(["--session".to_owned(), id.clone()]);
+                }
+            }
+        }
+        Ok((args, env))
     }
 
-    fn probe(&self) -> BoxFuture<'_, BackendInfo> {
-        Box::pin(async {
-            BackendInfo {
-                name: "agent".to_owned(),
-                available: false,
-                version: None,
-                detail: "the built-in `agent` loop is not implemented yet (issue #4)".to_owned(),
+    #[tracing::instrument(skip_all, fields(backend = self.kind.name(), worktree = %spec.worktree.display()))]
+    async fn run_cli(
+        &self,
+        spec: RunSpec,
+        cancel: &CancellationToken,
+    ) -> Result<RunOutcome, BackendError> {
+        let name = self.kind.name();
+        let program = self.program();
+        if troupe_process::which(&program).is_none() {
+            return Err(BackendError::NotInstalled {
+                backend: name.to_owned(),
+                program,
+            });
+        }
+        let home = spec.home.clone().ok_or_else(|| BackendError::Internal {
+            message: format!("backend `{name}` needs a home directory for its run"),
+        })?;
+        tokio::fs::create_dir_all(home.join("tmp"))
+            .await
+            .map_err(|err| internal("creating", &home, &err))?;
+        if let Some(resume) = &spec.resume
+            && let Some(from) = &resume.home
+        {
+            let (from, to) = (from.clone(), home.clone());
+            tokio::task::spawn_blocking(move || copy_tree(&from, &to))
+                .await
+                .map_err(|err| BackendError::Internal {
+                    message: format!("copying the parent session: {err}"),
+                })?
+                .map_err(|err| internal("copying the parent session into", &home, &err))?;
+            if let Some(parent_cwd) = &resume.cwd {
+                relocate(self.kind, &home, parent_cwd, &spec.worktree).map_err(|err| {
+                    internal("moving the parent session to", &spec.worktree, &err)
+                })?;
             }
+        }
+        let (args, env) = self.prepare(&spec, &home).await?;
+        let mut cmd = Command::new(&program)
+            .args(args)
+            .cwd(&spec.worktree)
+            .stdin(spec.prompt.clone().into_bytes())
+            .envs(env)
+            .envs(self.config.env.clone())
+            .envs(spec.env.clone())
+            .max_output_bytes(8 * 1024 * 1024)
+            .kill_grace(Duration::from_millis(500));
+        for var in &self.config.env_allow {
+            cmd = cmd.env_passthrough(var.clone());
+        }
+        if let Some(limit) = spec.timeout.or(self.config.timeout()) {
+            cmd = cmd.timeout(limit);
+        }
+        let idle = spec.idle_timeout.or(self.config.idle_timeout());
+        if let Some(limit) = idle {
+            cmd = cmd.idle_timeout(limit);
+        }
+        let argv = cmd.argv();
+        let output = cmd.run(cancel).await.map_err(|err| match err {
+            troupe_process::Error::NotFound { program } => BackendError::NotInstalled {
+                backend: name.to_owned(),
+                program,
+            },
+            other => BackendError::Internal {
+                message: format!("running `{program}`: {other}"),
+            },
+        })?;
+        let stdout = output.stdout_text();
+        let stderr = output.stderr_text();
+        let transcript = events::parse(self.kind, &stdout);
+        let stdout_tail = troupe_process::tail(&stdout, TAIL_LINES, TAIL_CHARS);
+        let stderr_tail = troupe_process::tail(&stderr, TAIL_LINES, TAIL_CHARS);
+        info!(termination = ?output.termination, exit_code = ?output.exit_code, session = ?transcript.session_id, duration_ms = output.duration.as_millis(), "cli finished");
+        let evidence = || {
+            if stderr_tail.is_empty() {
+                stdout_tail.clone()
+            } else {
+                format!("{stdout_tail}\n--- stderr ---\n{stderr_tail}")
+            }
+        };
+        match output.termination {
+            Termination::Cancelled => return Err(BackendError::Cancelled),
+            Termination::TimedOut | Termination::IdleTimedOut => {
+                let idle_fired = output.termination == Termination::IdleTimedOut;
+                return Err(BackendError::Timeout {
+                    backend: name.to_owned(),
+                    limit: if idle_fired {
+                        idle.unwrap_or_default()
+                    } else {
+                        spec.timeout.or(self.config.timeout()).unwrap_or_default()
+                    },
+                    idle: idle_fired,
+                    output_tail: evidence(),
+                });
+            }
+            Termination::Exited => {}
+        }
+        if let Some((kind, message)) = transcript.error.clone() {
+            return Err(classified(
+                name,
+                kind,
+                message,
+                output.exit_code,
+                evidence(),
+            ));
+        }
+        if output.exit_code != Some(0) {
+            // No JSON error: classify what stderr says (gemini also encodes the HTTP status
+            // in its exit code).
+            let kind = match (self.kind, output.exit_code) {
+                (CliKind::Gemini, Some(145)) => ErrorKind::Auth,
+                (CliKind::Gemini, Some(173)) => ErrorKind::RateLimited,
+                (CliKind::Gemini, Some(41)) => ErrorKind::Auth,
+                _ => events::classify_message(&stderr_tail),
+            };
+            let message = troupe_process::tail(&stderr_tail, 3, 400);
+            return Err(classified(
+                name,
+                kind,
+                message,
+                output.exit_code,
+                evidence(),
+            ));
+        }
+        if !transcript.ended {
+            return Err(BackendError::BadOutput {
+                backend: name.to_owned(),
+                message: format!(
+                    "exited 0 without an end-of-run event ({} JSON event(s), {} other line(s))",
+                    transcript.events.len(),
+                    transcript.unparsed
+                ),
+            });
+        }
+        Ok(RunOutcome {
+            argv,
+            exit_code: 0,
+            stdout_tail,
+            stderr_tail,
+            duration: output.duration,
+            native_session_id: transcript.session_id.clone(),
+            usage: transcript.usage,
+            final_message: transcript.final_message.clone(),
+            tool_calls: transcript.tool_calls().map(str::to_owned).collect(),
+            events: transcript
+                .events
+                .into_iter()
+                .filter(|e| !matches!(e, AgentEvent::Message(_)))
+                .collect(),
         })
     }
+}
 
-    fn run<'a>(
-        &'a self,
-        _spec: RunSpec,
-        _cancel: &'a CancellationToken,
-    ) -> BoxFuture<'a, Result<RunOutcome, BackendError>> {
-        Box::pin(async { Err(not_implemented("agent")) })
+fn classified(
+    backend: &str,
+    kind: ErrorKind,
+    message: String,
+    exit_code: Option<i32>,
+    evidence: String,
+) -> BackendError {
+    let backend = backend.to_owned();
+    let message = message.trim().to_owned();
+    match kind {
+        ErrorKind::Auth => BackendError::Auth { backend, message },
+        ErrorKind::RateLimited => BackendError::RateLimited { backend, message },
+        ErrorKind::Quota => BackendError::Quota { backend, message },
+        ErrorKind::BadOutput => BackendError::BadOutput { backend, message },
+        _ => BackendError::Crash {
+            backend,
+            reason: troupe_process::tail(&message, 1, 300),
+            exit_code,
+            signal: None,
+            stderr_tail: evidence,
+        },
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ErrorKind;
 
     #[tokio::test]
     async fn probe_reports_missing_and_installed_tools_honestly() {
-        let missing = CliBackend::new("codex", "troupe-no-such-cli-xyz")
-            .probe()
-            .await;
+        let missing = CliBackend::new(
+            CliKind::Codex,
+            BackendConfig {
+                command: Some("troupe-no-such-cli-xyz".to_owned()),
+                ..BackendConfig::default()
+            },
+        )
+        .probe()
+        .await;
         assert!(!missing.available);
         assert_eq!(missing.version, None);
         assert!(
@@ -157,38 +681,30 @@ mod tests {
             missing.detail
         );
 
-        // `git` stands in for an installed CLI: the version is real, yet it is not runnable.
-        let installed = CliBackend::new("codex", "git").probe().await;
-        assert!(!installed.available);
+        // `git` stands in for an installed CLI: the version is what it printed.
+        let installed = CliBackend::new(
+            CliKind::Codex,
+            BackendConfig {
+                command: Some("git".to_owned()),
+                ..BackendConfig::default()
+            },
+        )
+        .probe()
+        .await;
+        assert!(installed.available);
         assert!(
             installed
                 .version
                 .as_deref()
                 .is_some_and(|v| v.starts_with("git version"))
         );
-        assert!(
-            installed.detail.contains("not implemented yet"),
-            "{}",
-            installed.detail
-        );
     }
 
-    #[tokio::test]
-    async fn run_refuses_with_a_clear_error() {
-        let err = CliBackend::new("gemini", "gemini")
-            .run(RunSpec::default(), &CancellationToken::new())
-            .await
-            .expect_err("not implemented");
-        assert_eq!(err.kind(), ErrorKind::InvalidTask);
-        assert!(!err.retryable());
+    #[test]
+    fn claude_project_keys_replace_punctuation() {
         assert_eq!(
-            err.to_string(),
-            "backend `gemini` is not implemented yet (issue #4); use `command`"
+            claude_project_key(Path::new("/data/wt/s1/IMPL-1_2.x")),
+            "-data-wt-s1-IMPL-1-2-x"
         );
-        let err = AgentLoopBackend
-            .run(RunSpec::default(), &CancellationToken::new())
-            .await
-            .expect_err("agent");
-        assert!(err.to_string().contains("`agent` is not implemented yet"));
     }
 }

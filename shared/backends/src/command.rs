@@ -98,6 +98,7 @@ async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, Ba
         },
         troupe_process::Error::Spawn { program, source } => BackendError::Crash {
             backend: NAME.to_owned(),
+            reason: String::new(),
             exit_code: None,
             signal: None,
             stderr_tail: format!("cannot start `{program}`: {source}"),
@@ -140,9 +141,14 @@ async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, Ba
             stderr_tail,
             duration: output.duration,
             native_session_id: None,
+            usage: None,
+            final_message: String::new(),
+            tool_calls: Vec::new(),
+            events: Vec::new(),
         }),
         exit_code => Err(BackendError::Crash {
             backend: NAME.to_owned(),
+            reason: String::new(),
             exit_code,
             signal: output.signal,
             stderr_tail: if stderr_tail.is_empty() {

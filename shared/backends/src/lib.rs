@@ -6,13 +6,16 @@
 //! failure comes back classified ([`BackendError::kind`], [`BackendError::retryable`]) so the
 //! caller can decide between a retry, another backend, or giving up.
 //!
-//! `command` (an argv template from the task's `agent.command`) is implemented. The CLI
-//! backends (`codex`, `gemini`, `qwen`, `claude`, `opencode`) and the built-in `agent` loop are
-//! issue #4: they probe honestly (installed? which version?) and refuse to run with a clear
-//! error. Nothing reports success it did not earn.
+//! Backends: `command` (an argv template from the task's `agent.command`), the coding-agent
+//! CLIs `codex`, `gemini`, `qwen`, `claude` and `opencode` (each in its own home, JSON-lines
+//! parsed into [`AgentEvent`]s, native sessions resumable), and `agent`, troupe's own tool loop
+//! against an OpenAI-compatible endpoint. Settings come from [`BackendsConfig`].
 
+mod agent;
 mod cli;
 mod command;
+mod config;
+mod events;
 mod placeholder;
 
 use std::collections::BTreeMap;
@@ -25,8 +28,11 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-pub use cli::{AgentLoopBackend, CliBackend};
+pub use agent::AgentLoopBackend;
+pub use cli::CliBackend;
 pub use command::CommandBackend;
+pub use config::{BackendConfig, BackendsConfig, ConfigError};
+pub use events::{AgentEvent, CliKind, Transcript, classify_message, parse as parse_events};
 pub use placeholder::{PLACEHOLDERS, substitute};
 
 /// A boxed future, so [`Backend`] stays object-safe.
@@ -70,6 +76,36 @@ pub struct RunSpec {
     pub idle_timeout: Option<Duration>,
     /// Extra environment variables for the child (on top of the allow-list).
     pub env: BTreeMap<String, String>,
+    /// A private directory for the run: the child's `HOME`, `TMPDIR` and CLI home (CLI backends
+    /// need one).
+    pub home: Option<PathBuf>,
+    /// Analysis mode: the agent may read but not change anything.
+    pub read_only: bool,
+    /// Continue an earlier run's native session.
+    pub resume: Option<ResumeFrom>,
+}
+
+/// The native session a run continues.
+#[derive(Debug, Clone, Default)]
+pub struct ResumeFrom {
+    /// The CLI's own session id.
+    pub native_session_id: String,
+    /// The earlier run's home, copied into this run's home first (so a fork leaves the parent
+    /// as it was).
+    pub home: Option<PathBuf>,
+    /// The earlier run's working directory (some CLIs key their sessions by it).
+    pub cwd: Option<PathBuf>,
+}
+
+/// Token counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub input_tokens: u64,
+    /// Completion tokens.
+    pub output_tokens: u64,
+    /// Prompt tokens served from a cache.
+    pub cached_input_tokens: u64,
 }
 
 /// What a successful run produced.
@@ -87,6 +123,14 @@ pub struct RunOutcome {
     pub duration: Duration,
     /// The tool's own session id, when it reports one.
     pub native_session_id: Option<String>,
+    /// Token usage, when the tool reports it.
+    pub usage: Option<Usage>,
+    /// The agent's final message.
+    pub final_message: String,
+    /// Names of the tools the agent called, in order.
+    pub tool_calls: Vec<String>,
+    /// What the agent did (sessions, tool calls, file changes, end of run).
+    pub events: Vec<AgentEvent>,
 }
 
 impl RunOutcome {
@@ -173,10 +217,12 @@ pub enum BackendError {
         output_tail: String,
     },
     /// The child exited non-zero or was killed by a signal.
-    #[error("backend `{backend}` {}", crash_text(*.exit_code, *.signal))]
+    #[error("backend `{backend}` {}{}", crash_text(*.exit_code, *.signal), if .reason.is_empty() { String::new() } else { format!(": {}", .reason) })]
     Crash {
         /// Backend name.
         backend: String,
+        /// What the tool said went wrong (server error, connection refused), when it said.
+        reason: String,
         /// Exit code, when it exited.
         exit_code: Option<i32>,
         /// Signal, when it was killed.
@@ -283,32 +329,49 @@ pub trait Backend: Send + Sync + fmt::Debug {
     ) -> BoxFuture<'a, Result<RunOutcome, BackendError>>;
 }
 
-/// Every backend troupe knows, in [`BACKEND_NAMES`] order.
+/// Every backend troupe knows, in [`BACKEND_NAMES`] order, with default settings.
 pub fn all() -> Vec<Arc<dyn Backend>> {
+    all_with(&BackendsConfig::default())
+}
+
+/// Every backend, configured by `config`.
+pub fn all_with(config: &BackendsConfig) -> Vec<Arc<dyn Backend>> {
     BACKEND_NAMES
         .iter()
-        .filter_map(|name| by_name(name))
+        .filter_map(|name| by_name_with(name, config))
         .collect()
 }
 
-/// The backend called `name`, if troupe knows it.
+/// The backend called `name` with default settings, if troupe knows it.
 pub fn by_name(name: &str) -> Option<Arc<dyn Backend>> {
+    by_name_with(name, &BackendsConfig::default())
+}
+
+/// The backend called `name`, configured by `config`.
+pub fn by_name_with(name: &str, config: &BackendsConfig) -> Option<Arc<dyn Backend>> {
+    let settings = config.backend(name);
+    let cli = |kind| -> Arc<dyn Backend> { Arc::new(CliBackend::new(kind, settings.clone())) };
     let backend: Arc<dyn Backend> = match name {
         "command" => Arc::new(CommandBackend),
-        "codex" => Arc::new(CliBackend::new("codex", "codex")),
-        "gemini" => Arc::new(CliBackend::new("gemini", "gemini")),
-        "qwen" => Arc::new(CliBackend::new("qwen", "qwen")),
-        "claude" => Arc::new(CliBackend::new("claude", "claude")),
-        "opencode" => Arc::new(CliBackend::new("opencode", "opencode")),
-        "agent" => Arc::new(AgentLoopBackend),
+        "codex" => cli(CliKind::Codex),
+        "gemini" => cli(CliKind::Gemini),
+        "qwen" => cli(CliKind::Qwen),
+        "claude" => cli(CliKind::Claude),
+        "opencode" => cli(CliKind::Opencode),
+        "agent" => Arc::new(AgentLoopBackend::new(settings.clone())),
         _ => return None,
     };
     Some(backend)
 }
 
-/// Probes every backend concurrently.
+/// Probes every backend concurrently, with default settings.
 pub async fn probe_all() -> Vec<BackendInfo> {
-    let backends = all();
+    probe_all_with(&BackendsConfig::default()).await
+}
+
+/// Probes every backend concurrently, configured by `config`.
+pub async fn probe_all_with(config: &BackendsConfig) -> Vec<BackendInfo> {
+    let backends = all_with(config);
     futures::future::join_all(backends.iter().map(|backend| backend.probe())).await
 }
 
@@ -325,6 +388,7 @@ mod tests {
 
         let crash = BackendError::Crash {
             backend: "command".into(),
+            reason: String::new(),
             exit_code: Some(2),
             signal: None,
             stderr_tail: "boom".into(),
@@ -346,7 +410,16 @@ mod tests {
         let names: Vec<&str> = infos.iter().map(|i| i.name.as_str()).collect();
         assert_eq!(names, BACKEND_NAMES);
         assert!(infos[0].available, "command is always available");
-        // Unimplemented backends never claim to be usable.
-        assert!(infos[1..].iter().all(|info| !info.available));
+        // A CLI is available exactly when its program is on PATH.
+        for info in &infos[1..6] {
+            assert_eq!(
+                info.available,
+                troupe_process::which(&info.name).is_some(),
+                "{info:?}"
+            );
+            assert_eq!(info.available, info.version.is_some(), "{info:?}");
+        }
+        // The agent loop needs an endpoint and a model.
+        assert!(!infos[6].available);
     }
 }

@@ -37,6 +37,7 @@ async fn fixture() -> Fixture {
         coordinator_url: None,
         concurrency: 1,
         worker_id: None,
+        backends_config: None,
     };
     let service =
         TestService::spawn(|listener, shutdown| troupe_executor::run(config, listener, shutdown))
@@ -218,18 +219,16 @@ async fn failing_agent_is_a_classified_error_and_leaves_no_branch() {
         git(&f.repo, &["rev-parse", "main"]).expect("main")
     );
 
-    // Unimplemented backends and unknown placeholders are refused as invalid tasks.
-    let codex = json!({"id": "IMPL-006", "agent": {"backend": "codex"}});
+    // Unknown backends and unknown placeholders are refused as invalid tasks.
+    let unknown = json!({"id": "IMPL-006", "agent": {"backend": "cursor"}});
     let status = f
         .client
-        .execute_task(f.request(codex))
+        .execute_task(f.request(unknown))
         .await
-        .expect_err("codex");
+        .expect_err("unknown backend");
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(
-        status
-            .message()
-            .contains("backend `codex` is not implemented yet"),
+        status.message().contains("unknown backend `cursor`"),
         "{}",
         status.message()
     );
@@ -291,10 +290,20 @@ async fn list_backends_probes_every_backend() {
         ]
     );
     assert!(backends[0].available);
-    for backend in &backends[1..] {
-        assert!(!backend.available, "{} claims to be usable", backend.name);
+    for backend in &backends[1..6] {
+        // Installed exactly when the program is on PATH, and then its version is known.
+        let installed = troupe_process::which(&backend.name).is_some();
+        assert_eq!(backend.available, installed, "{backend:?}");
+        assert_eq!(!backend.version.is_empty(), installed, "{backend:?}");
         assert!(!backend.detail.is_empty());
     }
+    // Without an endpoint and model the agent loop cannot run.
+    assert!(!backends[6].available);
+    assert!(
+        backends[6].detail.contains("endpoint"),
+        "{}",
+        backends[6].detail
+    );
     f.service.stop().await;
 }
 

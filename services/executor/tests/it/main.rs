@@ -1,5 +1,6 @@
 //! Integration tests: the executor against real git repositories and real agent processes.
 
+mod clis;
 mod direct;
 mod session;
 

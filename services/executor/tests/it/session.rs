@@ -181,11 +181,12 @@ async fn missing_session_branch_and_bad_specs_fail_cleanly() {
     assert_eq!(err.error.kind(), ErrorKind::InvalidTask);
 
     let mut job = s.job("IMPL-1", &[]);
-    job.spec.remove("agent");
-    let err = s.run(job).await.expect_err("no agent");
+    job.spec
+        .insert("agent".to_owned(), json!({"backend": "nope"}));
+    let err = s.run(job).await.expect_err("unknown backend");
     assert_eq!(err.error.kind(), ErrorKind::InvalidTask);
     assert!(
-        err.error.message.contains("agent.backend or agent.command"),
+        err.error.message.contains("unknown backend `nope`"),
         "{}",
         err.error.message
     );

@@ -1,0 +1,1036 @@
+//! The real coding-agent CLIs (installed by scripts/setup/50-agent-clis.sh) and the built-in
+//! `agent` loop, driven through `Executor.ExecuteTask` against the scripted model server.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use prost::Message;
+use serde_json::{Value, json};
+use tonic::Code;
+use troupe_backends::{BackendConfig, BackendsConfig};
+use troupe_executor::{Config, TASK_ERROR_METADATA};
+use troupe_modelserver::{Action, ModelServer, Script};
+use troupe_proto::v1::executor_client::ExecutorClient;
+use troupe_proto::v1::{
+    ErrorKind, ExecuteTaskRequest, ImplementationReport, ListBackendsRequest, TaskError,
+    TaskResult, task_result,
+};
+use troupe_testkit::{TestService, git, git_repo, workspace_root};
+
+use crate::{show, to_struct};
+
+pub(crate) const CLIS: &[&str] = &["codex", "claude", "gemini", "qwen", "opencode"];
+
+/// The CLI's program: on PATH, or where the setup script installs it.
+pub(crate) fn cli_program(name: &str) -> String {
+    if troupe_process::which(name).is_some() {
+        return name.to_owned();
+    }
+    let installed = workspace_root().join("target/tools/npm/bin").join(name);
+    assert!(
+        installed.is_file(),
+        "`{name}` is not installed: run scripts/setup/50-agent-clis.sh (scripts/test does)"
+    );
+    installed.display().to_string()
+}
+
+/// Where each backend's protocol lives under the server's base URL, and the model to ask for
+/// (`gpt-5.5` makes codex offer `apply_patch`; `-m` spares gemini its router call).
+fn endpoint_and_model(backend: &str, base: &str) -> (String, &'static str) {
+    match backend {
+        "codex" => (format!("{base}/v1"), "gpt-5.5"),
+        "claude" => (base.to_owned(), "fake-model"),
+        "gemini" => (base.to_owned(), "gemini-2.5-flash"),
+        _ => (format!("{base}/v1"), "fake-model"),
+    }
+}
+
+/// A backend section pointing at `base` (which may carry a fault prefix), failing fast.
+pub(crate) fn backend_config(backend: &str, base: &str) -> BackendConfig {
+    let (endpoint, model) = endpoint_and_model(backend, base);
+    BackendConfig {
+        command: (backend != "agent").then(|| cli_program(backend)),
+        model: Some(model.to_owned()),
+        endpoint: Some(endpoint),
+        api_key: Some("fake-key".to_owned()),
+        fast_fail: true,
+        timeout_seconds: Some(120),
+        ..BackendConfig::default()
+    }
+}
+
+pub(crate) struct Fixture {
+    _dirs: Vec<tempfile::TempDir>,
+    pub(crate) repo: PathBuf,
+    pub(crate) data: PathBuf,
+    pub(crate) service: TestService,
+    pub(crate) client: ExecutorClient<tonic::transport::Channel>,
+}
+
+pub(crate) async fn fixture(config: BackendsConfig) -> Fixture {
+    let repo_dir = tempfile::tempdir().expect("tempdir");
+    let data_dir = tempfile::tempdir().expect("tempdir");
+    let repo = repo_dir.path().join("app");
+    git_repo(
+        &repo,
+        &[("README.md", "app\n"), ("src/app.py", "print('v1')\n")],
+    )
+    .expect("repo");
+    let config_file = data_dir.path().join("executor.toml");
+    std::fs::write(&config_file, to_toml(&config)).expect("config file");
+    let config = Config {
+        listen: "127.0.0.1:0".parse().expect("addr"),
+        data_dir: data_dir.path().join("data"),
+        coordinator_url: None,
+        concurrency: 1,
+        worker_id: None,
+        backends_config: Some(config_file),
+    };
+    let data = data_dir.path().join("data");
+    let service =
+        TestService::spawn(|listener, shutdown| troupe_executor::run(config, listener, shutdown))
+            .await;
+    let client = ExecutorClient::connect(service.url())
+        .await
+        .expect("connect");
+    Fixture {
+        repo,
+        data,
+        _dirs: vec![repo_dir, data_dir],
+        service,
+        client,
+    }
+}
+
+/// The config as the TOML file the executor reads (so `--config` is what gets tested).
+fn to_toml(config: &BackendsConfig) -> String {
+    let mut out = format!(
+        "fallback = {}\nretries = {}\nretry_backoff_ms = {}\nauto_backend = \"{}\"\n",
+        json!(config.fallback),
+        config.retries,
+        config.retry_backoff_ms,
+        config.auto_backend
+    );
+    for (name, b) in &config.backends {
+        out.push_str(&format!("\n[backends.{name}]\n"));
+        let mut field = |key: &str, value: Option<Value>| {
+            if let Some(value) = value {
+                out.push_str(&format!("{key} = {value}\n"));
+            }
+        };
+        field("command", b.command.clone().map(Value::from));
+        field("model", b.model.clone().map(Value::from));
+        field("endpoint", b.endpoint.clone().map(Value::from));
+        field("api_key", b.api_key.clone().map(Value::from));
+        field("fast_fail", Some(Value::from(b.fast_fail)));
+        field("timeout_seconds", b.timeout_seconds.map(Value::from));
+        field(
+            "idle_timeout_seconds",
+            b.idle_timeout_seconds.map(Value::from),
+        );
+        field("max_turns", b.max_turns.map(Value::from));
+    }
+    out
+}
+
+pub(crate) fn config_for(backends: &[(&str, &str)]) -> BackendsConfig {
+    BackendsConfig {
+        // Only the fallback test falls back: others would reach unconfigured CLIs.
+        fallback: Vec::new(),
+        retries: 0,
+        retry_backoff_ms: 10,
+        backends: backends
+            .iter()
+            .map(|(name, base)| ((*name).to_owned(), backend_config(name, base)))
+            .collect(),
+        ..BackendsConfig::default()
+    }
+}
+
+impl Fixture {
+    pub(crate) fn request(&self, task: Value) -> ExecuteTaskRequest {
+        ExecuteTaskRequest {
+            repo_path: self.repo.display().to_string(),
+            base_ref: "main".to_owned(),
+            branch: String::new(),
+            task: Some(to_struct(&task)),
+            base_dir: String::new(),
+        }
+    }
+
+    pub(crate) async fn execute(&mut self, task: Value) -> Result<TaskResult, tonic::Status> {
+        let request = self.request(task);
+        self.client
+            .execute_task(request)
+            .await
+            .map(|r| r.into_inner().result.expect("result"))
+    }
+}
+
+pub(crate) fn report(result: &TaskResult) -> ImplementationReport {
+    match &result.detail {
+        Some(task_result::Detail::Implementation(report)) => report.clone(),
+        other => panic!("expected an implementation report, got {other:?}"),
+    }
+}
+
+pub(crate) fn task_error(status: &tonic::Status) -> TaskError {
+    let bytes = status
+        .metadata()
+        .get_bin(TASK_ERROR_METADATA)
+        .expect("typed error metadata")
+        .to_bytes()
+        .expect("binary metadata");
+    TaskError::decode(bytes).expect("decodes")
+}
+
+fn task(id: &str, backend: &str, file: &str) -> Value {
+    json!({
+        "id": id,
+        "title": format!("Create {file}"),
+        "description": format!("Create the file {file} with a greeting."),
+        "files": [{"path": file, "action": "create", "change": "new file"}],
+        "agent": {"backend": backend},
+    })
+}
+
+async fn completes_a_real_edit(backend: &str) {
+    let script = Script::write_file("notes/hello.txt", "notes/hello.txt", "hello from the model");
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut f = fixture(config_for(&[(backend, &url)])).await;
+    let started = Instant::now();
+    let result = f
+        .execute(task("IMPL-1", backend, "notes/hello.txt"))
+        .await
+        .unwrap_or_else(|status| {
+            panic!(
+                "{backend} failed: {status:?}\nrequests: {:#?}",
+                server.requests()
+            )
+        });
+    let head = git(&f.repo, &["rev-parse", "troupe/direct/IMPL-1"]).expect("branch");
+    assert_eq!(result.commit, head);
+    assert_eq!(
+        show(&f.repo, &head, "notes/hello.txt")
+            .map(|t| t.trim_end().to_owned())
+            .as_deref(),
+        Some("hello from the model"),
+        "{backend}"
+    );
+    assert_eq!(result.files_modified, ["notes/hello.txt"], "{backend}");
+    let report = report(&result);
+    assert_eq!(report.backend, backend);
+    assert_eq!(report.backend_reason, "task agent.backend");
+    let usage = report.usage.expect("usage recorded");
+    assert!(
+        usage.input_tokens >= 2 * troupe_modelserver::INPUT_TOKENS,
+        "{backend}: {usage:?}"
+    );
+    assert!(
+        usage.output_tokens >= troupe_modelserver::OUTPUT_TOKENS,
+        "{backend}: {usage:?}"
+    );
+    if backend != "agent" {
+        assert!(
+            !report.native_session_id.is_empty(),
+            "{backend} reported no session id"
+        );
+    }
+    // The child ran with its own home: nothing of it leaked into the worktree or the repo.
+    assert!(
+        server
+            .requests()
+            .iter()
+            .all(|r| r.api_key.as_deref().is_some_and(|k| k.contains("fake-key")))
+    );
+    eprintln!("{backend}: edit in {:?}", started.elapsed());
+    f.service.stop().await;
+}
+
+#[tokio::test]
+async fn codex_completes_a_real_edit() {
+    completes_a_real_edit("codex").await;
+}
+
+#[tokio::test]
+async fn claude_completes_a_real_edit() {
+    completes_a_real_edit("claude").await;
+}
+
+#[tokio::test]
+async fn gemini_completes_a_real_edit() {
+    completes_a_real_edit("gemini").await;
+}
+
+#[tokio::test]
+async fn qwen_completes_a_real_edit() {
+    completes_a_real_edit("qwen").await;
+}
+
+#[tokio::test]
+async fn opencode_completes_a_real_edit() {
+    completes_a_real_edit("opencode").await;
+}
+
+#[tokio::test]
+async fn agent_loop_reads_edits_and_writes() {
+    let script = Script::default().rule(
+        "src/app.py",
+        vec![
+            Action::ReadFile {
+                path: "src/app.py".into(),
+            },
+            Action::Edit {
+                path: "src/app.py".into(),
+                search: "v1".into(),
+                replace: "v2".into(),
+            },
+            Action::WriteFile {
+                path: "src/extra.py".into(),
+                content: "X = 1\n".into(),
+            },
+            Action::Shell {
+                command: "git status --short".into(),
+            },
+            Action::WriteFile {
+                path: "../escape.txt".into(),
+                content: "nope".into(),
+            },
+        ],
+    );
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut f = fixture(config_for(&[("agent", &url)])).await;
+    let mut spec = task("IMPL-A", "agent", "src/app.py");
+    spec["files"] = json!(["src/app.py", "src/extra.py"]);
+    let result = f.execute(spec).await.expect("agent loop succeeds");
+    assert_eq!(
+        show(&f.repo, &result.commit, "src/app.py").as_deref(),
+        Some("print('v2')")
+    );
+    assert_eq!(
+        show(&f.repo, &result.commit, "src/extra.py").as_deref(),
+        Some("X = 1")
+    );
+    assert_eq!(result.files_modified, ["src/app.py", "src/extra.py"]);
+    assert!(!f.repo.parent().expect("parent").join("escape.txt").exists());
+    // 5 tool calls + the final answer, each a request carrying the growing conversation.
+    let requests = server.requests();
+    assert_eq!(requests.len(), 6, "{requests:#?}");
+    let last = requests.last().expect("last").body_text();
+    assert!(
+        last.contains("print('v1')"),
+        "read_file result went back to the model"
+    );
+    assert!(
+        last.contains("?? src/extra.py"),
+        "run result went back to the model: {last}"
+    );
+    assert!(
+        last.contains("escapes the worktree"),
+        "escape refused: {last}"
+    );
+    let report = report(&result);
+    assert_eq!(
+        report.usage.map(|u| u.input_tokens),
+        Some(6 * troupe_modelserver::INPUT_TOKENS)
+    );
+
+    // A turn budget stops a loop that never ends.
+    let mut config = config_for(&[("agent", &url)]);
+    config.fallback.clear();
+    if let Some(agent) = config.backends.get_mut("agent") {
+        agent.max_turns = Some(2);
+    }
+    let mut g = fixture(config).await;
+    let status = g
+        .execute(task("IMPL-B", "agent", "src/app.py").tap_files())
+        .await
+        .expect_err("budget");
+    let error = task_error(&status);
+    assert_eq!(error.kind(), ErrorKind::BadOutput);
+    assert!(
+        error.message.contains("turn budget of 2"),
+        "{}",
+        error.message
+    );
+    f.service.stop().await;
+    g.service.stop().await;
+}
+
+trait TapFiles {
+    fn tap_files(self) -> Self;
+}
+
+impl TapFiles for Value {
+    /// The same task mentioning `src/app.py`, so the looping rule fires.
+    fn tap_files(mut self) -> Self {
+        self["files"] = json!(["src/app.py", "src/extra.py"]);
+        self
+    }
+}
+
+/// Runs one backend against a faulty endpoint and returns the classified error.
+async fn fault(backend: &str, base: &str, idle: Option<u64>) -> (TaskError, Code, Duration) {
+    let mut config = config_for(&[(backend, base)]);
+    config.fallback.clear();
+    if let Some(b) = config.backends.get_mut(backend) {
+        b.idle_timeout_seconds = idle;
+        b.timeout_seconds = Some(90);
+    }
+    let mut f = fixture(config).await;
+    let started = Instant::now();
+    let status = f
+        .execute(task("IMPL-E", backend, "notes/hello.txt"))
+        .await
+        .expect_err("fault");
+    let elapsed = started.elapsed();
+    f.service.stop().await;
+    (task_error(&status), status.code(), elapsed)
+}
+
+async fn classifies(backend: &str, cases: &[(&str, ErrorKind)]) {
+    let (url, _server) = ModelServer::start(Script::write_file(
+        "notes/hello.txt",
+        "notes/hello.txt",
+        "x",
+    ))
+    .await
+    .expect("model server");
+    for (prefix, want) in cases {
+        let base = if *prefix == "refused" {
+            troupe_modelserver::refused_url().await.expect("port")
+        } else {
+            format!("{url}/{prefix}")
+        };
+        let (error, code, elapsed) = fault(backend, &base, None).await;
+        assert_eq!(error.kind(), *want, "{backend} {prefix}: {error:?}");
+        assert!(
+            error.message.contains(&format!("`{backend}`")),
+            "{}",
+            error.message
+        );
+        assert_ne!(code, Code::Ok);
+        eprintln!(
+            "{backend} {prefix}: {:?} in {elapsed:?}: {}",
+            error.kind(),
+            error.message
+        );
+    }
+}
+
+#[tokio::test]
+async fn codex_errors_classify() {
+    classifies(
+        "codex",
+        &[
+            ("__401", ErrorKind::Auth),
+            ("__429", ErrorKind::RateLimited),
+            ("__500", ErrorKind::Crash),
+            ("refused", ErrorKind::Crash),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn claude_errors_classify() {
+    // Claude's 500 path keeps an inner backoff of about a minute even with retries off.
+    classifies(
+        "claude",
+        &[
+            ("__401", ErrorKind::Auth),
+            ("__429", ErrorKind::RateLimited),
+            ("refused", ErrorKind::Crash),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn gemini_errors_classify() {
+    classifies(
+        "gemini",
+        &[
+            ("__401", ErrorKind::Auth),
+            ("__429", ErrorKind::RateLimited),
+            ("__500", ErrorKind::Crash),
+            ("refused", ErrorKind::Crash),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn qwen_errors_classify() {
+    classifies(
+        "qwen",
+        &[
+            ("__401", ErrorKind::Auth),
+            ("__429", ErrorKind::RateLimited),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn opencode_errors_classify() {
+    // opencode has no knob for its retries; 401 is not retried, 429 honours retry-after.
+    classifies(
+        "opencode",
+        &[
+            ("__401", ErrorKind::Auth),
+            ("__429", ErrorKind::RateLimited),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn agent_errors_classify() {
+    classifies(
+        "agent",
+        &[
+            ("__401", ErrorKind::Auth),
+            ("__429", ErrorKind::RateLimited),
+            ("__500", ErrorKind::Crash),
+            ("refused", ErrorKind::Crash),
+        ],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn fallback_moves_on_after_a_classified_failure() {
+    let (url, server) = ModelServer::start(Script::write_file(
+        "notes/hello.txt",
+        "notes/hello.txt",
+        "via fallback",
+    ))
+    .await
+    .expect("model server");
+    // gemini is rate limited, qwen's key is refused, codex works: gemini → qwen → codex.
+    let mut config = config_for(&[
+        ("gemini", &format!("{url}/__429")),
+        ("qwen", &format!("{url}/__401")),
+        ("codex", &url),
+    ]);
+    config.fallback = vec!["gemini".into(), "qwen".into(), "codex".into()];
+    config.retries = 1;
+    let mut f = fixture(config).await;
+    let result = f
+        .execute(task("IMPL-F", "gemini", "notes/hello.txt"))
+        .await
+        .expect("codex finishes the task");
+    let report = report(&result);
+    assert_eq!(report.backend, "codex");
+    assert_eq!(report.fallbacks, ["gemini", "qwen"]);
+    assert!(
+        report
+            .backend_reason
+            .contains("fell back from gemini, qwen to codex"),
+        "{}",
+        report.backend_reason
+    );
+    assert_eq!(
+        show(&f.repo, &result.commit, "notes/hello.txt")
+            .map(|t| t.trim_end().to_owned())
+            .as_deref(),
+        Some("via fallback")
+    );
+    // The rate limit was retried once with backoff before moving on; auth was not retried.
+    let hits = |prefix: &str| {
+        server
+            .requests()
+            .iter()
+            .filter(|r| r.path.starts_with(prefix))
+            .count()
+    };
+    assert_eq!(hits("/__429/"), 2, "gemini: first try + one retry");
+    assert_eq!(hits("/__401/"), 1, "qwen: auth is not retried");
+    f.service.stop().await;
+}
+
+fn processes_in(dir: &Path) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()))
+        .filter(|pid| {
+            let alive = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|s| {
+                    s.rsplit(')')
+                        .next()
+                        .and_then(|r| r.split_whitespace().next())
+                        .map(|st| st != "Z")
+                })
+                .unwrap_or(false);
+            alive
+                && std::fs::read_link(format!("/proc/{pid}/cwd"))
+                    .is_ok_and(|cwd| cwd.starts_with(dir))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn hung_agent_is_killed_with_its_children() {
+    // Every model call hangs (accepted, never answered): codex waits with no output.
+    let script = Script::write_file("notes/hello.txt", "notes/hello.txt", "x");
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut config = config_for(&[("codex", &format!("{url}/__hang"))]);
+    config.fallback.clear();
+    if let Some(codex) = config.backends.get_mut("codex") {
+        codex.idle_timeout_seconds = Some(3);
+    }
+    let mut f = fixture(config).await;
+    let data = f.data.clone();
+    let watcher = tokio::spawn(async move {
+        // While the agent hangs, its processes (cwd in the worktree) are alive.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut most = Vec::new();
+        while Instant::now() < deadline {
+            let now: Vec<(i32, String)> = processes_in(&data.join("worktrees"))
+                .into_iter()
+                .map(|pid| {
+                    let comm =
+                        std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+                    (pid, comm.trim().to_owned())
+                })
+                .collect();
+            if now.len() > most.len() {
+                most = now;
+            }
+            if !most.is_empty() && processes_in(&data.join("worktrees")).is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        most
+    });
+    let started = Instant::now();
+    let status = f
+        .execute(task("IMPL-H", "codex", "notes/hello.txt"))
+        .await
+        .expect_err("hangs");
+    let error = task_error(&status);
+    assert_eq!(error.kind(), ErrorKind::Timeout, "{error:?}");
+    assert!(
+        error.message.contains("produced no output"),
+        "{}",
+        error.message
+    );
+    assert!(started.elapsed() < Duration::from_secs(40));
+    let seen = watcher.await.expect("watcher");
+    eprintln!("agent processes while hung: {seen:?}");
+    // The npm shim (`node`), the native `codex` it started, and whatever codex ran (its shell
+    // snapshot `bash`): a parent with children, all in the group that gets killed.
+    assert!(seen.iter().any(|(_, name)| name == "node"), "{seen:?}");
+    assert!(
+        seen.iter().any(|(_, name)| name.starts_with("codex")),
+        "{seen:?}"
+    );
+    for (pid, _) in &seen {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let state = stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or("");
+        assert!(
+            stat.is_empty() || state == "Z",
+            "process {pid} survived: {stat}"
+        );
+    }
+    assert!(!server.requests().is_empty());
+    f.service.stop().await;
+}
+
+#[tokio::test]
+async fn list_backends_reports_installed_clis_with_versions() {
+    let (url, _server) = ModelServer::start(Script::default())
+        .await
+        .expect("model server");
+    let backends: Vec<(&str, &str)> = CLIS
+        .iter()
+        .map(|c| (*c, url.as_str()))
+        .chain([("agent", url.as_str())])
+        .collect();
+    let mut f = fixture(config_for(&backends)).await;
+    let listed = f
+        .client
+        .list_backends(ListBackendsRequest {})
+        .await
+        .expect("lists")
+        .into_inner()
+        .backends;
+    for info in &listed {
+        assert!(info.available, "{info:?}");
+        assert!(!info.version.is_empty(), "{info:?}");
+    }
+    let version = |name: &str| {
+        listed
+            .iter()
+            .find(|b| b.name == name)
+            .map(|b| b.version.clone())
+            .unwrap_or_default()
+    };
+    assert!(version("codex").contains("0.169.0"), "{}", version("codex"));
+    assert!(
+        version("claude").contains("2.1.330"),
+        "{}",
+        version("claude")
+    );
+    assert!(
+        version("gemini").contains("0.61.0"),
+        "{}",
+        version("gemini")
+    );
+    assert!(version("qwen").contains("0.24.4"), "{}", version("qwen"));
+    assert!(
+        version("opencode").contains("1.18.33"),
+        "{}",
+        version("opencode")
+    );
+    f.service.stop().await;
+}
+
+/// A first task, then one resuming it and one forking it: both continue the CLI's own session
+/// (same native id, the first prompt is in the history the model receives).
+async fn resume_and_fork_reuse_the_native_session(backend: &str) {
+    let script = Script::write_file("first.txt", "first.txt", "one")
+        .rule(
+            "second.txt",
+            vec![Action::WriteFile {
+                path: "second.txt".into(),
+                content: "two".into(),
+            }],
+        )
+        .rule(
+            "third.txt",
+            vec![Action::WriteFile {
+                path: "third.txt".into(),
+                content: "three".into(),
+            }],
+        );
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut f = fixture(config_for(&[(backend, &url)])).await;
+    let first = f
+        .execute(task("IMPL-1", backend, "first.txt"))
+        .await
+        .expect("first run");
+    let native = report(&first).native_session_id;
+    assert!(!native.is_empty(), "{backend}: no native session id");
+    let before = server.requests().len();
+
+    let mut resume = task("IMPL-2", backend, "second.txt");
+    resume["cli_execution"] =
+        json!({"id": "s-IMPL-2", "strategy": "resume", "resume_from": "IMPL-1"});
+    let second = f
+        .execute(resume)
+        .await
+        .unwrap_or_else(|s| panic!("{backend} resume: {s:?}"));
+    assert_eq!(
+        report(&second).native_session_id,
+        native,
+        "{backend}: resume kept the session"
+    );
+    if backend == "codex" {
+        // Codex reports the thread's running total; troupe records this run's share (2 calls).
+        let usage = report(&second).usage.expect("usage");
+        assert_eq!(usage.input_tokens, 2 * troupe_modelserver::INPUT_TOKENS);
+    }
+    assert_eq!(
+        show(&f.repo, &second.commit, "second.txt")
+            .map(|t| t.trim_end().to_owned())
+            .as_deref(),
+        Some("two")
+    );
+    let resumed: Vec<String> = server.requests()[before..]
+        .iter()
+        .map(|r| r.body_text())
+        .collect();
+    assert!(
+        resumed
+            .iter()
+            .any(|b| b.contains("Create the file first.txt")
+                && b.contains("Create the file second.txt")),
+        "{backend}: the resumed conversation carries the first prompt"
+    );
+
+    let mut fork = task("IMPL-3", backend, "third.txt");
+    fork["cli_execution"] = json!({"id": "s-IMPL-3", "strategy": "fork", "resume_from": "IMPL-1"});
+    let before = server.requests().len();
+    let third = f
+        .execute(fork)
+        .await
+        .unwrap_or_else(|s| panic!("{backend} fork: {s:?}"));
+    let forked: Vec<String> = server.requests()[before..]
+        .iter()
+        .map(|r| r.body_text())
+        .collect();
+    assert!(
+        forked
+            .iter()
+            .any(|b| b.contains("Create the file first.txt")
+                && b.contains("Create the file third.txt")),
+        "{backend}: the fork starts from the first session"
+    );
+    // The fork did not see the resume's turn: the parent's session was copied, not shared.
+    assert!(
+        !forked
+            .iter()
+            .any(|b| b.contains("Create the file second.txt")),
+        "{backend}: the fork saw the resumed turn"
+    );
+    assert!(!report(&third).native_session_id.is_empty());
+    f.service.stop().await;
+}
+
+#[tokio::test]
+async fn codex_resume_and_fork() {
+    resume_and_fork_reuse_the_native_session("codex").await;
+}
+
+#[tokio::test]
+async fn claude_resume_and_fork() {
+    resume_and_fork_reuse_the_native_session("claude").await;
+}
+
+#[tokio::test]
+async fn gemini_resume_and_fork() {
+    resume_and_fork_reuse_the_native_session("gemini").await;
+}
+
+#[tokio::test]
+async fn qwen_resume_and_fork() {
+    resume_and_fork_reuse_the_native_session("qwen").await;
+}
+
+#[tokio::test]
+async fn opencode_resume_and_fork() {
+    resume_and_fork_reuse_the_native_session("opencode").await;
+}
+
+/// Analysis mode: the model asks for a write; the file must not appear and the run changes
+/// nothing.
+async fn read_only_writes_nothing(backend: &str) {
+    // One write: claude drops a denied turn from the history it resends, so a longer script
+    // would repeat its second step forever against a stateless server.
+    let script = Script::write_file("notes/hello.txt", "notes/hello.txt", "x");
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut f = fixture(config_for(&[(backend, &url)])).await;
+    let mut spec = task("IMPL-R", backend, "notes/hello.txt");
+    spec["mode"] = json!("analysis");
+    let result = f
+        .execute(spec)
+        .await
+        .unwrap_or_else(|s| panic!("{backend}: {s:?}"));
+    assert!(
+        result.files_modified.is_empty(),
+        "{backend}: {:?}",
+        result.files_modified
+    );
+    assert_eq!(
+        result.commit,
+        git(&f.repo, &["rev-parse", "main"]).expect("main")
+    );
+    let offered = server
+        .requests()
+        .iter()
+        .map(|r| r.body_text())
+        .collect::<Vec<_>>()
+        .join("\n");
+    if backend == "opencode" {
+        // Not `--agent plan` (its bash still writes): write, edit and bash are not offered.
+        assert!(
+            !offered.contains("\"name\":\"bash\""),
+            "opencode offered bash"
+        );
+        assert!(
+            !offered.contains("\"name\":\"write\""),
+            "opencode offered write"
+        );
+    }
+    f.service.stop().await;
+}
+
+#[tokio::test]
+async fn read_only_mode_is_read_only() {
+    for backend in ["opencode", "codex", "claude", "gemini", "qwen", "agent"] {
+        read_only_writes_nothing(backend).await;
+    }
+}
+
+/// Eight tasks of one session at once, through the session path (worktree per task,
+/// integration into `troupe/<session>`), six on distinct files and two on the same file that
+/// both start from the same base: seven land, one is a retryable MERGE_CONFLICT naming the file.
+#[tokio::test]
+async fn eight_parallel_tasks_two_conflicting() {
+    let work = tempfile::tempdir().expect("tempdir");
+    let barrier_dir = work.path().join("barrier");
+    std::fs::create_dir_all(&barrier_dir).expect("barrier");
+    let barrier = work.path().join("barrier.py");
+    std::fs::write(
+        &barrier,
+        "import os, sys, time\nd, n = sys.argv[1], int(sys.argv[2])\nopen(os.path.join(d, str(os.getpid())), 'w').close()\n\
+         end = time.time() + 30\nwhile len(os.listdir(d)) < n and time.time() < end:\n    time.sleep(0.02)\n",
+    )
+    .expect("barrier script");
+    let wait = format!("python3 {} {} 2", barrier.display(), barrier_dir.display());
+    let mut script = Script::default();
+    for i in 1..=6 {
+        script = script.rule(
+            &format!("part-{i}.txt"),
+            vec![Action::WriteFile {
+                path: format!("parts/part-{i}.txt"),
+                content: format!("part {i}"),
+            }],
+        );
+    }
+    for side in ["left", "right"] {
+        script = script.rule(
+            &format!("shared-{side}"),
+            vec![
+                Action::Shell {
+                    command: wait.clone(),
+                },
+                Action::WriteFile {
+                    path: "shared.txt".into(),
+                    content: side.to_owned(),
+                },
+            ],
+        );
+    }
+    let (url, _server) = ModelServer::start(script).await.expect("model server");
+
+    let repo = work.path().join("app");
+    git_repo(&repo, &[("shared.txt", "base\n")]).expect("repo");
+    git(&repo, &["branch", "troupe/s8", "main"]).expect("session branch");
+    let data = work.path().join("data");
+    std::fs::create_dir_all(&data).expect("data");
+    let executor = std::sync::Arc::new(troupe_executor::Executor::with_config(
+        data.canonicalize().expect("canonical"),
+        config_for(&[("agent", &url)]),
+    ));
+    let job = |id: &str, title: &str, file: &str| troupe_executor::Job {
+        spec: json!({"id": id, "title": title, "files": [file], "agent": {"backend": "agent"}})
+            .as_object()
+            .expect("object")
+            .clone(),
+        repo_path: repo.clone(),
+        repo_name: "app".to_owned(),
+        session_id: "s8".to_owned(),
+        task_id: None,
+        attempt: 1,
+        plan_dir: None,
+        upstream: Vec::new(),
+        target: troupe_executor::Target::Session {
+            branch: "troupe/s8".to_owned(),
+        },
+    };
+    let mut jobs: Vec<troupe_executor::Job> = (1..=6)
+        .map(|i| {
+            job(
+                &format!("IMPL-{i}"),
+                &format!("write part-{i}.txt"),
+                &format!("parts/part-{i}.txt"),
+            )
+        })
+        .collect();
+    jobs.push(job("IMPL-7", "shared-left edit", "shared.txt"));
+    jobs.push(job("IMPL-8", "shared-right edit", "shared.txt"));
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let started = Instant::now();
+    let results = futures::future::join_all(jobs.into_iter().map(|job| {
+        let executor = std::sync::Arc::clone(&executor);
+        let cancel = cancel.clone();
+        async move { executor.execute(job, &cancel, &|_| {}).await }
+    }))
+    .await;
+    eprintln!("8 tasks in {:?}", started.elapsed());
+    let head = git(&repo, &["rev-parse", "troupe/s8"]).expect("head");
+    for (i, result) in results[..6].iter().enumerate() {
+        let result = result
+            .as_ref()
+            .unwrap_or_else(|e| panic!("IMPL-{} failed: {:?}", i + 1, e.error));
+        git(
+            &repo,
+            &["merge-base", "--is-ancestor", &result.commit, &head],
+        )
+        .expect("integrated");
+        assert_eq!(
+            show(&repo, &head, &format!("parts/part-{}.txt", i + 1)).as_deref(),
+            Some(format!("part {}", i + 1).as_str())
+        );
+    }
+    let (landed, failed) = match (&results[6], &results[7]) {
+        (Ok(ok), Err(err)) | (Err(err), Ok(ok)) => (ok, err),
+        (a, b) => panic!("expected one landing and one conflict: {a:?} / {b:?}"),
+    };
+    assert_eq!(failed.error.kind(), ErrorKind::MergeConflict);
+    assert!(failed.error.retryable);
+    assert_eq!(failed.error.details, ["shared.txt"]);
+    let winner = show(&repo, &head, "shared.txt").expect("shared.txt");
+    assert!(winner == "left" || winner == "right", "{winner}");
+    git(
+        &repo,
+        &["merge-base", "--is-ancestor", &landed.commit, &head],
+    )
+    .expect("landed");
+}
+
+/// `merge_fork` (ccw-reference §3.6): the first parent's session continues natively, the
+/// other parent's result comes in as context; both parents' sessions stay untouched.
+#[tokio::test]
+async fn merge_fork_continues_the_first_parent_and_adds_the_second_as_context() {
+    let script = Script::write_file("first.txt", "first.txt", "one")
+        .rule(
+            "second.txt",
+            vec![Action::WriteFile {
+                path: "second.txt".into(),
+                content: "two".into(),
+            }],
+        )
+        .rule(
+            "merged.txt",
+            vec![Action::WriteFile {
+                path: "merged.txt".into(),
+                content: "both".into(),
+            }],
+        );
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut f = fixture(config_for(&[("claude", &url), ("agent", &url)])).await;
+    let a = f
+        .execute(task("IMPL-A", "claude", "first.txt"))
+        .await
+        .expect("parent a");
+    f.execute(task("IMPL-B", "agent", "second.txt"))
+        .await
+        .expect("parent b");
+    let before = server.requests().len();
+    let mut merge = task("IMPL-C", "claude", "merged.txt");
+    merge["cli_execution"] =
+        json!({"id": "s-IMPL-C", "strategy": "merge_fork", "merge_from": ["IMPL-A", "IMPL-B"]});
+    let merged = f.execute(merge).await.expect("merge_fork");
+    assert_eq!(
+        report(&merged).native_session_id,
+        report(&a).native_session_id
+    );
+    let bodies: Vec<String> = server.requests()[before..]
+        .iter()
+        .map(|r| r.body_text())
+        .collect();
+    let first = &bodies[0];
+    assert!(
+        first.contains("Create the file first.txt"),
+        "A's history is native"
+    );
+    assert!(
+        first.contains("CONTEXT FROM EARLIER SESSIONS (merge_fork)")
+            && first.contains("IMPL-B (agent): done: second.txt"),
+        "B's result is context"
+    );
+    f.service.stop().await;
+}

@@ -1,0 +1,490 @@
+//! The CLIs' JSON-lines output, parsed into typed events and a summary of the run
+//! (docs/agent-clis.md §3–§7).
+
+use serde_json::Value;
+
+use crate::{ErrorKind, Usage};
+
+/// Which CLI printed the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CliKind {
+    /// OpenAI Codex CLI (`codex exec --json`).
+    Codex,
+    /// Claude Code (`claude -p --output-format stream-json`).
+    Claude,
+    /// Gemini CLI (`gemini -o stream-json`).
+    Gemini,
+    /// Qwen Code (`qwen -o stream-json`).
+    Qwen,
+    /// opencode (`opencode run --format json`).
+    Opencode,
+}
+
+impl CliKind {
+    /// Backend name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Codex => "codex",
+            Self::Claude => "claude",
+            Self::Gemini => "gemini",
+            Self::Qwen => "qwen",
+            Self::Opencode => "opencode",
+        }
+    }
+}
+
+/// One thing the agent did, as the CLI reported it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentEvent {
+    /// The CLI's own session (thread) id.
+    Session(String),
+    /// A tool call, with its name and a short rendering of its input.
+    ToolCall {
+        /// Tool name as the CLI calls it.
+        name: String,
+        /// Input, as JSON text.
+        input: String,
+    },
+    /// A file the agent created or changed (path as reported).
+    FileChange(String),
+    /// Assistant text.
+    Message(String),
+    /// A transient notice (reconnecting, retrying).
+    Notice(String),
+    /// The run ended; `error` holds the classified failure when it failed.
+    End {
+        /// The classified failure, if any.
+        error: Option<(ErrorKind, String)>,
+    },
+}
+
+/// What a whole stream said.
+#[derive(Debug, Clone, Default)]
+pub struct Transcript {
+    /// Events in order.
+    pub events: Vec<AgentEvent>,
+    /// The native session id.
+    pub session_id: Option<String>,
+    /// Token usage (as the CLI reports it; codex's and qwen's are cumulative on resume).
+    pub usage: Option<Usage>,
+    /// Final assistant message.
+    pub final_message: String,
+    /// Whether an end-of-run event was seen.
+    pub ended: bool,
+    /// The classified failure the stream reported.
+    pub error: Option<(ErrorKind, String)>,
+    /// Lines that were not JSON.
+    pub unparsed: usize,
+}
+
+impl Transcript {
+    /// Tool calls made.
+    pub fn tool_calls(&self) -> impl Iterator<Item = &str> {
+        self.events.iter().filter_map(|e| match e {
+            AgentEvent::ToolCall { name, .. } => Some(name.as_str()),
+            _ => None,
+        })
+    }
+
+    /// Files reported changed.
+    pub fn file_changes(&self) -> impl Iterator<Item = &str> {
+        self.events.iter().filter_map(|e| match e {
+            AgentEvent::FileChange(path) => Some(path.as_str()),
+            _ => None,
+        })
+    }
+
+    fn push(&mut self, event: AgentEvent) {
+        match &event {
+            AgentEvent::Session(id) if self.session_id.is_none() => {
+                self.session_id = Some(id.clone());
+            }
+            AgentEvent::Session(_) => return,
+            AgentEvent::End { error } => {
+                self.ended = true;
+                if error.is_some() {
+                    self.error.clone_from(error);
+                }
+            }
+            _ => {}
+        }
+        self.events.push(event);
+    }
+}
+
+fn s<'a>(value: &'a Value, pointer: &str) -> Option<&'a str> {
+    value.pointer(pointer).and_then(Value::as_str)
+}
+
+fn n(value: &Value, pointer: &str) -> u64 {
+    value.pointer(pointer).and_then(Value::as_u64).unwrap_or(0)
+}
+
+/// Classifies an error message by its text (codex, qwen and the fallback for the others).
+pub fn classify_message(message: &str) -> ErrorKind {
+    let lower = message.to_ascii_lowercase();
+    let has = |needles: &[&str]| needles.iter().any(|n| lower.contains(n));
+    if has(&[
+        "insufficient_quota",
+        "exceeded your current quota",
+        "quota exceeded",
+    ]) {
+        ErrorKind::Quota
+    } else if has(&[
+        "401",
+        "unauthorized",
+        "unauthenticated",
+        "authentication",
+        "api key",
+        "not logged in",
+        "missing environment variable",
+        "invalid auth",
+    ]) {
+        ErrorKind::Auth
+    } else if has(&[
+        "429",
+        "too many requests",
+        "rate limit",
+        "resource_exhausted",
+    ]) {
+        ErrorKind::RateLimited
+    } else {
+        ErrorKind::Crash
+    }
+}
+
+/// Parses a whole stdout.
+pub fn parse(kind: CliKind, stdout: &str) -> Transcript {
+    let mut t = Transcript::default();
+    let mut text_parts = String::new();
+    for line in stdout.lines() {
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            t.unparsed += 1;
+            continue;
+        };
+        match kind {
+            CliKind::Codex => codex(&mut t, &v),
+            CliKind::Claude | CliKind::Qwen => claude_like(&mut t, &v, kind),
+            CliKind::Gemini => gemini(&mut t, &v, &mut text_parts),
+            CliKind::Opencode => opencode(&mut t, &v),
+        }
+    }
+    if kind == CliKind::Gemini && t.final_message.is_empty() {
+        t.final_message = text_parts;
+    }
+    t
+}
+
+fn codex(t: &mut Transcript, v: &Value) {
+    match s(v, "/type").unwrap_or_default() {
+        "thread.started" => {
+            if let Some(id) = s(v, "/thread_id") {
+                t.push(AgentEvent::Session(id.to_owned()));
+            }
+        }
+        "item.completed" => {
+            let item = &v["item"];
+            match s(item, "/type").unwrap_or_default() {
+                "file_change" => {
+                    for change in item["changes"].as_array().into_iter().flatten() {
+                        if let Some(path) = s(change, "/path") {
+                            t.push(AgentEvent::FileChange(path.to_owned()));
+                        }
+                    }
+                    t.push(AgentEvent::ToolCall {
+                        name: "apply_patch".to_owned(),
+                        input: item["changes"].to_string(),
+                    });
+                }
+                "command_execution" => t.push(AgentEvent::ToolCall {
+                    name: "exec_command".to_owned(),
+                    input: s(item, "/command").unwrap_or_default().to_owned(),
+                }),
+                "agent_message" => {
+                    let text = s(item, "/text").unwrap_or_default().to_owned();
+                    t.final_message.clone_from(&text);
+                    t.push(AgentEvent::Message(text));
+                }
+                "error" => t.push(AgentEvent::Notice(
+                    s(item, "/message").unwrap_or_default().to_owned(),
+                )),
+                _ => {}
+            }
+        }
+        "turn.completed" => {
+            t.usage = Some(Usage {
+                input_tokens: n(v, "/usage/input_tokens"),
+                output_tokens: n(v, "/usage/output_tokens"),
+                cached_input_tokens: n(v, "/usage/cached_input_tokens"),
+            });
+            t.push(AgentEvent::End { error: None });
+        }
+        "turn.failed" => {
+            let message = s(v, "/error/message").unwrap_or("turn failed").to_owned();
+            t.push(AgentEvent::End {
+                error: Some((classify_message(&message), message)),
+            });
+        }
+        "error" => {
+            // `Reconnecting...` is a transient notice; a real failure follows as turn.failed.
+            t.push(AgentEvent::Notice(
+                s(v, "/message").unwrap_or_default().to_owned(),
+            ));
+        }
+        _ => {}
+    }
+}
+
+fn claude_error_kind(v: &Value, message: &str) -> ErrorKind {
+    match s(v, "/error") {
+        Some("authentication_failed") => ErrorKind::Auth,
+        Some("rate_limit") => ErrorKind::RateLimited,
+        Some("billing_error") => ErrorKind::Quota,
+        Some(_) => ErrorKind::Crash,
+        None => classify_message(message),
+    }
+}
+
+fn claude_like(t: &mut Transcript, v: &Value, kind: CliKind) {
+    if let Some(id) = s(v, "/session_id") {
+        t.push(AgentEvent::Session(id.to_owned()));
+    }
+    match s(v, "/type").unwrap_or_default() {
+        "assistant" => {
+            for block in v
+                .pointer("/message/content")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
+                match s(block, "/type") {
+                    Some("tool_use") => {
+                        let name = s(block, "/name").unwrap_or_default().to_owned();
+                        let input = &block["input"];
+                        if matches!(
+                            name.as_str(),
+                            "Write" | "Edit" | "MultiEdit" | "write_file" | "edit" | "replace"
+                        ) && let Some(path) = s(input, "/file_path")
+                        {
+                            t.push(AgentEvent::FileChange(path.to_owned()));
+                        }
+                        t.push(AgentEvent::ToolCall {
+                            name,
+                            input: input.to_string(),
+                        });
+                    }
+                    Some("text") => {
+                        t.push(AgentEvent::Message(
+                            s(block, "/text").unwrap_or_default().to_owned(),
+                        ));
+                    }
+                    _ => {}
+                }
+            }
+            // Claude marks API failures on a synthetic assistant message.
+            if kind == CliKind::Claude && v.get("error").is_some_and(|e| !e.is_null()) {
+                let message = v
+                    .pointer("/message/content/0/text")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_owned();
+                t.error = Some((claude_error_kind(v, &message), message));
+            }
+        }
+        "system" => match s(v, "/subtype") {
+            Some("api_retry" | "retry") => {
+                t.push(AgentEvent::Notice(format!("retry: {}", v["error"])));
+            }
+            Some("permission_denied") => t.push(AgentEvent::Notice(format!(
+                "permission denied: {}",
+                s(v, "/message").unwrap_or_default()
+            ))),
+            _ => {}
+        },
+        "result" => {
+            t.usage = Some(Usage {
+                input_tokens: n(v, "/usage/input_tokens"),
+                output_tokens: n(v, "/usage/output_tokens"),
+                cached_input_tokens: n(v, "/usage/cache_read_input_tokens"),
+            });
+            let is_error = v["is_error"].as_bool().unwrap_or(false);
+            let text = s(v, "/result")
+                .or_else(|| s(v, "/error/message"))
+                .unwrap_or_default()
+                .to_owned();
+            if is_error {
+                let error = t
+                    .error
+                    .clone()
+                    .map(|(kind, _)| (kind, text.clone()))
+                    .unwrap_or_else(|| (classify_message(&text), text.clone()));
+                t.push(AgentEvent::End { error: Some(error) });
+            } else {
+                t.final_message = text;
+                t.push(AgentEvent::End { error: None });
+            }
+        }
+        _ => {}
+    }
+}
+
+fn gemini(t: &mut Transcript, v: &Value, text: &mut String) {
+    match s(v, "/type").unwrap_or_default() {
+        "init" => {
+            if let Some(id) = s(v, "/session_id") {
+                t.push(AgentEvent::Session(id.to_owned()));
+            }
+        }
+        "tool_use" => {
+            let name = s(v, "/tool_name").unwrap_or_default().to_owned();
+            if matches!(name.as_str(), "write_file" | "replace")
+                && let Some(path) = s(v, "/parameters/file_path")
+            {
+                t.push(AgentEvent::FileChange(path.to_owned()));
+            }
+            t.push(AgentEvent::ToolCall {
+                name,
+                input: v["parameters"].to_string(),
+            });
+        }
+        "message" if s(v, "/role") == Some("assistant") => {
+            let part = s(v, "/content").unwrap_or_default();
+            text.push_str(part);
+            t.push(AgentEvent::Message(part.to_owned()));
+        }
+        "result" => {
+            t.usage = Some(Usage {
+                input_tokens: n(v, "/stats/input_tokens"),
+                output_tokens: n(v, "/stats/output_tokens"),
+                cached_input_tokens: n(v, "/stats/cached"),
+            });
+            let error = (s(v, "/status") == Some("error")).then(|| {
+                let message = s(v, "/error/message").unwrap_or("gemini failed").to_owned();
+                (classify_message(&message), message)
+            });
+            t.push(AgentEvent::End { error });
+        }
+        _ => {}
+    }
+}
+
+fn opencode(t: &mut Transcript, v: &Value) {
+    if let Some(id) = s(v, "/sessionID") {
+        t.push(AgentEvent::Session(id.to_owned()));
+    }
+    match s(v, "/type").unwrap_or_default() {
+        "tool_use" => {
+            let name = s(v, "/part/tool").unwrap_or_default().to_owned();
+            let state = &v["part"]["state"];
+            if matches!(name.as_str(), "write" | "edit")
+                && s(state, "/status") == Some("completed")
+                && let Some(path) = s(state, "/input/filePath")
+            {
+                t.push(AgentEvent::FileChange(path.to_owned()));
+            }
+            t.push(AgentEvent::ToolCall {
+                name,
+                input: state["input"].to_string(),
+            });
+        }
+        "text" => {
+            let text = s(v, "/part/text").unwrap_or_default().to_owned();
+            t.final_message.clone_from(&text);
+            t.push(AgentEvent::Message(text));
+        }
+        "step_finish" => {
+            // Tokens come per model call; there is no run total, so add them up.
+            let usage = t.usage.get_or_insert_with(Usage::default);
+            usage.input_tokens += n(v, "/part/tokens/input");
+            usage.output_tokens += n(v, "/part/tokens/output");
+            usage.cached_input_tokens += n(v, "/part/tokens/cache/read");
+            if s(v, "/part/reason") == Some("stop") {
+                t.push(AgentEvent::End { error: None });
+            }
+        }
+        "error" => {
+            let data = &v["error"]["data"];
+            let message = s(data, "/message")
+                .or_else(|| s(v, "/error/name"))
+                .unwrap_or("opencode failed")
+                .to_owned();
+            let kind = match data.get("statusCode").and_then(Value::as_u64) {
+                Some(401 | 403) => ErrorKind::Auth,
+                Some(429) => classify_message(&message).max_rate(),
+                Some(_) => ErrorKind::Crash,
+                None => classify_message(&message),
+            };
+            t.push(AgentEvent::End {
+                error: Some((kind, message)),
+            });
+        }
+        _ => {}
+    }
+}
+
+impl ErrorKind {
+    /// A 429 is a rate limit unless its text says quota.
+    fn max_rate(self) -> Self {
+        if self == Self::Quota {
+            Self::Quota
+        } else {
+            Self::RateLimited
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codex_stream_gives_session_files_usage_and_errors() {
+        let ok = r#"{"type":"thread.started","thread_id":"01a1"}
+{"type":"turn.started"}
+{"type":"item.completed","item":{"id":"item_0","type":"file_change","changes":[{"path":"/r/hello.txt","kind":"add"}],"status":"completed"}}
+{"type":"item.completed","item":{"id":"item_1","type":"agent_message","text":"Created hello.txt"}}
+{"type":"turn.completed","usage":{"input_tokens":246,"cached_input_tokens":0,"output_tokens":90}}"#;
+        let t = parse(CliKind::Codex, ok);
+        assert_eq!(t.session_id.as_deref(), Some("01a1"));
+        assert_eq!(t.file_changes().collect::<Vec<_>>(), ["/r/hello.txt"]);
+        assert_eq!(t.usage.map(|u| u.input_tokens), Some(246));
+        assert_eq!(t.final_message, "Created hello.txt");
+        assert!(t.ended && t.error.is_none());
+
+        let failed = r#"{"type":"error","message":"unexpected status 401 Unauthorized: Incorrect API key"}
+{"type":"turn.failed","error":{"message":"unexpected status 401 Unauthorized: Incorrect API key"}}"#;
+        assert_eq!(
+            parse(CliKind::Codex, failed).error.map(|e| e.0),
+            Some(ErrorKind::Auth)
+        );
+        let limited = r#"{"type":"turn.failed","error":{"message":"exceeded retry limit, last status: 429 Too Many Requests"}}"#;
+        assert_eq!(
+            parse(CliKind::Codex, limited).error.map(|e| e.0),
+            Some(ErrorKind::RateLimited)
+        );
+    }
+
+    #[test]
+    fn claude_opencode_and_gemini_errors_classify() {
+        let claude = r#"{"type":"system","subtype":"init","session_id":"ab"}
+{"type":"assistant","message":{"model":"<synthetic>","content":[{"type":"text","text":"API Error: Request rejected (429)"}]},"session_id":"ab","error":"rate_limit","api_error_status":429}
+{"type":"result","subtype":"success","is_error":true,"result":"API Error: Request rejected (429) · fake 429 (rate_limit_error)","session_id":"ab","usage":{"input_tokens":0,"output_tokens":0}}"#;
+        let t = parse(CliKind::Claude, claude);
+        assert_eq!(t.session_id.as_deref(), Some("ab"));
+        assert_eq!(t.error.map(|e| e.0), Some(ErrorKind::RateLimited));
+
+        let opencode = r#"{"type":"error","sessionID":"ses_1","error":{"name":"APIError","data":{"message":"Incorrect API key provided","statusCode":401,"isRetryable":false}}}"#;
+        let t = parse(CliKind::Opencode, opencode);
+        assert_eq!(t.session_id.as_deref(), Some("ses_1"));
+        assert_eq!(t.error.map(|e| e.0), Some(ErrorKind::Auth));
+
+        let gemini = r#"{"type":"init","session_id":"g1","model":"m"}
+{"type":"result","status":"error","error":{"type":"unknown","message":"[API Error: fake 429 (RESOURCE_EXHAUSTED)]\nPlease wait and try again later. To increase your limits, request a quota increase"}}"#;
+        let t = parse(CliKind::Gemini, gemini);
+        assert_eq!(t.error.map(|e| e.0), Some(ErrorKind::RateLimited));
+    }
+}
