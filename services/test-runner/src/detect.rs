@@ -1,5 +1,8 @@
 //! Which test framework a repository uses (test-frameworks.md §6).
 //!
+//! The package manager is `node::package_manager`; JS workspaces whose root names no tool are
+//! detected from their packages.
+//!
 //! JavaScript: `scripts.test` naming jest or vitest (the strongest sign), then the
 //! dependencies, then config files. Python: pytest configuration (`pytest.ini`,
 //! `[tool.pytest.ini_options]`, `[tool:pytest]`, tox's `[pytest]`, a root `conftest.py`),
@@ -13,7 +16,7 @@ use crate::Error;
 
 /// Detects the framework of the repository checked out at `root`.
 pub(crate) fn detect(root: &Path) -> Result<TestFramework, Error> {
-    let js = detect_js(root);
+    let js = detect_js(root).or_else(|| detect_workspace_packages(root));
     let python = python_signal(root);
     match (js, python) {
         (Some((framework, js_strength)), Some(py_strength)) => {
@@ -95,6 +98,30 @@ fn detect_js(root: &Path) -> Option<(TestFramework, u8)> {
     None
 }
 
+/// A JS monorepo (package.json `workspaces` or `pnpm-workspace.yaml`) whose root names no
+/// test tool: the first framework found in `packages/*` or `apps/*`, one signal weaker than the
+/// package's own (the run still happens at the root, where hoisted binaries live).
+fn detect_workspace_packages(root: &Path) -> Option<(TestFramework, u8)> {
+    let workspace = root.join("pnpm-workspace.yaml").is_file()
+        || std::fs::read_to_string(root.join("package.json"))
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .is_some_and(|p| p.get("workspaces").is_some());
+    if !workspace {
+        return None;
+    }
+    let mut packages: Vec<_> = ["packages", "apps"]
+        .iter()
+        .filter_map(|dir| std::fs::read_dir(root.join(dir)).ok())
+        .flat_map(|entries| entries.flatten().map(|e| e.path()))
+        .collect();
+    packages.sort();
+    packages
+        .iter()
+        .find_map(|dir| detect_js(dir))
+        .map(|(framework, strength)| (framework, strength.saturating_sub(1).max(1)))
+}
+
 fn has_word(text: &str, word: &str) -> bool {
     text.split(|c: char| !c.is_ascii_alphanumeric() && c != '-' && c != '_')
         .any(|token| token == word)
@@ -172,6 +199,18 @@ mod tests {
             ("test_tool.py", ""),
         ]);
         assert_eq!(detect(mixed.path()).expect("vitest"), TestFramework::Vitest);
+        // A workspace root without a test tool: the packages say which.
+        let mono = repo(&[
+            (
+                "package.json",
+                r#"{"private": true, "workspaces": ["packages/*"]}"#,
+            ),
+            (
+                "packages/a/package.json",
+                r#"{"devDependencies": {"vitest": "4.1.12"}}"#,
+            ),
+        ]);
+        assert_eq!(detect(mono.path()).expect("vitest"), TestFramework::Vitest);
         let empty = repo(&[("README.md", "hi")]);
         assert!(matches!(
             detect(empty.path()),

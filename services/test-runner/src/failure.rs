@@ -63,8 +63,18 @@ pub(crate) fn criticality(exception: Option<&str>, message: &str) -> &'static st
         | "NameError"
         | "UnboundLocalError" => "critical",
         "AttributeError" | "TypeError" if message.contains("NoneType") => "critical",
+        // JavaScript: a module that is not there, or a property of undefined/null.
+        _ if message.contains("Cannot find module")
+            || message.contains("is not defined")
+            || message.contains("of undefined")
+            || message.contains("of null") =>
+        {
+            "critical"
+        }
         _ if lower.contains("timeout") || lower.contains("timed out") => "medium",
         "AssertionError" => "high",
+        // Jest's matchers throw a plain `Error: expect(received).toBe(expected)`.
+        _ if message.contains("expect(") => "high",
         _ if kind.ends_with("Warning") => "low",
         _ => "medium",
     }

@@ -1,16 +1,25 @@
-//! The troupe test-runner: runs a repository's test suite once at a commit, in a detached
-//! worktree, and reports totals, failures and coverage read from the framework's structured
-//! reports (never from its console text).
+//! The troupe test-runner: runs a repository's Jest, Vitest or Pytest suite at a commit, in a
+//! detached worktree, and reports totals, failures and coverage read from the framework's
+//! structured reports (never from its console text).
 //!
-//! Pytest is supported (issue #2): JUnit XML, pytest-json-report and coverage.py JSON from one
-//! run, an optional cached venv built from the repository's requirement files, the whole
-//! process group killed at the wall-clock limit. Jest and Vitest are detected but running them
-//! is refused until issue #5. The service answers `TestRunner.RunTests` and, with
-//! `--coordinator-url`, claims TESTRUN-* tasks as a worker.
+//! Jest 30 and Vitest 4 run from the project's local binaries with results and istanbul
+//! coverage written to files (test-frameworks.md §1); Pytest uses JUnit XML,
+//! pytest-json-report and coverage.py JSON, with an optional cached venv. Every run is one
+//! process group killed at a wall-clock limit; when every test hits the per-test timeout the
+//! run is retried once with a longer one. With `fix`, CCW's fix loop (flaky re-run, strategy,
+//! an agent through troupe-backends, scope check, checkpoint commits, revert-if-worse) runs on
+//! the worktree. The service answers `TestRunner.RunTests` and, with `--coordinator-url`,
+//! claims TESTRUN-* tasks as a worker, integrates successful fixes into the session branch and
+//! reports `state_update` and `tests_passed` / `tests_failed` on the bus.
+
+#![recursion_limit = "256"]
 
 mod detect;
 mod failure;
+mod fix;
 mod grpc;
+mod js;
+mod node;
 mod pytest;
 mod runner;
 mod venv;
@@ -19,15 +28,15 @@ mod worker;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use troupe_grpc::worker::{WorkerConfig, default_worker_id, run_worker};
+use troupe_grpc::worker::run_worker_if_configured;
 use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::test_runner_server::TestRunnerServer;
 
+pub use fix::{DEFAULT_AGENT_TIMEOUT, DEFAULT_MAX_ITERATIONS, FixSpec, PASS_RATE_TARGET};
 pub use runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner};
 pub use worker::TestRunHandler;
 
@@ -130,14 +139,7 @@ pub struct App {
 impl App {
     /// Creates the data directory and the runner.
     pub async fn open(mut config: Config) -> Result<Self, Error> {
-        tokio::fs::create_dir_all(&config.data_dir)
-            .await
-            .map_err(|source| Error::Io {
-                path: config.data_dir.clone(),
-                source,
-            })?;
-        // Children run with the worktree as cwd, so every path handed to them is absolute.
-        config.data_dir = tokio::fs::canonicalize(&config.data_dir)
+        config.data_dir = troupe_grpc::prepare_data_dir(&config.data_dir)
             .await
             .map_err(|source| Error::Io {
                 path: config.data_dir.clone(),
@@ -161,20 +163,17 @@ impl App {
 
     /// Runs the TESTRUN-* worker loop when a coordinator is configured, else waits for shutdown.
     pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let Some(url) = self.config.coordinator_url.clone() else {
-            shutdown.cancelled().await;
-            return Ok(());
-        };
-        let worker_id = self
-            .config
-            .worker_id
-            .clone()
-            .unwrap_or_else(|| default_worker_id("test-runner"));
-        let mut worker = WorkerConfig::new(url, worker_id, vec![Role::TestRunner]);
-        worker.concurrency = self.config.concurrency.max(1);
-        run_worker(
-            worker,
-            Arc::new(TestRunHandler::new(self.runner())),
+        let mut handler = TestRunHandler::new(self.runner());
+        if let Some(url) = &self.config.coordinator_url {
+            // Results also go to the bus (state_update, tests_passed / tests_failed).
+            handler = handler.with_coordinator(url)?;
+        }
+        run_worker_if_configured(
+            self.config.coordinator_url.clone(),
+            self.config.worker_id.clone(),
+            Role::TestRunner,
+            self.config.concurrency,
+            Arc::new(handler),
             shutdown,
         )
         .await?;
@@ -191,24 +190,12 @@ pub async fn run(
     let app = App::open(config).await?;
     let mut services = Services::new();
     app.mount(&mut services);
-    let stop = shutdown.child_token();
-    // A test run plus a venv build can take long; callers that want less set a deadline.
-    let options = ServeOptions {
-        default_deadline: Some(Duration::from_secs(2 * 3600)),
-        ..ServeOptions::default()
-    };
-    let serve = async {
-        let result = troupe_grpc::serve(listener, services, stop.clone(), options)
-            .await
-            .map_err(Error::from);
-        stop.cancel();
-        result
-    };
-    let background = async {
-        let result = app.run_background(stop.clone()).await;
-        stop.cancel();
-        result
-    };
-    let (served, worked) = tokio::join!(serve, background);
-    served.and(worked)
+    troupe_grpc::serve_with_background(
+        listener,
+        services,
+        shutdown,
+        ServeOptions::default(),
+        |stop| app.run_background(stop),
+    )
+    .await
 }

@@ -7,7 +7,7 @@ use clap::Parser;
 #[command(
     name = "troupe-test-runner",
     version,
-    about = "Runs Pytest suites and reports structured results"
+    about = "Runs Jest, Vitest and Pytest suites, fixes failing tests, reports structured results"
 )]
 struct Cli {
     #[command(flatten)]

@@ -75,6 +75,8 @@ pub(crate) fn collection_failure(nodeid: &str, longrepr: &str) -> TestFailure {
         } else {
             message
         },
+        test_line: 0,
+        error_origin: String::new(),
     }
 }
 
@@ -145,14 +147,6 @@ impl CoverageSource {
         match self {
             Self::Configured => "--cov".to_owned(),
             Self::Explicit(source) => format!("--cov={source}"),
-        }
-    }
-
-    /// How the report names it.
-    pub(crate) fn describe(&self) -> String {
-        match self {
-            Self::Configured => "repository configuration".to_owned(),
-            Self::Explicit(source) => source.clone(),
         }
     }
 }
@@ -346,6 +340,27 @@ pub(crate) struct PytestRun<'a> {
     pub(crate) coverage_target: f64,
     pub(crate) timeout: Duration,
     pub(crate) test_timeout_seconds: u32,
+    /// Appended to the command: `--import-mode=importlib` for several packages, node ids or
+    /// test files for a subset.
+    pub(crate) extra_args: Vec<String>,
+}
+
+/// Arguments for a repository with several Python packages each holding a `tests/` directory
+/// (test-frameworks.md §4.4): same-named test modules collide without importlib mode.
+pub(crate) fn monorepo_args(root: &Path) -> Vec<String> {
+    let packages = std::fs::read_dir(root.join("packages"))
+        .map(|entries| {
+            entries
+                .flatten()
+                .filter(|entry| entry.path().join("tests").is_dir())
+                .count()
+        })
+        .unwrap_or(0);
+    if packages >= 2 {
+        vec!["--import-mode=importlib".to_owned()]
+    } else {
+        Vec::new()
+    }
 }
 
 /// Runs pytest once and builds the report (commit and run-file paths are the caller's).
@@ -361,7 +376,10 @@ pub(crate) async fn run(
         run.plugins,
         &run.coverage_source,
         run.test_timeout_seconds,
-    );
+    )
+    .into_iter()
+    .chain(run.extra_args.iter().cloned())
+    .collect::<Vec<_>>();
     let mut warnings = Vec::new();
     if !run.plugins.pytest_jsonreport {
         warnings.push(
@@ -461,8 +479,9 @@ pub(crate) async fn run(
         duration_ms: u64::try_from(output.duration.as_millis()).unwrap_or(u64::MAX),
         report_paths,
         stderr_tail,
-        commit: String::new(),
         warnings,
+        test_timeout_seconds: run.test_timeout_seconds,
+        ..TestRunReport::default()
     })
 }
 

@@ -9,27 +9,105 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use prost_types::value::Kind;
 use serde_json::Value;
+use troupe_grpc::CoordinatorClient;
 use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
 use troupe_proto::v1::{
-    ClaimedTask, ErrorKind, TaskResult, TestFramework, TestOutcome, TestRunReport, task_result,
+    ClaimedTask, ErrorKind, FixScope, LogMessageRequest, TaskResult, TestFramework, TestOutcome,
+    TestRunReport, UpdateStateRequest, task_result,
 };
-use troupe_workspace::Repo;
+use troupe_workspace::{Oid, Repo};
 
 use crate::runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner, outcome_name};
-use crate::{Error, detect};
+use crate::{Error, FixSpec, detect};
 
 /// Runs TESTRUN-* tasks with a shared [`Runner`].
 #[derive(Debug, Clone)]
 pub struct TestRunHandler {
     runner: Arc<Runner>,
+    coordinator: Option<CoordinatorClient>,
 }
 
 impl TestRunHandler {
     /// A handler running tasks with `runner`.
     pub fn new(runner: Arc<Runner>) -> Self {
-        Self { runner }
+        Self {
+            runner,
+            coordinator: None,
+        }
+    }
+
+    /// Also sends the CCW `state_update` and `tests_passed` / `tests_failed` message for each
+    /// finished run to the coordinator at `url`.
+    pub fn with_coordinator(mut self, url: &str) -> Result<Self, Error> {
+        self.coordinator = Some(troupe_grpc::coordinator_client(url)?);
+        Ok(self)
+    }
+
+    /// Records the run on the coordinator's bus: the role state (CCW 1.C.11) and a message.
+    /// Best effort: the task's result already carries the report.
+    async fn notify(&self, session: &str, task_id: &str, layer: &str, report: &TestRunReport) {
+        let Some(client) = &self.coordinator else {
+            return;
+        };
+        let mut client = client.clone();
+        let passed = report.outcome() == TestOutcome::Passed;
+        let coverage = report.coverage.as_ref().and_then(|c| c.overall);
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        let t = report.totals.unwrap_or_default();
+        let result = serde_json::json!({
+            "task_id": task_id, "layer": layer, "framework": detect::name(report.framework()),
+            "outcome": outcome_name(report.outcome()), "pass_rate": report.pass_rate,
+            "coverage": coverage, "coverage_target": report.coverage_target,
+            "total": t.total, "passed": t.passed, "failed": t.failed, "skipped": t.skipped,
+            "iterations": report.fix_loop.as_ref().map_or(1, |f| f.iterations.len() + 1),
+            "flaky_tests": report.fix_loop.as_ref().map(|f| f.flaky_tests.clone()).unwrap_or_default(),
+            "commit": report.commit, "timestamp": now,
+        });
+        let history: Vec<Value> = report
+            .fix_loop
+            .as_ref()
+            .map_or_else(
+                || vec![coverage.unwrap_or(0.0)],
+                |f| f.coverage_history.clone(),
+            )
+            .into_iter()
+            .map(|c| {
+                serde_json::json!({"layer": layer, "coverage": c, "target": report.coverage_target,
+                                         "pass_rate": report.pass_rate, "timestamp": now})
+            })
+            .collect();
+        let state = serde_json::json!({
+            "execution_results": [result.clone()],
+            "defect_patterns": report.defect_patterns,
+            "effective_test_patterns": report.effective_patterns,
+            "coverage_history": history,
+        });
+        let update = UpdateStateRequest {
+            session_id: session.to_owned(),
+            role: "test-runner".to_owned(),
+            data: Some(troupe_proto::json::to_struct(&state)),
+        };
+        if let Err(err) = client.update_state(update).await {
+            tracing::warn!(task_id, error = %err, "state_update failed");
+        }
+        let kind = if passed {
+            "tests_passed"
+        } else {
+            "tests_failed"
+        };
+        let message = LogMessageRequest {
+            session_id: session.to_owned(),
+            from: "test-runner".to_owned(),
+            to: "coordinator".to_owned(),
+            r#type: kind.to_owned(),
+            summary: format!("[test-runner] {task_id}: {}", summarize(report)),
+            data: Some(troupe_proto::json::to_struct(&result)),
+            ..LogMessageRequest::default()
+        };
+        if let Err(err) = client.log_message(message).await {
+            tracing::warn!(task_id, error = %err, "tests message failed");
+        }
     }
 
     async fn run(&self, task: ClaimedTask, ctx: TaskContext) -> Result<TaskResult, TaskFailure> {
@@ -37,7 +115,7 @@ impl TestRunHandler {
             .task
             .as_ref()
             .and_then(|t| t.spec.as_ref())
-            .map(struct_to_json)
+            .map(troupe_proto::json::from_struct)
             .unwrap_or(Value::Null);
         let test = TestSpec::parse(spec_json.get("test")).map_err(into_failure)?;
         let repo = task.repo.as_ref().ok_or_else(|| {
@@ -80,13 +158,53 @@ impl TestRunHandler {
             coverage_source: test.coverage_source,
             run_id: sanitize(&format!("{session}-{task_id}-a{attempt}")),
             run_number: attempt.max(1),
+            fix: test.fix.clone(),
+            env: std::collections::BTreeMap::new(),
         };
         let report = self
             .runner
             .run_tests(&spec, &ctx.cancelled())
             .await
             .map_err(into_failure)?;
-        verdict(report)
+        self.notify(session, task_id, &test.layer, &report).await;
+        let integrated = match report.fix_loop.as_ref() {
+            Some(fix) if fix.succeeded && !fix.final_commit.is_empty() => {
+                let source = Oid::parse(&fix.final_commit).ok_or_else(|| {
+                    into_failure(Error::Internal(format!(
+                        "fix loop produced a malformed commit {:?}",
+                        fix.final_commit
+                    )))
+                })?;
+                ctx.progress(format!("integrating the test fix into {}", repo.branch));
+                let message = format!("troupe: integrate test fixes of {task_id}");
+                let integration = opened
+                    .integrate(&repo.branch, &source, &message)
+                    .await
+                    .map_err(|err| {
+                        let kind = if matches!(err, troupe_workspace::Error::Conflict { .. }) {
+                            ErrorKind::MergeConflict
+                        } else {
+                            ErrorKind::Internal
+                        };
+                        TaskFailure::new(
+                            kind,
+                            format!("{task_id}: fixed the tests at {source} but could not integrate: {err}"),
+                            true,
+                        )
+                    })?;
+                Some(integration.commit.to_string())
+            }
+            _ => None,
+        };
+        let mut result = verdict(report);
+        if let (Some(commit), Ok(done)) = (integrated, result.as_mut()) {
+            done.summary.push_str(&format!(
+                "; fixes integrated into {} at {commit}",
+                repo.branch
+            ));
+            done.commit = commit;
+        }
+        result
     }
 }
 
@@ -105,6 +223,95 @@ struct TestSpec {
     coverage_source: String,
     timeout: Duration,
     test_timeout_seconds: u32,
+    /// CCW layer name for the bus records (`L1-unit` by default).
+    layer: String,
+    fix: Option<FixSpec>,
+}
+
+/// The task's `test.fix` object: `{agent: {backend, command, timeout_seconds}, max_iterations,
+/// scope}`.
+fn parse_fix(value: Option<&Value>) -> Result<Option<FixSpec>, Error> {
+    let object = match value {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(object)) => object,
+        Some(_) => {
+            return Err(Error::InvalidArgument(
+                "task field `test.fix` must be an object".to_owned(),
+            ));
+        }
+    };
+    let agent = object
+        .get("agent")
+        .and_then(Value::as_object)
+        .ok_or_else(|| Error::InvalidArgument("test.fix.agent must be an object".to_owned()))?;
+    let backend = agent
+        .get("backend")
+        .and_then(Value::as_str)
+        .unwrap_or("command")
+        .to_owned();
+    let command = match agent.get("command") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| {
+                v.as_str().map(str::to_owned).ok_or_else(|| {
+                    Error::InvalidArgument("test.fix.agent.command must be strings".to_owned())
+                })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(Error::InvalidArgument(
+                "test.fix.agent.command must be an argv array".to_owned(),
+            ));
+        }
+    };
+    let whole = |v: Option<&Value>, key: &str, default: u64| -> Result<u64, Error> {
+        match v {
+            None | Some(Value::Null) => Ok(default),
+            Some(v) => v
+                .as_f64()
+                .filter(|n| *n >= 1.0 && n.fract() == 0.0 && *n <= 1e6)
+                // Checked: a small positive whole number.
+                .map(|n| {
+                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                    let n = n as u64;
+                    n
+                })
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "test.fix.{key} must be a positive whole number"
+                    ))
+                }),
+        }
+    };
+    let scope = match object.get("scope").and_then(Value::as_str) {
+        None | Some("tests") => FixScope::Tests,
+        Some("source") => FixScope::Source,
+        Some("both") => FixScope::Both,
+        Some(other) => {
+            return Err(Error::InvalidArgument(format!(
+                "test.fix.scope `{other}` is not one of tests, source, both"
+            )));
+        }
+    };
+    let spec = FixSpec {
+        backend,
+        command,
+        scope,
+        timeout: Duration::from_secs(whole(
+            agent.get("timeout_seconds"),
+            "agent.timeout_seconds",
+            crate::fix::DEFAULT_AGENT_TIMEOUT.as_secs(),
+        )?),
+        max_iterations: u32::try_from(whole(
+            object.get("max_iterations"),
+            "max_iterations",
+            u64::from(crate::fix::DEFAULT_MAX_ITERATIONS),
+        )?)
+        .unwrap_or(u32::MAX),
+    };
+    spec.validate()?;
+    Ok(Some(spec))
 }
 
 impl TestSpec {
@@ -186,16 +393,24 @@ impl TestSpec {
                 .map_or(DEFAULT_TIMEOUT, |s| Duration::from_secs(u64::from(s))),
             test_timeout_seconds: seconds("test_timeout_seconds")?
                 .unwrap_or(DEFAULT_TEST_TIMEOUT_SECONDS),
+            layer: object
+                .get("layer")
+                .and_then(Value::as_str)
+                .unwrap_or("L1-unit")
+                .to_owned(),
+            fix: parse_fix(object.get("fix"))?,
         })
     }
 }
 
-/// Completed when PASSED, else a CHECK_FAILED failure carrying the report.
+/// Completed when PASSED, or when a fix loop reached CCW's success criterion (pass rate ≥ 0.95
+/// and coverage ≥ target); else a CHECK_FAILED failure carrying the report.
 // The worker API returns `TaskFailure` by value; boxing it here would only be undone.
 #[allow(clippy::result_large_err)]
 fn verdict(report: TestRunReport) -> Result<TaskResult, TaskFailure> {
     let summary = summarize(&report);
     let outcome = report.outcome();
+    let fixed = report.fix_loop.as_ref().is_some_and(|f| f.succeeded);
     let mut details: Vec<String> = report
         .failures
         .iter()
@@ -226,7 +441,7 @@ fn verdict(report: TestRunReport) -> Result<TaskResult, TaskFailure> {
         detail: Some(task_result::Detail::TestRun(report)),
         ..TaskResult::default()
     };
-    if outcome == TestOutcome::Passed {
+    if outcome == TestOutcome::Passed || fixed {
         Ok(result)
     } else {
         Err(TaskFailure::new(
@@ -300,32 +515,6 @@ fn sanitize(id: &str) -> String {
         .collect()
 }
 
-/// A protobuf `Struct` as JSON.
-pub(crate) fn struct_to_json(value: &prost_types::Struct) -> Value {
-    Value::Object(
-        value
-            .fields
-            .iter()
-            .map(|(k, v)| (k.clone(), value_to_json(v)))
-            .collect(),
-    )
-}
-
-fn value_to_json(value: &prost_types::Value) -> Value {
-    match &value.kind {
-        None | Some(Kind::NullValue(_)) => Value::Null,
-        Some(Kind::BoolValue(b)) => Value::Bool(*b),
-        Some(Kind::NumberValue(n)) => {
-            serde_json::Number::from_f64(*n).map_or(Value::Null, Value::Number)
-        }
-        Some(Kind::StringValue(s)) => Value::String(s.clone()),
-        Some(Kind::ListValue(list)) => {
-            Value::Array(list.values.iter().map(value_to_json).collect())
-        }
-        Some(Kind::StructValue(s)) => struct_to_json(s),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use serde_json::json;
@@ -344,6 +533,8 @@ mod tests {
                 coverage_source: String::new(),
                 timeout: DEFAULT_TIMEOUT,
                 test_timeout_seconds: DEFAULT_TEST_TIMEOUT_SECONDS,
+                layer: "L1-unit".to_owned(),
+                fix: None,
             }
         );
         let value = json!({"framework": "pytest", "coverage_target": 80, "install": false,
@@ -366,6 +557,36 @@ mod tests {
     }
 
     #[test]
+    fn parses_the_fix_object() {
+        let value = json!({"fix": {"agent": {"backend": "command", "command": ["python3", "fix.py", "{worktree}"]},
+                                   "max_iterations": 2, "scope": "both"}});
+        let spec = TestSpec::parse(Some(&value)).expect("valid");
+        let fix = spec.fix.expect("fix");
+        assert_eq!(fix.command, ["python3", "fix.py", "{worktree}"]);
+        assert_eq!(fix.max_iterations, 2);
+        assert_eq!(fix.scope, FixScope::Both);
+        assert_eq!(fix.timeout, crate::fix::DEFAULT_AGENT_TIMEOUT);
+        let defaults = json!({"fix": {"agent": {"command": ["x"]}}});
+        let fix = TestSpec::parse(Some(&defaults))
+            .expect("valid")
+            .fix
+            .expect("fix");
+        assert_eq!(
+            (fix.backend.as_str(), fix.max_iterations, fix.scope),
+            ("command", 3, FixScope::Tests)
+        );
+        for bad in [
+            json!({"fix": {"agent": {"backend": "command"}}}),
+            json!({"fix": {"agent": {"command": ["x"]}, "scope": "docs"}}),
+            json!({"fix": {"agent": {"backend": "nope", "command": ["x"]}}}),
+            json!({"fix": {"agent": {"command": ["x"]}, "max_iterations": 0}}),
+            json!({"fix": "yes"}),
+        ] {
+            assert!(TestSpec::parse(Some(&bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn only_passed_completes_the_task() {
         let mut report = TestRunReport {
             outcome: TestOutcome::Passed as i32,
@@ -381,60 +602,6 @@ mod tests {
             failure.partial.and_then(|p| p.detail),
             Some(task_result::Detail::TestRun(_))
         ));
-    }
-
-    #[test]
-    fn converts_structs() {
-        let value = json!({"test": {"framework": "pytest", "coverage_target": 80.0, "install": true, "list": [1.0, null]}});
-        let proto: prost_types::Struct = prost_types::Struct {
-            fields: [(
-                "test".to_owned(),
-                prost_types::Value {
-                    kind: Some(Kind::StructValue(prost_types::Struct {
-                        fields: [
-                            (
-                                "framework".to_owned(),
-                                prost_types::Value {
-                                    kind: Some(Kind::StringValue("pytest".into())),
-                                },
-                            ),
-                            (
-                                "coverage_target".to_owned(),
-                                prost_types::Value {
-                                    kind: Some(Kind::NumberValue(80.0)),
-                                },
-                            ),
-                            (
-                                "install".to_owned(),
-                                prost_types::Value {
-                                    kind: Some(Kind::BoolValue(true)),
-                                },
-                            ),
-                            (
-                                "list".to_owned(),
-                                prost_types::Value {
-                                    kind: Some(Kind::ListValue(prost_types::ListValue {
-                                        values: vec![
-                                            prost_types::Value {
-                                                kind: Some(Kind::NumberValue(1.0)),
-                                            },
-                                            prost_types::Value {
-                                                kind: Some(Kind::NullValue(0)),
-                                            },
-                                        ],
-                                    })),
-                                },
-                            ),
-                        ]
-                        .into_iter()
-                        .collect(),
-                    })),
-                },
-            )]
-            .into_iter()
-            .collect(),
-        };
-        assert_eq!(struct_to_json(&proto), value);
     }
 
     #[test]

@@ -145,6 +145,8 @@ fn test_failure(test: &Test) -> TestFailure {
             line: test.lineno.map_or(0, |l| l + 1),
             message: format!("test {}", test.outcome),
             criticality: "medium".to_owned(),
+            test_line: test.lineno.map_or(0, |l| l + 1),
+            error_origin: String::new(),
         };
     };
     // The failure line inside the test file: the last traceback frame in that file, else the
@@ -188,12 +190,21 @@ fn test_failure(test: &Test) -> TestFailure {
     if test.outcome == "error" && phase_name(test, phase) != "call" {
         message = format!("error in {}: {message}", phase_name(test, phase));
     }
+    // Where the error was raised: the crash location, repo-relative when inside the repo.
+    let error_origin = phase
+        .traceback
+        .last()
+        .filter(|frame| !frame.path.starts_with('/') && frame.lineno > 0)
+        .map(|frame| format!("{}:{}", frame.path, frame.lineno))
+        .unwrap_or_default();
     TestFailure {
         name: test.nodeid.clone(),
         file: file.to_owned(),
         line,
         criticality: criticality(exception, &message).to_owned(),
         message,
+        test_line: test.lineno.map_or(0, |l| l + 1),
+        error_origin,
     }
 }
 

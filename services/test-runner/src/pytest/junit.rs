@@ -352,12 +352,19 @@ fn case_failure(case: &Case, result: &CaseResult) -> TestFailure {
     } else {
         with_type(exception, raw.trim())
     };
+    let error_origin = locations
+        .last()
+        .filter(|(path, _, _)| !path.starts_with('/'))
+        .map(|(path, line, _)| format!("{path}:{line}"))
+        .unwrap_or_default();
     TestFailure {
         name,
         file,
         line,
         criticality: criticality(exception, &message).to_owned(),
         message,
+        test_line: case.line.map_or(0, |l| l + 1),
+        error_origin,
     }
 }
 

@@ -7,8 +7,16 @@ use std::path::{Path, PathBuf};
 
 use tonic::Code;
 use troupe_proto::v1::test_runner_client::TestRunnerClient;
-use troupe_proto::v1::{RunTestsRequest, TestFramework, TestOutcome, TestRunReport, TestTotals};
+use troupe_proto::v1::{
+    FixOptions, RunTestsRequest, TestFramework, TestOutcome, TestRunReport, TestTotals,
+};
 use troupe_testkit::{TestService, git_repo};
+
+mod fixloop;
+mod js;
+mod pytest_fixture;
+mod support;
+mod testrun_task;
 
 const REQUIREMENTS: &str = "pytest\npytest-cov\npytest-json-report\npytest-timeout\n";
 
@@ -362,7 +370,7 @@ async fn a_hanging_suite_is_killed_at_the_wall_clock_limit() {
 }
 
 #[tokio::test]
-async fn jest_is_refused_until_it_is_implemented() {
+async fn bad_requests_are_refused_with_deliberate_codes() {
     let dir = tempfile::tempdir().expect("tempdir");
     git_repo(
         dir.path(),
@@ -370,13 +378,19 @@ async fn jest_is_refused_until_it_is_implemented() {
     )
     .expect("fixture repo");
     let service = start().await;
+    // Jest is detected, and a checkout without node_modules is refused before anything runs.
     let mut req = request(dir.path());
     req.framework = TestFramework::Unspecified as i32;
+    req.install = false;
     let status = run_tests(&service, req)
         .await
-        .expect_err("jest is not implemented");
-    assert_eq!(status.code(), Code::Unimplemented);
-    assert!(status.message().contains("jest"), "{}", status.message());
+        .expect_err("jest is not installed there");
+    assert_eq!(status.code(), Code::FailedPrecondition);
+    assert!(
+        status.message().contains("node_modules/.bin/jest"),
+        "{}",
+        status.message()
+    );
 
     let status = run_tests(
         &service,
@@ -392,6 +406,15 @@ async fn jest_is_refused_until_it_is_implemented() {
     req.r#ref = "no-such-branch".to_owned();
     let status = run_tests(&service, req).await.expect_err("unknown ref");
     assert_eq!(status.code(), Code::NotFound);
+    let mut req = request(dir.path());
+    req.fix = Some(FixOptions {
+        backend: "command".to_owned(),
+        ..FixOptions::default()
+    });
+    let status = run_tests(&service, req)
+        .await
+        .expect_err("a command fix needs a command");
+    assert_eq!(status.code(), Code::InvalidArgument);
     service.stop().await;
 }
 
