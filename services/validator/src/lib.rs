@@ -1,15 +1,25 @@
 //! The troupe validator: checks a task's result with evidence, and nothing passes by default.
 //!
-//! Checks (issue #2): files against a commit range (`create` exists and is non-empty, `modify`
-//! exists and changed, `delete` absent), a verification command run as an argv vector in a
-//! detached worktree (pass iff exit 0, with a timeout that kills its process group), and
-//! convergence criteria, which come out MANUAL_REVIEW until typed criteria or a judge exist
-//! (issue #6). The verdict is FAIL on any failed or errored check, else MANUAL_REVIEW when any
-//! check needs review, else PASS. The service answers `Validator.Validate` and, with
-//! `--coordinator-url`, claims VALIDATE-* tasks as a worker.
+//! Checks: files against a commit range (`create` exists and is non-empty, `modify` exists and
+//! changed, `delete` absent); then, in one detached worktree at the commit, the verification
+//! command (argv, pass iff exit 0, timeout kills its process group), syntax and lint of the
+//! changed files by language, convergence criteria (typed criteria decided by a check, free
+//! text by a judge that must cite evidence that exists, else MANUAL_REVIEW), and for REVIEW-*
+//! a four-dimension review with an APPROVE / CONDITIONAL / BLOCK verdict. VERIFY-* checks every
+//! upstream task's promises at the session head and writes `verification.md` with its gaps.
+//! The verdict is FAIL on any failed or errored check, else MANUAL_REVIEW when any check needs
+//! review, else PASS. The service answers `Validator.Validate` and, with `--coordinator-url`,
+//! claims validator tasks as a worker.
 
+mod check;
+mod criteria;
 mod grpc;
+mod judge;
+mod review;
+mod syntax;
+mod tools;
 mod validate;
+mod verify;
 mod worker;
 
 use std::net::SocketAddr;
@@ -19,11 +29,14 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use troupe_grpc::worker::{WorkerConfig, default_worker_id, run_worker};
+use troupe_grpc::worker::run_worker_if_configured;
 use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::validator_server::ValidatorServer;
 
+pub use judge::JudgeConfig;
+pub use review::LONG_FILE_LINES;
+pub use tools::Tools;
 pub use validate::{
     DEFAULT_VERIFICATION_TIMEOUT, NO_CRITERION_CHECKER, Validation, Validator, verdict,
 };
@@ -47,6 +60,60 @@ pub struct Config {
     /// Validations at once as a worker.
     #[arg(long, env = "TROUPE_VALIDATOR_CONCURRENCY", default_value_t = 1)]
     pub concurrency: usize,
+}
+
+/// Settings of the checks themselves. The binary takes them as flags; embedders that build
+/// [`Config`] themselves get them from the environment ([`CheckConfig::from_env`]).
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct CheckConfig {
+    /// Directories searched first for check tools (tsc, ruff, flake8, ...) and put first on
+    /// their `PATH`; `:`-separated in the environment.
+    #[arg(
+        long = "tool-dir",
+        env = "TROUPE_VALIDATOR_TOOL_DIRS",
+        value_delimiter = ':'
+    )]
+    pub tool_dirs: Vec<PathBuf>,
+    /// Judge for free-text criteria when a task names none: a command line (split without a
+    /// shell) that reads the criterion and evidence as JSON on stdin and answers JSON.
+    #[arg(long, env = "TROUPE_VALIDATOR_JUDGE")]
+    pub judge: Option<String>,
+    /// Wall-clock limit per judged criterion.
+    #[arg(
+        long,
+        env = "TROUPE_VALIDATOR_JUDGE_TIMEOUT_SECONDS",
+        default_value_t = 300
+    )]
+    pub judge_timeout_seconds: u64,
+}
+
+impl CheckConfig {
+    /// The `TROUPE_VALIDATOR_*` variables (tool dirs, judge, judge timeout) only.
+    pub fn from_env() -> Result<Self, Error> {
+        #[derive(clap::Parser)]
+        struct FromEnv {
+            #[command(flatten)]
+            checks: CheckConfig,
+        }
+        <FromEnv as clap::Parser>::try_parse_from(["troupe-validator"])
+            .map(|parsed| parsed.checks)
+            .map_err(|err| Error::InvalidArgument(format!("validator settings: {err}")))
+    }
+
+    fn judge(&self) -> Result<Option<JudgeConfig>, Error> {
+        match self.judge.as_deref().map(str::trim) {
+            None | Some("") => Ok(None),
+            Some(line) => Ok(Some(JudgeConfig {
+                command: troupe_process::command_line_to_argv(line).map_err(|err| {
+                    Error::InvalidArgument(format!("--judge cannot be parsed: {err}"))
+                })?,
+                timeout: Duration::from_secs(match self.judge_timeout_seconds {
+                    0 => 300,
+                    secs => secs,
+                }),
+            })),
+        }
+    }
 }
 
 /// Errors of the validator. A check that fails is not an error: it is a FAIL in the report.
@@ -86,21 +153,24 @@ pub struct App {
 }
 
 impl App {
-    /// Creates the data directory and the validator.
-    pub async fn open(mut config: Config) -> Result<Self, Error> {
-        tokio::fs::create_dir_all(&config.data_dir)
+    /// Creates the data directory and the validator; check settings come from the environment.
+    pub async fn open(config: Config) -> Result<Self, Error> {
+        Self::open_with(config, CheckConfig::from_env()?).await
+    }
+
+    /// Creates the data directory and the validator with explicit check settings.
+    pub async fn open_with(mut config: Config, checks: CheckConfig) -> Result<Self, Error> {
+        config.data_dir = troupe_grpc::prepare_data_dir(&config.data_dir)
             .await
             .map_err(|source| Error::Io {
                 path: config.data_dir.clone(),
                 source,
             })?;
-        config.data_dir = tokio::fs::canonicalize(&config.data_dir)
-            .await
-            .map_err(|source| Error::Io {
-                path: config.data_dir.clone(),
-                source,
-            })?;
-        let validator = Arc::new(Validator::new(config.data_dir.clone()));
+        let validator = Arc::new(
+            Validator::new(config.data_dir.clone())
+                .with_tools(Tools::new(checks.tool_dirs.clone()))
+                .with_judge(checks.judge()?),
+        );
         Ok(Self { config, validator })
     }
 
@@ -118,19 +188,11 @@ impl App {
 
     /// Runs the VALIDATE-* worker loop when a coordinator is configured, else waits for shutdown.
     pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
-        let Some(url) = self.config.coordinator_url.clone() else {
-            shutdown.cancelled().await;
-            return Ok(());
-        };
-        let worker_id = self
-            .config
-            .worker_id
-            .clone()
-            .unwrap_or_else(|| default_worker_id("validator"));
-        let mut worker = WorkerConfig::new(url, worker_id, vec![Role::Validator]);
-        worker.concurrency = self.config.concurrency.max(1);
-        run_worker(
-            worker,
+        run_worker_if_configured(
+            self.config.coordinator_url.clone(),
+            self.config.worker_id.clone(),
+            Role::Validator,
+            self.config.concurrency,
             Arc::new(ValidateHandler::new(self.validator())),
             shutdown,
         )
@@ -139,33 +201,32 @@ impl App {
     }
 }
 
-/// Serves the RPC (and the worker loop when configured) on `listener` until `shutdown`.
+/// Serves the RPC (and the worker loop when configured) on `listener` until `shutdown`;
+/// check settings come from the environment.
 pub async fn run(
     config: Config,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let app = App::open(config).await?;
+    run_with(config, CheckConfig::from_env()?, listener, shutdown).await
+}
+
+/// [`run`] with explicit check settings.
+pub async fn run_with(
+    config: Config,
+    checks: CheckConfig,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
+    let app = App::open_with(config, checks).await?;
     let mut services = Services::new();
     app.mount(&mut services);
-    let stop = shutdown.child_token();
-    // Verification commands may run for a while; callers that want less set a deadline.
-    let options = ServeOptions {
-        default_deadline: Some(Duration::from_secs(3600)),
-        ..ServeOptions::default()
-    };
-    let serve = async {
-        let result = troupe_grpc::serve(listener, services, stop.clone(), options)
-            .await
-            .map_err(Error::from);
-        stop.cancel();
-        result
-    };
-    let background = async {
-        let result = app.run_background(stop.clone()).await;
-        stop.cancel();
-        result
-    };
-    let (served, worked) = tokio::join!(serve, background);
-    served.and(worked)
+    troupe_grpc::serve_with_background(
+        listener,
+        services,
+        shutdown,
+        ServeOptions::default(),
+        |stop| app.run_background(stop),
+    )
+    .await
 }

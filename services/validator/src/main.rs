@@ -7,11 +7,13 @@ use clap::Parser;
 #[command(
     name = "troupe-validator",
     version,
-    about = "Checks files, verification commands and criteria with evidence"
+    about = "Checks files, syntax, lint, criteria, reviews and goals with evidence"
 )]
 struct Cli {
     #[command(flatten)]
     config: troupe_validator::Config,
+    #[command(flatten)]
+    checks: troupe_validator::CheckConfig,
 }
 
 #[tokio::main]
@@ -23,7 +25,7 @@ async fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(cli.config.listen)
             .await
             .with_context(|| format!("binding {}", cli.config.listen))?;
-        troupe_validator::run(cli.config, listener, shutdown)
+        troupe_validator::run_with(cli.config, cli.checks, listener, shutdown)
             .await
             .context("validator failed")
     }

@@ -1,5 +1,6 @@
-//! The checks: files against a commit range, a verification command in a worktree, and
-//! convergence criteria. Every check carries its evidence; nothing passes by default.
+//! The checks: files against a commit range, then in one detached worktree at the commit the
+//! verification command, syntax and lint, criteria (typed, judged or manual review) and a
+//! review. Every check carries its evidence; nothing passes by default.
 
 use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -7,16 +8,21 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use troupe_process::{Command, Termination};
 use troupe_proto::v1::{
-    CheckResult, CheckStatus, FileAction, FileChange, ValidateRequest, ValidationReport, Verdict,
+    CheckResult, CheckStatus, FileAction, FileChange, ReviewReport, TestRunReport, ValidateRequest,
+    ValidationReport, Verdict,
 };
 use troupe_workspace::{Oid, Repo};
 
 use crate::Error;
+use crate::check::{CriteriaEnv, criteria_checks};
+use crate::judge::{JudgeConfig, JudgeContext};
+use crate::syntax::SyntaxJob;
+use crate::tools::Tools;
 
 /// Wall-clock limit of a verification command when none is given.
 pub const DEFAULT_VERIFICATION_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// Evidence for criteria until typed criteria (issue #6) or a judge exist.
+/// Evidence for a free-text criterion when no judge is configured.
 pub const NO_CRITERION_CHECKER: &str =
     "no automatic check understands this criterion and no judge is configured";
 
@@ -33,10 +39,18 @@ pub struct Validation {
     pub files: Vec<FileChange>,
     /// Argv that must exit 0 in a worktree at `git_ref`; empty = none.
     pub verification: Vec<String>,
-    /// Limit for the verification command.
+    /// Limit for the verification command (and each command a check runs).
     pub timeout: Duration,
     /// Convergence criteria.
     pub criteria: Vec<String>,
+    /// Test-run results for `test:` and `coverage` criteria.
+    pub test_runs: Vec<TestRunReport>,
+    /// Judge for free-text criteria; `None` = the validator's default.
+    pub judge: Option<JudgeConfig>,
+    /// Review the changed files.
+    pub review: bool,
+    /// Syntax and lint checks on the changed files.
+    pub syntax: bool,
 }
 
 impl Validation {
@@ -54,6 +68,15 @@ impl Validation {
                 "verification argv starts with an empty program".to_owned(),
             ));
         }
+        if request.judge.first().is_some_and(String::is_empty) {
+            return Err(Error::InvalidArgument(
+                "judge argv starts with an empty program".to_owned(),
+            ));
+        }
+        let timeout = match request.timeout_seconds {
+            0 => DEFAULT_VERIFICATION_TIMEOUT,
+            secs => Duration::from_secs(u64::from(secs)),
+        };
         Ok(Self {
             repo_path,
             git_ref: if request.r#ref.is_empty() {
@@ -64,28 +87,83 @@ impl Validation {
             base_ref: Some(request.base_ref).filter(|b| !b.is_empty()),
             files: request.files,
             verification: request.verification,
-            timeout: match request.timeout_seconds {
-                0 => DEFAULT_VERIFICATION_TIMEOUT,
-                secs => Duration::from_secs(u64::from(secs)),
-            },
+            timeout,
             criteria: request.criteria,
+            test_runs: request.test_runs,
+            judge: if request.judge.is_empty() {
+                None
+            } else {
+                Some(JudgeConfig {
+                    command: request.judge,
+                    timeout,
+                })
+            },
+            review: request.review,
+            syntax: request.syntax,
         })
     }
+}
+
+/// The checks that need a checkout of the commit, shared by the RPC and the worker.
+#[derive(Debug, Default)]
+pub(crate) struct TreeJob<'a> {
+    pub(crate) verification: Option<&'a [String]>,
+    pub(crate) timeout: Duration,
+    pub(crate) syntax: bool,
+    pub(crate) review: bool,
+    /// Changed paths for syntax, lint and review; `None` = every file at the commit.
+    pub(crate) changed: Option<Vec<String>>,
+    pub(crate) criteria: &'a [String],
+    /// Prefix of the criteria checks' names (`IMPL-001/` for upstream tasks).
+    pub(crate) prefix: &'a str,
+    pub(crate) test_runs: &'a [TestRunReport],
+    pub(crate) judge: Option<&'a JudgeConfig>,
+    pub(crate) task_id: &'a str,
+    pub(crate) title: &'a str,
+    pub(crate) description: &'a str,
 }
 
 /// Runs checks; shared by the gRPC service and the worker loop.
 #[derive(Debug, Clone)]
 pub struct Validator {
     data_dir: PathBuf,
+    tools: Tools,
+    judge: Option<JudgeConfig>,
 }
 
 impl Validator {
     /// A validator keeping its worktrees under `<data_dir>/worktrees/validate/`.
     pub fn new(data_dir: PathBuf) -> Self {
-        Self { data_dir }
+        Self {
+            data_dir,
+            tools: Tools::default(),
+            judge: None,
+        }
     }
 
-    /// Checks the files, the verification command and the criteria of `validation`.
+    /// Looks tools up in these directories first (and puts them first on children's `PATH`).
+    pub fn with_tools(mut self, tools: Tools) -> Self {
+        self.tools = tools;
+        self
+    }
+
+    /// The judge for free-text criteria when a task or request names none.
+    pub fn with_judge(mut self, judge: Option<JudgeConfig>) -> Self {
+        self.judge = judge;
+        self
+    }
+
+    /// The validator's data directory.
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub(crate) fn default_judge(&self) -> Option<&JudgeConfig> {
+        self.judge.as_ref()
+    }
+
+    /// Checks the files, the verification command and the criteria of `validation` (and
+    /// syntax, lint and a review when asked).
     #[tracing::instrument(skip_all, fields(repo = %validation.repo_path.display(), git_ref = %validation.git_ref))]
     pub async fn validate(
         &self,
@@ -98,36 +176,122 @@ impl Validator {
             Some(base) => Some(repo.resolve(base).await?),
             None => first_parent(&repo, &commit).await?,
         };
-        let mut checks = check_files(&repo, &commit, base.as_ref(), &validation.files, "").await?;
-        if !validation.verification.is_empty() {
-            checks.push(
-                self.verify(
-                    &repo,
-                    &commit,
-                    &validation.verification,
-                    validation.timeout,
-                    cancel,
-                )
-                .await?,
-            );
-        }
-        checks.extend(criteria_checks(&validation.criteria));
-        Ok(report(commit, checks))
+        let checks = check_files(&repo, &commit, base.as_ref(), &validation.files, "").await?;
+        let changed = match (&base, validation.syntax || validation.review) {
+            (Some(base), true) => Some(repo.changed_paths(base, &commit).await?),
+            _ => None,
+        };
+        let job = TreeJob {
+            verification: (!validation.verification.is_empty())
+                .then_some(validation.verification.as_slice()),
+            timeout: validation.timeout,
+            syntax: validation.syntax,
+            review: validation.review,
+            changed,
+            criteria: &validation.criteria,
+            prefix: "",
+            test_runs: &validation.test_runs,
+            judge: validation.judge.as_ref().or(self.judge.as_ref()),
+            ..TreeJob::default()
+        };
+        let (checks, review) = self.in_tree(&repo, &commit, job, checks, cancel).await?;
+        let mut report = report(commit, checks);
+        report.review = review;
+        Ok(report)
     }
 
-    /// Runs `argv` in a detached worktree at `commit`: PASS on exit 0, FAIL on another exit,
-    /// ERROR when it cannot run or times out.
-    #[tracing::instrument(skip_all, fields(commit = %commit, program = %argv.first().map_or("", String::as_str)))]
-    pub async fn verify(
+    /// Runs the checks of `job` that need a checkout in one detached worktree at `commit`
+    /// (created only when needed, always removed), appending to `checks`.
+    pub(crate) async fn in_tree(
         &self,
         repo: &Repo,
         commit: &Oid,
-        argv: &[String],
-        timeout: Duration,
+        job: TreeJob<'_>,
+        mut checks: Vec<CheckResult>,
         cancel: &CancellationToken,
-    ) -> Result<CheckResult, Error> {
-        let started = Instant::now();
-        let subject = argv.join(" ");
+    ) -> Result<(Vec<CheckResult>, Option<ReviewReport>), Error> {
+        if job.verification.is_none() && !job.syntax && !job.review && job.criteria.is_empty() {
+            return Ok((checks, None));
+        }
+        let worktree = self.checkout(repo, commit).await?;
+        let result = self
+            .in_worktree(&worktree, commit, job, &mut checks, cancel)
+            .await;
+        if let Err(err) = repo.remove_worktree(&worktree).await {
+            tracing::warn!(worktree = %worktree.display(), error = %err, "cannot remove worktree");
+        }
+        let review = result?;
+        Ok((checks, review))
+    }
+
+    async fn in_worktree(
+        &self,
+        worktree: &Path,
+        commit: &Oid,
+        job: TreeJob<'_>,
+        checks: &mut Vec<CheckResult>,
+        cancel: &CancellationToken,
+    ) -> Result<Option<ReviewReport>, Error> {
+        if let Some(argv) = job.verification {
+            checks.push(verify_in(worktree, argv, job.timeout, cancel).await?);
+        }
+        let changed = match job.changed {
+            Some(changed) => changed,
+            None if job.syntax || job.review => crate::review::all_files(worktree),
+            None => Vec::new(),
+        };
+        if job.syntax {
+            let syntax = SyntaxJob {
+                tools: &self.tools,
+                worktree,
+                changed: &changed,
+                timeout: job.timeout,
+                cargo_target: self.data_dir.join("cargo-target"),
+                cancel,
+            };
+            checks.extend(syntax.syntax().await?);
+            checks.extend(syntax.lint().await?);
+        }
+        if !job.criteria.is_empty() {
+            let scratch = self.data_dir.join("scratch");
+            tokio::fs::create_dir_all(&scratch)
+                .await
+                .map_err(|source| Error::Io {
+                    path: scratch.clone(),
+                    source,
+                })?;
+            let prior = checks.clone();
+            let env = CriteriaEnv {
+                tools: &self.tools,
+                worktree,
+                scratch: &scratch,
+                timeout: job.timeout,
+                test_runs: job.test_runs,
+                judge: job.judge,
+                context: JudgeContext {
+                    task_id: job.task_id,
+                    title: job.title,
+                    description: job.description,
+                    commit: commit.as_str(),
+                    changed: &changed,
+                    checks: &prior,
+                },
+                cancel,
+            };
+            checks.extend(criteria_checks(&env, job.criteria, job.prefix).await?);
+        }
+        Ok(job.review.then(|| {
+            let present: Vec<String> = changed
+                .iter()
+                .filter(|p| worktree.join(p).is_file())
+                .cloned()
+                .collect();
+            crate::review::review(worktree, &present, checks)
+        }))
+    }
+
+    /// A detached worktree at `commit` under `<data_dir>/worktrees/validate/`.
+    async fn checkout(&self, repo: &Repo, commit: &Oid) -> Result<PathBuf, Error> {
         let worktree = self
             .data_dir
             .join("worktrees")
@@ -146,20 +310,29 @@ impl Validator {
                 })?;
         }
         repo.add_detached_worktree(&worktree, commit).await?;
-        let result = run_verification(&worktree, argv, timeout, cancel).await;
-        if let Err(err) = repo.remove_worktree(&worktree).await {
-            tracing::warn!(worktree = %worktree.display(), error = %err, "cannot remove worktree");
-        }
-        let (status, evidence) = result?;
-        Ok(CheckResult {
-            name: "verification".to_owned(),
-            kind: "verification".to_owned(),
-            status: status as i32,
-            duration_ms: millis(started.elapsed()),
-            evidence,
-            subject,
-        })
+        Ok(worktree)
     }
+}
+
+/// Runs `argv` in `worktree`: PASS on exit 0, FAIL on another exit, ERROR when it cannot run
+/// or times out.
+#[tracing::instrument(skip_all, fields(program = %argv.first().map_or("", String::as_str)))]
+async fn verify_in(
+    worktree: &Path,
+    argv: &[String],
+    timeout: Duration,
+    cancel: &CancellationToken,
+) -> Result<CheckResult, Error> {
+    let started = Instant::now();
+    let (status, evidence) = run_verification(worktree, argv, timeout, cancel).await?;
+    Ok(CheckResult {
+        name: "verification".to_owned(),
+        kind: "verification".to_owned(),
+        status: status as i32,
+        duration_ms: millis(started.elapsed()),
+        evidence,
+        subject: argv.join(" "),
+    })
 }
 
 async fn run_verification(
@@ -243,7 +416,7 @@ pub(crate) async fn first_parent(repo: &Repo, commit: &Oid) -> Result<Option<Oid
 }
 
 /// A path that stays inside the repository: relative, no `..`, not empty.
-fn confined(path: &str) -> bool {
+pub(crate) fn confined(path: &str) -> bool {
     let path = Path::new(path);
     !path.as_os_str().is_empty()
         && path
@@ -408,22 +581,6 @@ fn line_count(bytes: &[u8]) -> usize {
     }
 }
 
-/// One MANUAL_REVIEW check per criterion: nothing here can decide a free-text criterion.
-pub(crate) fn criteria_checks(criteria: &[String]) -> Vec<CheckResult> {
-    criteria
-        .iter()
-        .enumerate()
-        .map(|(i, criterion)| CheckResult {
-            name: format!("criterion:{}", i + 1),
-            kind: "criterion".to_owned(),
-            status: CheckStatus::ManualReview as i32,
-            duration_ms: 0,
-            evidence: NO_CRITERION_CHECKER.to_owned(),
-            subject: criterion.clone(),
-        })
-        .collect()
-}
-
 /// FAIL if any check failed or errored, else MANUAL_REVIEW if any needs review, else PASS.
 /// An empty list needs review: nothing was checked, so nothing may pass.
 pub fn verdict(checks: &[CheckResult]) -> Verdict {
@@ -451,14 +608,45 @@ pub(crate) fn report(commit: Oid, mut checks: Vec<CheckResult>) -> ValidationRep
             subject: String::new(),
         });
     }
+    let (convergence_verified, convergence_met) = convergence(&checks);
     ValidationReport {
         verdict: verdict(&checks) as i32,
         checks,
         commit: commit.into(),
+        convergence_verified,
+        convergence_met,
+        ..ValidationReport::default()
     }
 }
 
-fn millis(elapsed: Duration) -> u64 {
+/// Per own criterion (checks named `criterion:<n>`), whether it passed, and the summary's
+/// `convergence-met`: `pass` when all passed, `fail` when one failed or errored, else
+/// `pending`; empty without criteria.
+pub(crate) fn convergence(checks: &[CheckResult]) -> (Vec<bool>, String) {
+    let own: Vec<&CheckResult> = checks
+        .iter()
+        .filter(|c| c.kind == "criterion" && c.name.starts_with("criterion:"))
+        .collect();
+    let verified: Vec<bool> = own
+        .iter()
+        .map(|c| c.status() == CheckStatus::Pass)
+        .collect();
+    let met = if own.is_empty() {
+        ""
+    } else if verified.iter().all(|v| *v) {
+        "pass"
+    } else if own
+        .iter()
+        .any(|c| matches!(c.status(), CheckStatus::Fail | CheckStatus::Error))
+    {
+        "fail"
+    } else {
+        "pending"
+    };
+    (verified, met.to_owned())
+}
+
+pub(crate) fn millis(elapsed: Duration) -> u64 {
     u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX)
 }
 
@@ -487,12 +675,31 @@ mod tests {
     }
 
     #[test]
-    fn criteria_need_manual_review() {
-        let checks = criteria_checks(&["the API is documented".to_owned()]);
-        assert_eq!(checks.len(), 1);
-        assert_eq!(checks[0].status(), CheckStatus::ManualReview);
-        assert_eq!(checks[0].subject, "the API is documented");
-        assert_eq!(checks[0].evidence, NO_CRITERION_CHECKER);
+    fn convergence_met_is_pass_fail_or_pending() {
+        let c = |name: &str, status: CheckStatus| CheckResult {
+            name: name.to_owned(),
+            kind: "criterion".to_owned(),
+            status: status as i32,
+            ..CheckResult::default()
+        };
+        use CheckStatus::{Fail, ManualReview, Pass};
+        assert_eq!(
+            convergence(&[
+                c("criterion:1", Pass),
+                c("criterion:2", Pass),
+                c("IMPL-1/criterion:1", Fail)
+            ]),
+            (vec![true, true], "pass".to_owned())
+        );
+        assert_eq!(
+            convergence(&[c("criterion:1", Pass), c("criterion:2", ManualReview)]),
+            (vec![true, false], "pending".to_owned())
+        );
+        assert_eq!(
+            convergence(&[c("criterion:1", Fail), c("criterion:2", ManualReview)]),
+            (vec![false, false], "fail".to_owned())
+        );
+        assert_eq!(convergence(&[]), (vec![], String::new()));
     }
 
     #[test]

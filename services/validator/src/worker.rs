@@ -1,39 +1,68 @@
-//! VALIDATE-* tasks from the coordinator.
+//! VALIDATE-*, REVIEW-* and VERIFY-* tasks from the coordinator (the id prefix decides).
 //!
-//! What is checked:
+//! VALIDATE-*:
 //! - the `files[]` of every upstream task that reported a commit (the executors), each at its
 //!   own result commit against that commit's first parent, so a file counts as modified only
 //!   when that task's own integration changed it (check names `<TASK-ID>/file:<path>`);
-//! - the VALIDATE task's own `files[]` at the session branch head, `modify` measured against
-//!   the session's base commit;
-//! - the VALIDATE task's own `convergence.verification` at the session branch head (upstream
-//!   tasks' verification commands are theirs to run, not re-run here);
-//! - the VALIDATE task's own `convergence.criteria` (MANUAL_REVIEW until issue #6).
+//! - the task's own `files[]` at the session branch head, `modify` against the session's base;
+//! - in one worktree at the head: the task's own `convergence.verification`, syntax and lint
+//!   of every file changed since the session's base, and the task's own criteria (typed, then
+//!   the judge from the task's `judge` or the validator's `--judge`, else manual review), with
+//!   upstream TESTRUN results for `test:` and `coverage` criteria.
+//!   PASS or MANUAL_REVIEW completes the task; FAIL fails it (CHECK_FAILED, not retryable).
 //!
-//! The task completes on PASS or MANUAL_REVIEW (the latter with a warning); FAIL fails it with
-//! CHECK_FAILED, not retryable, with the report as the partial result.
+//! REVIEW-*: the same files and criteria, plus the review of every changed file; BLOCK fails
+//! the task, CONDITIONAL completes it with a warning, APPROVE completes it.
+//!
+//! VERIFY-*: goal-backward: for every upstream executor task, its files, verification command
+//! and criteria (from the plan in `plan_dir`) at the session head; gaps go to
+//! `verification.md` and to the result. Gaps fail the task (CHECK_FAILED, the report as the
+//! partial result) so a session never completes with unverified goals; adding fix tasks from
+//! the gaps is the coordinator's job.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prost_types::value::Kind;
 use serde_json::Value;
+use tokio_util::sync::CancellationToken;
 use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
 use troupe_proto::v1::{
-    CheckResult, CheckStatus, ClaimedTask, ErrorKind, TaskResult, ValidationReport, Verdict,
-    task_result,
+    CheckResult, CheckStatus, ClaimedTask, ErrorKind, GoalVerification, ReviewVerdict, Role,
+    TaskResult, TestRunReport, ValidationReport, Verdict, task_result,
 };
 use troupe_workspace::{Oid, Repo};
 
 use crate::Error;
+use crate::judge::{self, JudgeConfig};
 use crate::validate::{
-    DEFAULT_VERIFICATION_TIMEOUT, Validator, check_files, criteria_checks, first_parent, report,
+    DEFAULT_VERIFICATION_TIMEOUT, TreeJob, Validator, check_files, first_parent, report,
 };
+use crate::verify;
 
-/// Runs VALIDATE-* tasks with a shared [`Validator`].
+/// Runs VALIDATE-*, REVIEW-* and VERIFY-* tasks with a shared [`Validator`].
 #[derive(Debug, Clone)]
 pub struct ValidateHandler {
     validator: Arc<Validator>,
+}
+
+/// Which kind of validator task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TaskKind {
+    Validate,
+    Review,
+    Verify,
+}
+
+impl TaskKind {
+    fn of(task_id: &str) -> Self {
+        if task_id.starts_with("REVIEW-") {
+            Self::Review
+        } else if task_id.starts_with("VERIFY-") {
+            Self::Verify
+        } else {
+            Self::Validate
+        }
+    }
 }
 
 impl ValidateHandler {
@@ -42,7 +71,33 @@ impl ValidateHandler {
         Self { validator }
     }
 
-    async fn run(&self, claimed: ClaimedTask, ctx: TaskContext) -> Result<ValidationReport, Error> {
+    /// Runs one claimed task to its result; `progress` receives notes for heartbeats. This is
+    /// what [`TaskHandler::handle`] does, callable without a worker loop.
+    // The worker API returns `TaskFailure` by value; boxing it here would only be undone.
+    #[allow(clippy::result_large_err)]
+    pub async fn check(
+        &self,
+        claimed: ClaimedTask,
+        progress: &(dyn Fn(String) + Send + Sync),
+        cancel: &CancellationToken,
+    ) -> Result<TaskResult, TaskFailure> {
+        let started = Instant::now();
+        let kind = TaskKind::of(claimed.task.as_ref().map_or("", |t| t.id.as_str()));
+        let report = self
+            .run(claimed, kind, progress, cancel)
+            .await
+            .map_err(into_failure)?;
+        tracing::info!(verdict = ?report.verdict(), checks = report.checks.len(), elapsed_ms = started.elapsed().as_millis(), "validation finished");
+        outcome(report, kind)
+    }
+
+    async fn run(
+        &self,
+        claimed: ClaimedTask,
+        kind: TaskKind,
+        progress: &(dyn Fn(String) + Send + Sync),
+        cancel: &CancellationToken,
+    ) -> Result<ValidationReport, Error> {
         let task = claimed
             .task
             .as_ref()
@@ -54,81 +109,269 @@ impl ValidateHandler {
         let spec = task
             .spec
             .as_ref()
-            .map(struct_to_json)
+            .map(troupe_proto::json::from_struct)
             .unwrap_or(Value::Null);
         let convergence = TaskConvergence::parse(&spec)?;
+        let own_judge = judge::from_spec(
+            spec.get("judge").unwrap_or(&Value::Null),
+            convergence.timeout,
+        )
+        .map_err(Error::InvalidArgument)?;
+        let judge = own_judge.as_ref().or(self.validator.default_judge());
         let repo = Repo::open(&session_repo.path).await?;
         let head = repo.resolve(&session_repo.branch).await?;
-        ctx.progress(format!(
-            "validating {} at {}",
+        let session_base = match Oid::parse(&session_repo.base_commit) {
+            Some(base) => Some(base),
+            None => first_parent(&repo, &head).await?,
+        };
+        progress(format!(
+            "{kind:?} {} at {}",
             session_repo.branch,
             &head.as_str()[..12]
         ));
+        let test_runs: Vec<TestRunReport> = claimed
+            .upstream
+            .iter()
+            .filter_map(
+                |u| match u.result.as_ref().and_then(|r| r.detail.as_ref()) {
+                    Some(task_result::Detail::TestRun(run)) => Some(run.clone()),
+                    _ => None,
+                },
+            )
+            .collect();
+        let changed = match &session_base {
+            Some(base) => Some(repo.changed_paths(base, &head).await?),
+            None => None,
+        };
 
         let mut checks = Vec::new();
-        for upstream in &claimed.upstream {
-            if upstream.files.is_empty() {
-                continue;
-            }
-            let commit = upstream.result.as_ref().map_or("", |r| r.commit.as_str());
-            if commit.is_empty() {
-                checks.push(CheckResult {
-                    name: format!("{}/files", upstream.task_id),
-                    kind: "file".to_owned(),
-                    status: CheckStatus::Error as i32,
-                    duration_ms: 0,
-                    evidence: format!(
-                        "upstream task {} reported no commit, so its files cannot be checked",
-                        upstream.task_id
-                    ),
-                    subject: upstream
-                        .files
-                        .iter()
-                        .map(|f| f.path.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", "),
-                });
-                continue;
-            }
-            let commit = repo.resolve(commit).await?;
-            let base = first_parent(&repo, &commit).await?;
-            checks.extend(
-                check_files(
+        let mut verification = None;
+        if kind == TaskKind::Verify {
+            let (upstream_checks, result) = self
+                .verify_upstream(
+                    &claimed,
                     &repo,
-                    &commit,
-                    base.as_ref(),
-                    &upstream.files,
-                    &format!("{}/", upstream.task_id),
+                    &head,
+                    session_base.as_ref(),
+                    &test_runs,
+                    judge,
+                    cancel,
+                    progress,
                 )
-                .await?,
-            );
+                .await?;
+            checks = upstream_checks;
+            verification = Some(result);
+        } else {
+            checks.extend(upstream_file_checks(&claimed, &repo).await?);
         }
         if !task.files.is_empty() {
-            let base = match Oid::parse(&session_repo.base_commit) {
-                Some(base) => Some(base),
-                None => first_parent(&repo, &head).await?,
-            };
-            checks.extend(check_files(&repo, &head, base.as_ref(), &task.files, "").await?);
+            checks.extend(check_files(&repo, &head, session_base.as_ref(), &task.files, "").await?);
         }
-        if let Some(argv) = &convergence.verification {
-            ctx.progress(format!("running verification `{}`", argv.join(" ")));
-            checks.push(
-                self.validator
-                    .verify(&repo, &head, argv, convergence.timeout, &ctx.cancelled())
-                    .await?,
-            );
+        let job = TreeJob {
+            verification: convergence.verification.as_deref(),
+            timeout: convergence.timeout,
+            syntax: kind == TaskKind::Validate,
+            review: kind == TaskKind::Review,
+            changed,
+            criteria: &convergence.criteria,
+            prefix: "",
+            test_runs: &test_runs,
+            judge,
+            task_id: &task.id,
+            title: &task.title,
+            description: &task.description,
+        };
+        progress(format!("checking {} at {}", task.id, &head.as_str()[..12]));
+        let (checks, review) = self
+            .validator
+            .in_tree(&repo, &head, job, checks, cancel)
+            .await?;
+        let mut report = report(head.clone(), checks);
+        report.review = review;
+        if let Some(mut result) = verification {
+            let tasks = group_by_task(&report.checks);
+            let text = verify::render(&verify::Summary {
+                task_id: &task.id,
+                session_id: &task.session_id,
+                phase: spec.get("phase"),
+                commit: head.as_str(),
+                tasks: &tasks,
+                result: &result,
+            });
+            let path =
+                verify::write(self.validator.data_dir(), &task.session_id, &task.id, &text).await?;
+            result.path = path.display().to_string();
+            report.verification = Some(result);
         }
-        checks.extend(criteria_checks(&convergence.criteria));
-        Ok(report(head, checks))
+        Ok(report)
     }
+
+    /// VERIFY: every upstream executor task's files, verification and criteria at `head`.
+    #[allow(clippy::too_many_arguments)]
+    async fn verify_upstream(
+        &self,
+        claimed: &ClaimedTask,
+        repo: &Repo,
+        head: &Oid,
+        base: Option<&Oid>,
+        test_runs: &[TestRunReport],
+        judge: Option<&JudgeConfig>,
+        cancel: &CancellationToken,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<(Vec<CheckResult>, GoalVerification), Error> {
+        let plan = verify::load_plan(&claimed.plan_dir);
+        let targets: Vec<_> = claimed
+            .upstream
+            .iter()
+            .filter(|u| matches!(u.role(), Role::Executor | Role::Unspecified))
+            .collect();
+        let mut all = Vec::new();
+        let mut gaps = Vec::new();
+        let mut passed = 0;
+        for upstream in &targets {
+            let id = upstream.task_id.as_str();
+            progress(format!("verifying {id}"));
+            let prefix = format!("{id}/");
+            let mut checks = check_files(repo, head, base, &upstream.files, &prefix).await?;
+            let spec = match &plan {
+                Ok(plan) => {
+                    verify::task_spec(plan, id).ok_or_else(|| format!("{id} is not in the plan"))
+                }
+                Err(err) => Err(err.clone()),
+            };
+            match spec {
+                Ok(spec) => {
+                    let convergence = TaskConvergence::parse(&spec)?;
+                    let (title, description) = (
+                        spec.get("title").and_then(Value::as_str).unwrap_or(""),
+                        spec.get("description")
+                            .and_then(Value::as_str)
+                            .unwrap_or(""),
+                    );
+                    let job = TreeJob {
+                        verification: convergence.verification.as_deref(),
+                        timeout: convergence.timeout,
+                        criteria: &convergence.criteria,
+                        prefix: &prefix,
+                        test_runs,
+                        judge,
+                        task_id: id,
+                        title,
+                        description,
+                        ..TreeJob::default()
+                    };
+                    let (done, _) = self
+                        .validator
+                        .in_tree(repo, head, job, checks, cancel)
+                        .await?;
+                    checks = done;
+                    // The verification check is the task's own: name it so.
+                    for c in &mut checks {
+                        if c.name == "verification" {
+                            c.name = format!("{prefix}verification");
+                        }
+                    }
+                }
+                Err(reason) => checks.push(CheckResult {
+                    name: format!("{prefix}criteria"),
+                    kind: "criterion".to_owned(),
+                    status: CheckStatus::ManualReview as i32,
+                    duration_ms: 0,
+                    evidence: format!("criteria and verification of {id} not checked: {reason}"),
+                    subject: format!("convergence of {id}"),
+                }),
+            }
+            let task_gaps: Vec<_> = checks.iter().filter_map(|c| verify::gap(id, c)).collect();
+            if task_gaps.is_empty() {
+                passed += 1;
+            }
+            gaps.extend(task_gaps);
+            all.extend(checks);
+        }
+        let result = GoalVerification {
+            status: if gaps.is_empty() {
+                "passed"
+            } else {
+                "gaps_found"
+            }
+            .to_owned(),
+            tasks_checked: u32::try_from(targets.len()).unwrap_or(u32::MAX),
+            tasks_passed: passed,
+            gaps,
+            path: String::new(),
+        };
+        Ok((all, result))
+    }
+}
+
+/// Upstream executors' files, each at its own result commit.
+async fn upstream_file_checks(
+    claimed: &ClaimedTask,
+    repo: &Repo,
+) -> Result<Vec<CheckResult>, Error> {
+    let mut checks = Vec::new();
+    for upstream in &claimed.upstream {
+        if upstream.files.is_empty() {
+            continue;
+        }
+        let commit = upstream.result.as_ref().map_or("", |r| r.commit.as_str());
+        if commit.is_empty() {
+            checks.push(CheckResult {
+                name: format!("{}/files", upstream.task_id),
+                kind: "file".to_owned(),
+                status: CheckStatus::Error as i32,
+                duration_ms: 0,
+                evidence: format!(
+                    "upstream task {} reported no commit, so its files cannot be checked",
+                    upstream.task_id
+                ),
+                subject: upstream
+                    .files
+                    .iter()
+                    .map(|f| f.path.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+            continue;
+        }
+        let commit = repo.resolve(commit).await?;
+        let base = first_parent(repo, &commit).await?;
+        checks.extend(
+            check_files(
+                repo,
+                &commit,
+                base.as_ref(),
+                &upstream.files,
+                &format!("{}/", upstream.task_id),
+            )
+            .await?,
+        );
+    }
+    Ok(checks)
+}
+
+/// Checks grouped by their `<TASK>/` prefix, in first-seen order.
+fn group_by_task(checks: &[CheckResult]) -> Vec<(String, Vec<CheckResult>)> {
+    let mut groups: Vec<(String, Vec<CheckResult>)> = Vec::new();
+    for c in checks {
+        let task = c
+            .name
+            .split_once('/')
+            .map_or("(this task)", |(t, _)| t)
+            .to_owned();
+        match groups.iter_mut().find(|(t, _)| *t == task) {
+            Some((_, list)) => list.push(c.clone()),
+            None => groups.push((task, vec![c.clone()])),
+        }
+    }
+    groups
 }
 
 impl TaskHandler for ValidateHandler {
     async fn handle(&self, task: ClaimedTask, ctx: TaskContext) -> Result<TaskResult, TaskFailure> {
-        let started = Instant::now();
-        let report = self.run(task, ctx).await.map_err(into_failure)?;
-        tracing::info!(verdict = ?report.verdict(), checks = report.checks.len(), elapsed_ms = started.elapsed().as_millis(), "validation finished");
-        verdict(report)
+        let notes = ctx.clone();
+        let progress = move |note: String| notes.progress(note);
+        self.check(task, &progress, &ctx.cancelled()).await
     }
 }
 
@@ -201,10 +444,11 @@ impl TaskConvergence {
     }
 }
 
-/// PASS and MANUAL_REVIEW complete the task; FAIL fails it with the report attached.
+/// VALIDATE: PASS and MANUAL_REVIEW complete the task, FAIL fails it. REVIEW: BLOCK fails,
+/// CONDITIONAL and APPROVE complete. VERIFY: gaps fail. Failures carry the report.
 // The worker API returns `TaskFailure` by value; boxing it here would only be undone.
 #[allow(clippy::result_large_err)]
-fn verdict(report: ValidationReport) -> Result<TaskResult, TaskFailure> {
+fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskFailure> {
     let count = |status: CheckStatus| {
         report
             .checks
@@ -218,16 +462,19 @@ fn verdict(report: ValidationReport) -> Result<TaskResult, TaskFailure> {
         count(CheckStatus::Error),
         count(CheckStatus::ManualReview),
     );
-    let summary = format!(
+    let mut summary = format!(
         "validation at {}: {} checks, {passed} passed, {failed} failed, {errored} errored, {review} need manual review",
         report.commit.get(..12).unwrap_or(&report.commit),
         report.checks.len()
     );
+    if !report.convergence_met.is_empty() {
+        summary.push_str(&format!("; convergence-met: {}", report.convergence_met));
+    }
     let mut warnings = Vec::new();
     if review > 0 {
-        warnings.push(format!("{review} criteria need manual review"));
+        warnings.push(format!("{review} checks need manual review"));
     }
-    let details: Vec<String> = report
+    let mut details: Vec<String> = report
         .checks
         .iter()
         .filter(|c| matches!(c.status(), CheckStatus::Fail | CheckStatus::Error))
@@ -240,7 +487,70 @@ fn verdict(report: ValidationReport) -> Result<TaskResult, TaskFailure> {
             )
         })
         .collect();
-    let outcome = report.verdict();
+    let failed_because = match kind {
+        TaskKind::Validate => matches!(report.verdict(), Verdict::Fail | Verdict::Unspecified)
+            .then(|| "validation failed".to_owned()),
+        TaskKind::Review => {
+            let review = report.review.clone().unwrap_or_default();
+            let verdict = review.verdict();
+            summary.push_str(&format!(
+                "; review: {:?} with {} findings",
+                verdict,
+                review.findings.len()
+            ));
+            details = review
+                .findings
+                .iter()
+                .filter(|f| f.severity() >= troupe_proto::v1::Severity::Medium)
+                .map(|f| {
+                    format!(
+                        "{:?} {} {}:{}: {}",
+                        f.severity(),
+                        f.rule,
+                        f.file,
+                        f.line,
+                        f.message
+                    )
+                })
+                .collect();
+            match verdict {
+                ReviewVerdict::Approve => None,
+                ReviewVerdict::Conditional => {
+                    warnings.push(format!(
+                        "review is CONDITIONAL: {} findings of high or medium severity",
+                        details.len()
+                    ));
+                    None
+                }
+                ReviewVerdict::Block | ReviewVerdict::Unspecified => {
+                    Some("review blocked".to_owned())
+                }
+            }
+        }
+        TaskKind::Verify => {
+            let v = report.verification.clone().unwrap_or_default();
+            summary.push_str(&format!(
+                "; verification {}: {}/{} tasks passed, {} gaps ({})",
+                v.status,
+                v.tasks_passed,
+                v.tasks_checked,
+                v.gaps.len(),
+                v.path
+            ));
+            details = v
+                .gaps
+                .iter()
+                .map(|g| {
+                    format!(
+                        "{} {} `{}`: expected {}; {}",
+                        g.task, g.r#type, g.item, g.expected, g.actual
+                    )
+                })
+                .collect();
+            (v.status != "passed" || matches!(report.verdict(), Verdict::Fail))
+                .then(|| "verification found gaps".to_owned())
+        }
+    };
     let result = TaskResult {
         summary: summary.clone(),
         commit: report.commit.clone(),
@@ -248,15 +558,15 @@ fn verdict(report: ValidationReport) -> Result<TaskResult, TaskFailure> {
         detail: Some(task_result::Detail::Validation(report)),
         ..TaskResult::default()
     };
-    match outcome {
-        Verdict::Pass | Verdict::ManualReview => Ok(result),
-        Verdict::Fail | Verdict::Unspecified => Err(TaskFailure::new(
-            ErrorKind::CheckFailed,
-            format!("validation failed: {summary}"),
-            false,
-        )
-        .with_details(details)
-        .with_partial(result)),
+    match failed_because {
+        None => Ok(result),
+        Some(why) => {
+            Err(
+                TaskFailure::new(ErrorKind::CheckFailed, format!("{why}: {summary}"), false)
+                    .with_details(details)
+                    .with_partial(result),
+            )
+        }
     }
 }
 
@@ -274,32 +584,6 @@ fn into_failure(err: Error) -> TaskFailure {
         | Error::Process(_)
         | Error::Io { .. }
         | Error::Grpc(_) => TaskFailure::new(ErrorKind::Internal, message, true),
-    }
-}
-
-/// A protobuf `Struct` as JSON.
-fn struct_to_json(value: &prost_types::Struct) -> Value {
-    Value::Object(
-        value
-            .fields
-            .iter()
-            .map(|(k, v)| (k.clone(), value_to_json(v)))
-            .collect(),
-    )
-}
-
-fn value_to_json(value: &prost_types::Value) -> Value {
-    match &value.kind {
-        None | Some(Kind::NullValue(_)) => Value::Null,
-        Some(Kind::BoolValue(b)) => Value::Bool(*b),
-        Some(Kind::NumberValue(n)) => {
-            serde_json::Number::from_f64(*n).map_or(Value::Null, Value::Number)
-        }
-        Some(Kind::StringValue(s)) => Value::String(s.clone()),
-        Some(Kind::ListValue(list)) => {
-            Value::Array(list.values.iter().map(value_to_json).collect())
-        }
-        Some(Kind::StructValue(s)) => struct_to_json(s),
     }
 }
 
@@ -362,16 +646,23 @@ mod tests {
             verdict: crate::validate::verdict(&checks) as i32,
             checks,
             commit: "c".repeat(40),
+            ..ValidationReport::default()
         }
     }
 
     #[test]
     fn manual_review_completes_with_a_warning_and_fail_fails() {
-        let done = verdict(report_with(&[CheckStatus::Pass, CheckStatus::ManualReview]))
-            .expect("completes");
-        assert_eq!(done.warnings, ["1 criteria need manual review"]);
-        let failure =
-            verdict(report_with(&[CheckStatus::Pass, CheckStatus::Fail])).expect_err("fails");
+        let done = outcome(
+            report_with(&[CheckStatus::Pass, CheckStatus::ManualReview]),
+            TaskKind::Validate,
+        )
+        .expect("completes");
+        assert_eq!(done.warnings, ["1 checks need manual review"]);
+        let failure = outcome(
+            report_with(&[CheckStatus::Pass, CheckStatus::Fail]),
+            TaskKind::Validate,
+        )
+        .expect_err("fails");
         assert_eq!(failure.error.kind(), ErrorKind::CheckFailed);
         assert!(!failure.error.retryable);
         assert!(matches!(

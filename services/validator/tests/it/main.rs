@@ -1,8 +1,14 @@
 //! Integration tests: the real validator on a port-0 listener, real git repositories, real
-//! verification commands, all through the `Validate` RPC.
+//! tools (tsc, node, python, cargo, ruff, flake8 from scripts/setup), through the `Validate`
+//! RPC; the worker's VALIDATE / REVIEW / VERIFY handling through `ValidateHandler::check`.
+
+mod checks;
+mod criteria;
+mod review;
+mod worker;
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use tonic::Code;
 use troupe_proto::v1::validator_client::ValidatorClient;
@@ -40,18 +46,7 @@ async fn fixture() -> Fixture {
     git(dir.path(), &["add", "-A"]).expect("add");
     git(dir.path(), &["commit", "-q", "-m", "change"]).expect("commit");
     let head = git(dir.path(), &["rev-parse", "HEAD"]).expect("head");
-    let data = tempfile::tempdir().expect("data dir");
-    let config = troupe_validator::Config {
-        listen: "127.0.0.1:0".parse().expect("address"),
-        data_dir: data.path().to_path_buf(),
-        coordinator_url: None,
-        worker_id: None,
-        concurrency: 1,
-    };
-    let service = TestService::spawn(move |listener, shutdown| {
-        troupe_validator::run(config, listener, shutdown)
-    })
-    .await;
+    let (service, data) = start(None).await;
     Fixture {
         repo: dir.path().display().to_string(),
         _dir: dir,
@@ -60,6 +55,70 @@ async fn fixture() -> Fixture {
         head,
         service,
     }
+}
+
+/// Where scripts/setup installs the check tools (tsc, ruff, flake8, a python with pytest).
+pub(crate) fn tool_dirs() -> Vec<PathBuf> {
+    let tools = troupe_testkit::workspace_root().join("target/tools");
+    let dirs = vec![tools.join("node/node_modules/.bin"), tools.join("venv/bin")];
+    for (dir, tool) in [(&dirs[0], "tsc"), (&dirs[1], "ruff"), (&dirs[1], "flake8")] {
+        assert!(
+            dir.join(tool).is_file(),
+            "{tool} is not installed in {}: run scripts/setup/10-python-tools.sh and 40-validator-tools.sh (or scripts/test)",
+            dir.display()
+        );
+    }
+    dirs
+}
+
+/// A validator on a port-0 listener with the tool dirs and an optional default judge.
+pub(crate) async fn start(judge: Option<String>) -> (TestService, tempfile::TempDir) {
+    let data = tempfile::tempdir().expect("data dir");
+    let config = troupe_validator::Config {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: data.path().to_path_buf(),
+        coordinator_url: None,
+        worker_id: None,
+        concurrency: 1,
+    };
+    let checks = troupe_validator::CheckConfig {
+        tool_dirs: tool_dirs(),
+        judge,
+        judge_timeout_seconds: 30,
+    };
+    let service = TestService::spawn(move |listener, shutdown| {
+        troupe_validator::run_with(config, checks, listener, shutdown)
+    })
+    .await;
+    (service, data)
+}
+
+/// `Validate` against `service`.
+pub(crate) async fn validate(
+    service: &TestService,
+    request: ValidateRequest,
+) -> Result<ValidationReport, tonic::Status> {
+    let mut client = ValidatorClient::connect(service.url())
+        .await
+        .expect("connect");
+    Ok(client
+        .validate(request)
+        .await?
+        .into_inner()
+        .report
+        .expect("a report"))
+}
+
+/// Writes `files` into `dir` and commits them; returns the new commit.
+pub(crate) fn commit(dir: &Path, files: &[(&str, &str)], message: &str) -> String {
+    for (path, contents) in files {
+        let full = dir.join(path);
+        std::fs::create_dir_all(full.parent().expect("parent")).expect("mkdir");
+        std::fs::write(full, contents).expect("write");
+    }
+    git(dir, &["add", "-A"]).expect("add");
+    git(dir, &["commit", "-q", "--allow-empty", "-m", message]).expect("commit");
+    git(dir, &["rev-parse", "HEAD"]).expect("head")
 }
 
 impl Fixture {
@@ -85,7 +144,7 @@ impl Fixture {
     }
 }
 
-fn file(path: &str, action: FileAction) -> FileChange {
+pub(crate) fn file(path: &str, action: FileAction) -> FileChange {
     FileChange {
         path: path.to_owned(),
         action: action as i32,
@@ -93,11 +152,11 @@ fn file(path: &str, action: FileAction) -> FileChange {
     }
 }
 
-fn by_name(report: &ValidationReport) -> HashMap<&str, &CheckResult> {
+pub(crate) fn by_name(report: &ValidationReport) -> HashMap<&str, &CheckResult> {
     report.checks.iter().map(|c| (c.name.as_str(), c)).collect()
 }
 
-fn argv(items: &[&str]) -> Vec<String> {
+pub(crate) fn argv(items: &[&str]) -> Vec<String> {
     items.iter().map(|s| (*s).to_owned()).collect()
 }
 
