@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use troupe_proto::v1::{CreateSessionRequest, GetSessionRequest, WatchSessionRequest};
 
 use crate::embedded::{Embedded, EmbeddedConfig};
-use crate::{plan_file, report};
+use crate::{ccw_export, plan_file, report};
 
 /// Exit code of a plan that ran and did not complete.
 const EXIT_PLAN_FAILED: u8 = 1;
@@ -46,6 +46,26 @@ enum Command {
     Status(SessionArgs),
     /// Streams a session's events from a running server until it ends.
     Watch(WatchArgs),
+    /// Imports a CCW session folder as a plan and runs it like `run`.
+    Import(ImportArgs),
+    /// Exports a session from a running server to a CCW-compatible session folder.
+    Export(ExportArgs),
+    /// Prints a session's status graph, workers, blockers and stalls (read-only).
+    Check(SessionArgs),
+    /// Reconciles a session (orphaned, failed, blocked tasks back in play), then prints `check`.
+    Resume(SessionArgs),
+    /// Lists the agent backends (installed or not, versions) via `Executor.ListBackends`.
+    Doctor(DoctorArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct DoctorArgs {
+    /// Ask this running executor (or `troupe up`); default: probe here with an in-process one.
+    #[arg(long, value_name = "URL")]
+    connect: Option<String>,
+    /// Backend configuration file for the in-process probe (as the executor's `--config`).
+    #[arg(long, env = "TROUPE_EXECUTOR_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -117,6 +137,34 @@ struct WatchArgs {
     after: u64,
 }
 
+#[derive(Debug, clap::Args)]
+struct ImportArgs {
+    /// CCW session folder (holding team-session.json and task-analysis.json).
+    dir: PathBuf,
+    /// Repository to work in: `PATH` for the plan's default repo, `NAME=PATH` for a named one.
+    #[arg(long = "repo", value_name = "[NAME=]PATH")]
+    repos: Vec<String>,
+    /// Directory that `{plan_dir}` and relative repo paths resolve against (default: the folder).
+    #[arg(long, value_name = "DIR")]
+    plan_dir: Option<PathBuf>,
+    /// Print the converted native plan and exit without running it.
+    #[arg(long)]
+    print: bool,
+    /// Submit to a running server (such as `troupe up`) instead of starting one in-process.
+    #[arg(long, env = "TROUPE_CONNECT", value_name = "URL")]
+    connect: Option<String>,
+    #[command(flatten)]
+    embedded: EmbeddedArgs,
+}
+
+#[derive(Debug, clap::Args)]
+struct ExportArgs {
+    #[command(flatten)]
+    session: SessionArgs,
+    /// Folder to write (created; must be absent or empty).
+    dir: PathBuf,
+}
+
 /// Runs the parsed command and returns the process exit code.
 pub async fn main(cli: Cli) -> ExitCode {
     let result = match cli.command {
@@ -124,6 +172,11 @@ pub async fn main(cli: Cli) -> ExitCode {
         Command::Run(args) => run(args).await,
         Command::Status(args) => status(args).await,
         Command::Watch(args) => watch(args).await,
+        Command::Import(args) => import(args).await,
+        Command::Export(args) => export(args).await,
+        Command::Check(args) => check(args).await,
+        Command::Resume(args) => resume(args).await,
+        Command::Doctor(args) => doctor(args).await,
     };
     match result {
         Ok(code) => code,
@@ -157,7 +210,18 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_PLAN_INVALID));
         }
     };
-    let repo_paths = match parse_repo_args(&args.repos) {
+    run_plan(plan, &args.repos, args.connect.as_deref(), &args.embedded).await
+}
+
+/// Submits a loaded plan to `connect`, or to in-process services when `None`, and follows it
+/// to the end (shared by `run` and `import`).
+async fn run_plan(
+    plan: plan_file::PlanFile,
+    repos: &[String],
+    connect: Option<&str>,
+    embedded_args: &EmbeddedArgs,
+) -> anyhow::Result<ExitCode> {
+    let repo_paths = match parse_repo_args(repos) {
         Ok(paths) => paths,
         Err(err) => {
             eprintln!("error: {err:#}");
@@ -166,14 +230,14 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     };
 
     let shutdown = CancellationToken::new();
-    let (url, embedded) = match &args.connect {
-        Some(url) => (url.clone(), None),
+    let (url, embedded) = match connect {
+        Some(url) => (url.to_owned(), None),
         None => {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
                 .await
                 .context("binding a loopback port for the in-process services")?;
             let embedded =
-                Embedded::start(args.embedded.config(), listener, shutdown.clone()).await?;
+                Embedded::start(embedded_args.config(), listener, shutdown.clone()).await?;
             (troupe_grpc::url_for(embedded.addr()), Some(embedded))
         }
     };
@@ -310,6 +374,210 @@ async fn watch(args: WatchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
+    let document = match troupe_plan::ccw::import_session(&args.dir) {
+        Ok(document) => document,
+        Err(err) => {
+            eprintln!(
+                "error: ccw session {} was refused:\n{err}",
+                args.dir.display()
+            );
+            return Ok(ExitCode::from(EXIT_PLAN_INVALID));
+        }
+    };
+    if args.print {
+        println!("{}", serde_json::to_string_pretty(&document)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let path = std::path::absolute(&args.dir).context("resolving the session folder")?;
+    let base_dir = match &args.plan_dir {
+        Some(dir) => std::path::absolute(dir).context("resolving --plan-dir")?,
+        None => path.clone(),
+    };
+    let mut repos = args.repos.clone();
+    // A CCW session names no repository: it works on the project it sits in.
+    if repos.is_empty() && document.get("repos").is_none() {
+        match troupe_plan::ccw::project_root(&path) {
+            Some(root) => repos.push(root.display().to_string()),
+            None => {
+                eprintln!(
+                    "error: ccw session {} names no repository and is not under <project>/.workflow/.team/: pass --repo PATH",
+                    args.dir.display()
+                );
+                return Ok(ExitCode::from(EXIT_PLAN_INVALID));
+            }
+        }
+    }
+    let plan = plan_file::PlanFile {
+        json: document.to_string(),
+        base_dir,
+        path,
+    };
+    run_plan(plan, &repos, args.connect.as_deref(), &args.embedded).await
+}
+
+async fn export(args: ExportArgs) -> anyhow::Result<ExitCode> {
+    let summary =
+        ccw_export::export(&args.session.connect, &args.session.session, &args.dir).await?;
+    println!(
+        "exported session {} to {}: {} tasks, {} messages, {} files",
+        args.session.session,
+        args.dir.display(),
+        summary.tasks,
+        summary.messages,
+        summary.files.len()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `troupe check`: the coordinator's read-only `CheckSession`, printed as a status graph.
+async fn check(args: SessionArgs) -> anyhow::Result<ExitCode> {
+    let mut client = troupe_grpc::coordinator_client(&args.connect)?;
+    let status = client
+        .check_session(troupe_proto::v1::CheckSessionRequest {
+            session_id: args.session,
+        })
+        .await
+        .context("checking the session")?
+        .into_inner();
+    print!("{}", status_report(&status));
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `troupe resume`: `ResumeSession`, then the changes it made and the status graph.
+async fn resume(args: SessionArgs) -> anyhow::Result<ExitCode> {
+    let mut client = troupe_grpc::coordinator_client(&args.connect)?;
+    let resumed = client
+        .resume_session(troupe_proto::v1::ResumeSessionRequest {
+            session_id: args.session,
+        })
+        .await
+        .context("resuming the session")?
+        .into_inner();
+    if resumed.reconciled.is_empty() {
+        println!("nothing to reconcile");
+    }
+    for change in &resumed.reconciled {
+        println!(
+            "{}: {} -> {} ({})",
+            change.task_id,
+            report::task_state_name(change.from),
+            report::task_state_name(change.to),
+            change.reason
+        );
+    }
+    if let Some(status) = &resumed.status {
+        print!("{}", status_report(status));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Renders a `CheckSession` answer: progress, tasks by wave, workers, blockers, gaps, stall.
+/// `troupe doctor`: one line per backend from `Executor.ListBackends`.
+async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
+    use troupe_proto::v1::{ListBackendsRequest, executor_client::ExecutorClient};
+    let shutdown = CancellationToken::new();
+    let scratch = std::env::temp_dir().join(format!("troupe-doctor-{}", std::process::id()));
+    let (url, server) = match args.connect {
+        Some(url) => (url, None),
+        None => {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let config = troupe_executor::Config {
+                listen: listener.local_addr()?,
+                data_dir: scratch.clone(),
+                coordinator_url: None,
+                concurrency: 1,
+                worker_id: None,
+                backends_config: args.config,
+            };
+            let url = troupe_grpc::url_for(config.listen);
+            let stop = shutdown.clone();
+            (
+                url,
+                Some(tokio::spawn(troupe_executor::run(config, listener, stop))),
+            )
+        }
+    };
+    let channel = troupe_grpc::channel(&url)?;
+    let listed = ExecutorClient::new(channel)
+        .list_backends(ListBackendsRequest {})
+        .await
+        .with_context(|| format!("listing backends at {url}"));
+    shutdown.cancel();
+    if let Some(server) = server {
+        server.await.context("in-process executor")??;
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+    println!(
+        "{:<9} {:<10} {:<24} detail",
+        "backend", "available", "version"
+    );
+    for b in listed?.into_inner().backends {
+        let available = if b.available { "yes" } else { "no" };
+        println!(
+            "{:<9} {available:<10} {:<24} {}",
+            b.name, b.version, b.detail
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    if let Some(session) = &status.session {
+        let _ = writeln!(
+            out,
+            "{} [{}] {}% complete",
+            session.id,
+            report::session_state_name(session.state),
+            status.percent_complete
+        );
+    }
+    for wave in &status.waves {
+        let _ = writeln!(out, "wave {}", wave.number);
+        for node in status
+            .graph
+            .iter()
+            .filter(|node| wave.task_ids.contains(&node.task_id))
+        {
+            let mut line = format!("  {:<8} {} {}", node.status, node.task_id, node.title);
+            if !node.waiting_on.is_empty() && node.status == "pending" {
+                let _ = write!(line, " (waits on {})", node.waiting_on.join(", "));
+            }
+            if !node.progress.is_empty() {
+                let _ = write!(line, " - {}", node.progress);
+            }
+            let _ = writeln!(out, "{line}");
+        }
+    }
+    for worker in &status.active_workers {
+        let elapsed = worker.elapsed.map_or(0, |elapsed| elapsed.seconds);
+        let _ = writeln!(
+            out,
+            "worker {} runs {} (attempt {}, {elapsed}s)",
+            worker.worker_id, worker.task_id, worker.attempt
+        );
+    }
+    for blocker in &status.blockers {
+        let _ = writeln!(
+            out,
+            "blocker {} from {}: {}",
+            blocker.id, blocker.from, blocker.summary
+        );
+    }
+    for gap in &status.capability_gaps {
+        let _ = writeln!(out, "capability gap: {}", gap.message);
+    }
+    if let Some(stall) = &status.stall {
+        let _ = writeln!(out, "{}", stall.summary);
+        for task in &stall.tasks {
+            let _ = writeln!(out, "  {}: {}", task.task_id, task.reason);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,6 +593,32 @@ mod tests {
     fn a_repo_given_twice_is_refused() {
         let err = parse_repo_args(&["/tmp/a".into(), "/tmp/b".into()]).unwrap_err();
         assert!(err.to_string().contains("twice"), "{err}");
+    }
+
+    #[test]
+    fn cli_parses_import_and_export() {
+        let cli = Cli::try_parse_from([
+            "troupe",
+            "import",
+            "ccw/session",
+            "--repo",
+            "/tmp/x",
+            "--print",
+        ])
+        .unwrap();
+        assert!(matches!(
+            cli.command,
+            Command::Import(ImportArgs { print: true, .. })
+        ));
+        let cli =
+            Cli::try_parse_from(["troupe", "export", "s-1", "out", "--connect", "http://h:1"])
+                .unwrap();
+        let Command::Export(args) = cli.command else {
+            panic!("not export")
+        };
+        assert_eq!(args.session.session, "s-1");
+        assert_eq!(args.dir, PathBuf::from("out"));
+        assert_eq!(args.session.connect, "http://h:1");
     }
 
     #[test]

@@ -59,6 +59,7 @@ impl Embedded {
             coordinator_url: Some(url.clone()),
             concurrency: config.executor_concurrency,
             worker_id: None,
+            backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
         })
         .await
         .context("opening the executor")?;

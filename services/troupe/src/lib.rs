@@ -1,10 +1,12 @@
 //! The `troupe` CLI: `up` serves all four services in one process on one port, `run` runs a
 //! plan end to end (in-process by default, or against a running server with `--connect`),
-//! and `status` / `watch` inspect a session on a running server.
+//! `status` / `watch` inspect a session on a running server, and `import` / `export` convert
+//! CCW session folders to and from sessions.
 //!
 //! [`embedded`] is the all-in-one assembly `up` and `run` share; [`plan_file`] loads plans
 //! (JSON or TOML); [`report`] renders progress and the final report.
 
+pub mod ccw_export;
 pub mod cli;
 pub mod embedded;
 pub mod plan_file;

@@ -2,11 +2,13 @@
 //! problem is reported, not just the first), and derives what the scheduler needs: roles, waves,
 //! a topological order and each task's longest remaining critical path.
 //!
-//! The entry point is [`Plan::from_json`]. The crate does no I/O: resolving repository paths and
-//! copying templates is the coordinator's job.
+//! The entry point is [`Plan::from_json`]. The crate does no I/O except [`ccw::import_session`],
+//! which reads a CCW session folder: resolving repository paths and copying templates is the
+//! coordinator's job.
 
 #![warn(missing_docs)]
 
+pub mod ccw;
 mod validate;
 
 use std::collections::HashMap;

@@ -1,0 +1,3 @@
+//! Integration tests of the `troupe` crate: the embedded services driven through gRPC.
+
+mod ccw;
