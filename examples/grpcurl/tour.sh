@@ -77,6 +77,11 @@ grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"role\": \"executor\", \"d
   "$COORD" troupe.v1.Coordinator/UpdateState
 grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"role\": \"executor\"}" "$COORD" troupe.v1.Coordinator/GetState
 
+# Session commands: a read-only status graph, then reconcile-and-advance.
+grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\"}" "$COORD" troupe.v1.Coordinator/CheckSession > "$WORK/check.json"
+grep -q IMPL-002 "$WORK/check.json"
+grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\"}" "$COORD" troupe.v1.Coordinator/ResumeSession > /dev/null
+
 # Cancel the rest; the watch then replays every event and ends.
 grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"reason\": \"tour over\"}" "$COORD" troupe.v1.Coordinator/CancelSession
 grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"afterSequence\": \"0\"}" "$COORD" troupe.v1.Coordinator/WatchSession > "$WORK/events.json"
