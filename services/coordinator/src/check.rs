@@ -46,7 +46,11 @@ pub(crate) fn status(
     capability_gaps: Vec<pb::CapabilityGap>,
     now_ms: i64,
 ) -> pb::CheckSessionResponse {
-    let total = tasks.len();
+    // A failed task a fix round superseded is replaced by its re-run: not counted as work.
+    let total = tasks
+        .iter()
+        .filter(|task| task.superseded_by.is_empty())
+        .count();
     let done = tasks
         .iter()
         .filter(|task| task.state == TaskState::Completed)
@@ -87,6 +91,7 @@ pub(crate) fn status(
             },
             worker_id: task.worker_id.clone(),
             attempt: task.attempt,
+            superseded_by: task.superseded_by.clone(),
         })
         .collect();
     let mut waves: BTreeMap<u32, Vec<String>> = BTreeMap::new();

@@ -12,6 +12,7 @@ mod check;
 mod convert;
 mod error;
 mod grpc;
+mod rounds;
 mod sched;
 mod service;
 mod store;

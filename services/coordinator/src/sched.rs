@@ -42,6 +42,9 @@ pub(crate) struct TaskRow {
     pub(crate) progress: String,
     pub(crate) result: Option<pb::TaskResult>,
     pub(crate) last_error: Option<pb::TaskError>,
+    /// The re-run that replaced this failed task in a fix round (empty when none): the task
+    /// stays failed but no longer holds the session back.
+    pub(crate) superseded_by: String,
 }
 
 /// Returns true for states a task never leaves on its own.
@@ -165,7 +168,10 @@ pub(crate) fn session_outcome(tasks: &[TaskRow]) -> Option<SessionState> {
     if !tasks.iter().all(|task| is_terminal(task.state)) {
         return None;
     }
-    if tasks.iter().all(|task| task.state == TaskState::Completed) {
+    if tasks.iter().all(|task| {
+        task.state == TaskState::Completed
+            || (task.state == TaskState::Failed && !task.superseded_by.is_empty())
+    }) {
         Some(SessionState::Completed)
     } else {
         Some(SessionState::Failed)
@@ -317,6 +323,7 @@ mod tests {
             progress: String::new(),
             result: None,
             last_error: None,
+            superseded_by: String::new(),
         }
     }
 
@@ -452,6 +459,14 @@ mod tests {
         assert_eq!(session_outcome(&tasks), None);
         tasks[1].state = TaskState::Completed;
         assert_eq!(session_outcome(&tasks), Some(SessionState::Completed));
+        tasks[1].state = TaskState::Failed;
+        assert_eq!(session_outcome(&tasks), Some(SessionState::Failed));
+        tasks[1].superseded_by = "B-R1".into();
+        assert_eq!(
+            session_outcome(&tasks),
+            Some(SessionState::Completed),
+            "a superseded failure does not hold the session back"
+        );
     }
 
     #[test]

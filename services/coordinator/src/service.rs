@@ -17,6 +17,7 @@ use troupe_workspace::{Oid, Repo};
 use crate::Error;
 use crate::check;
 use crate::convert::{json_to_struct, now_ms, opt_timestamp, struct_to_json, timestamp};
+use crate::rounds;
 use crate::sched::{self, TaskRow};
 use crate::store::{
     CHANGES_CHANNEL, Dialect, MessageFilter, NewMessage, NewSession, SessionRow, SessionView,
@@ -113,6 +114,7 @@ pub(crate) fn task_proto(row: &TaskRow) -> pb::Task {
         started_at: opt_timestamp(row.started_at),
         finished_at: opt_timestamp(row.finished_at),
         progress: row.progress.clone(),
+        superseded_by: row.superseded_by.clone(),
     }
 }
 
@@ -271,6 +273,17 @@ impl Coordinator {
         request: pb::CreateSessionRequest,
     ) -> Result<pb::CreateSessionResponse, Error> {
         let plan = Plan::from_json(&request.plan_json)?;
+        let loop_problems: Vec<String> = plan
+            .tasks
+            .iter()
+            .flat_map(|task| rounds::config_problems(&task.id, task.role.to_proto(), &task.spec))
+            .collect();
+        if !loop_problems.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "invalid plan:\n{}",
+                loop_problems.join("\n")
+            )));
+        }
         let base_dir = if request.base_dir.is_empty() {
             None
         } else {
@@ -1094,6 +1107,7 @@ fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
             progress: String::new(),
             result: imported,
             last_error: None,
+            superseded_by: String::new(),
         })
         .collect()
 }

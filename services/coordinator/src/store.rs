@@ -24,18 +24,24 @@ use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind}
 
 use crate::Error;
 use crate::convert::{json_to_struct, rfc3339, timestamp};
+use crate::rounds;
 use crate::sched::{self, TaskRow};
 
 /// Schema migrations, applied in order and recorded in `schema_migrations`.
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("migrations/0001_init.sql")),
     (2, "workers", include_str!("migrations/0002_workers.sql")),
+    (
+        3,
+        "superseded",
+        include_str!("migrations/0003_superseded.sql"),
+    ),
 ];
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
      wave, critical_path, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
      worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
-     progress, result, last_error";
+     progress, result, last_error, superseded_by";
 
 const SESSION_COLUMNS: &str =
     "id, name, description, state, mode, on_failure, plan_dir, last_seq, created_at, updated_at";
@@ -835,6 +841,7 @@ impl Store {
         let reason = error.message.clone();
         let timed_out = error.kind() == pb::ErrorKind::Timeout;
         let retry = error.retryable && task.attempt < task.max_attempts;
+        let loop_inputs = (!retry && !timed_out).then(|| (error.clone(), partial.clone()));
         task.last_error = Some(error);
         if partial.is_some() {
             task.result = partial;
@@ -856,15 +863,25 @@ impl Store {
             };
             sched::transition(task, to, reason, now)
         };
-        save(
-            &mut tx,
-            &session,
-            &before,
-            &mut tasks,
-            vec![transition],
-            now,
-        )
-        .await?;
+        let mut transitions = vec![transition];
+        let mut before = before;
+        if let Some((error, partial)) = loop_inputs
+            && !sched::is_session_terminal(session.state)
+        {
+            transitions.extend(
+                fix_round(
+                    &mut tx,
+                    &mut before,
+                    &mut tasks,
+                    task_id,
+                    &error,
+                    partial.as_ref(),
+                    now,
+                )
+                .await?,
+            );
+        }
+        save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
         let task = load_task(&mut tx, session_id, task_id).await?;
         tx.commit().await?;
         Ok((task, retry_at))
@@ -976,6 +993,8 @@ impl Store {
                     transitions.push(transition);
                     continue;
                 }
+                // A fix round replaced it; its re-run is what gets retried.
+                TaskState::Failed if !task.superseded_by.is_empty() => continue,
                 TaskState::Failed | TaskState::TimedOut => {
                     task.max_attempts = task.max_attempts.max(task.attempt + 1);
                     "resumed: retrying"
@@ -1285,6 +1304,86 @@ async fn save(
     let count = write_changes(tx, session, before, tasks, transitions, now).await?;
     finish(tx, session, tasks, count, now).await?;
     Ok(count)
+}
+
+/// After the terminal failure of `task_id` (already in `tasks`, not yet saved): starts a fix
+/// round when its spec asks for one (see [`rounds`]), inserting the two new tasks into the
+/// database and into `before`/`tasks` (so [`save`] settles them with the rest), or logs that the
+/// chain's rounds are used up. Returns the transitions to record.
+async fn fix_round(
+    tx: &mut Tx,
+    before: &mut Vec<TaskRow>,
+    tasks: &mut Vec<TaskRow>,
+    task_id: &str,
+    error: &pb::TaskError,
+    partial: Option<&pb::TaskResult>,
+    now: i64,
+) -> Result<Vec<pb::TaskTransition>, Error> {
+    let Some(index) = tasks.iter().position(|task| task.id == task_id) else {
+        return Ok(Vec::new());
+    };
+    let session_id = tasks[index].session_id.clone();
+    // The write path loads tasks without their spec; the loop configuration lives there.
+    let stored = load_task(tx, &session_id, task_id).await?;
+    let mut failed = tasks[index].clone();
+    failed.spec = stored.spec;
+    let decision = rounds::decide(
+        &failed,
+        error,
+        partial,
+        |id| tasks.iter().any(|task| task.id == id),
+        now,
+    );
+    match decision {
+        rounds::Decision::None => Ok(Vec::new()),
+        rounds::Decision::Exhausted {
+            kind,
+            chain,
+            max_rounds,
+        } => {
+            tracing::warn!(session_id = %session_id, task_id, chain = %chain, max_rounds, "fix rounds exhausted");
+            let mut data = Map::new();
+            data.insert(
+                "kind".to_owned(),
+                Value::String(kind.message_type().to_owned()),
+            );
+            data.insert("chain".to_owned(), Value::String(chain.clone()));
+            data.insert("failed_task".to_owned(), Value::String(task_id.to_owned()));
+            data.insert("max_rounds".to_owned(), Value::from(max_rounds));
+            let message = NewMessage {
+                from: "coordinator".to_owned(),
+                to: "user".to_owned(),
+                kind: "warning".to_owned(),
+                summary: format!("{} rounds exhausted for {chain}", kind.name()),
+                data: Some(data),
+                idempotency_key: None,
+            };
+            insert_message(tx, &session_id, message, now).await?;
+            Ok(Vec::new())
+        }
+        rounds::Decision::Round(round) => {
+            let transitions = rounds::apply(tasks, index, &round);
+            insert_task(tx, &round.fix).await?;
+            insert_task(tx, &round.rerun).await?;
+            let (kind, summary, data) = rounds::round_message(task_id, &round);
+            tracing::info!(session_id = %session_id, task_id, fix = %round.fix.id, rerun = %round.rerun.id, round = round.round, "fix round added");
+            let message = NewMessage {
+                from: "coordinator".to_owned(),
+                to: "executor".to_owned(),
+                kind,
+                summary,
+                data: Some(data),
+                idempotency_key: None,
+            };
+            insert_message(tx, &session_id, message, now).await?;
+            let rows = [round.fix, round.rerun];
+            for (offset, row) in rows.into_iter().enumerate() {
+                before.insert(index + 1 + offset, row.clone());
+                tasks.insert(index + 1 + offset, row);
+            }
+            Ok(transitions)
+        }
+    }
 }
 
 /// Counts a session's tasks in `states`.
@@ -1772,6 +1871,7 @@ fn task_from_row(row: &AnyRow) -> Result<TaskRow, Error> {
             .map(|bytes| pb::TaskError::decode(bytes.as_slice()))
             .transpose()
             .map_err(corrupt)?,
+        superseded_by: row.try_get("superseded_by")?,
     })
 }
 
@@ -1819,7 +1919,8 @@ async fn update_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
     sqlx::query(
         "UPDATE tasks SET state = $3, attempt = $4, fencing_token = $5, worker_id = $6, lease_ms = $7, \
          lease_expires_at = $8, not_before = $9, started_at = $10, finished_at = $11, progress = $12, \
-         result = $13, last_error = $14, max_attempts = $15 WHERE session_id = $1 AND id = $2",
+         result = $13, last_error = $14, max_attempts = $15, position = $16, depends_on = $17, \
+         superseded_by = $18 WHERE session_id = $1 AND id = $2",
     )
     .bind(&task.session_id)
     .bind(&task.id)
@@ -1836,6 +1937,9 @@ async fn update_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
     .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
     .bind(task.last_error.as_ref().map(prost::Message::encode_to_vec))
     .bind(i64::from(task.max_attempts))
+    .bind(task.position)
+    .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
+    .bind(&task.superseded_by)
     .execute(&mut **tx)
     .await?;
     Ok(())

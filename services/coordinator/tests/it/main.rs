@@ -5,6 +5,7 @@ mod bus;
 mod plans;
 mod processes;
 mod restart;
+mod rounds;
 mod scheduling;
 mod sessions;
 mod support;

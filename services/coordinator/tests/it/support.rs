@@ -342,3 +342,10 @@ pub(crate) fn assert_code(
         }
     }
 }
+
+/// Returns a task's plan object as JSON.
+pub(crate) fn spec_json(task: &pb::Task) -> Value {
+    Value::Object(troupe_proto::json::struct_to_object(
+        task.spec.as_ref().expect("spec"),
+    ))
+}
