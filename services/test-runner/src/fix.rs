@@ -405,12 +405,14 @@ pub(crate) async fn run_loop(
             strategy: strategy.to_owned(),
             ..FixIteration::default()
         };
-        let placeholders: BTreeMap<String, String> = [
+        // The session task's own values (plan_dir, session_id, task_id) win over the defaults.
+        let mut placeholders: BTreeMap<String, String> = [
             ("repo".to_owned(), ctx.spec.repo_path.display().to_string()),
             ("task_id".to_owned(), ctx.spec.run_id.clone()),
         ]
         .into_iter()
         .collect();
+        placeholders.extend(ctx.spec.placeholders.clone());
         let outcome = backend
             .run(
                 troupe_backends::RunSpec {

@@ -52,6 +52,9 @@ pub struct RunSpec {
     pub fix: Option<crate::fix::FixSpec>,
     /// Extra environment for the test command.
     pub env: std::collections::BTreeMap<String, String>,
+    /// Values for the fix agent's argv placeholders (`{plan_dir}`, `{session_id}`, `{task_id}`)
+    /// when the run belongs to a session task; `{worktree}` and `{repo}` are always set.
+    pub placeholders: std::collections::BTreeMap<String, String>,
 }
 
 impl RunSpec {
@@ -102,6 +105,7 @@ impl RunSpec {
                 }),
             },
             env: std::collections::BTreeMap::new(),
+            placeholders: std::collections::BTreeMap::new(),
         };
         spec.validate()?;
         Ok(spec)

@@ -160,6 +160,14 @@ impl TestRunHandler {
             run_number: attempt.max(1),
             fix: test.fix.clone(),
             env: std::collections::BTreeMap::new(),
+            placeholders: [
+                ("plan_dir".to_owned(), task.plan_dir.clone()),
+                ("session_id".to_owned(), session.to_owned()),
+                ("task_id".to_owned(), task_id.to_owned()),
+            ]
+            .into_iter()
+            .filter(|(_, value)| !value.is_empty())
+            .collect(),
         };
         let report = self
             .runner
