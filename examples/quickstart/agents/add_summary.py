@@ -23,6 +23,8 @@ if "def median(" not in (root / "stats" / "core.py").read_text():
 (root / "tests" / "test_report.py").write_text(
     "from stats.report import summary\n\n\n"
     "def test_summary_names_count_mean_and_median():\n"
-    '    assert summary([1, 2, 3, 10]) == "n=4 mean=4 median=2.5"\n'
+    # The expectation is wrong on purpose (the median of 1, 2, 3, 10 is 2.5): agents make
+    # mistakes like this, and TESTRUN-001's fix loop is there to catch and repair them.
+    '    assert summary([1, 2, 3, 10]) == "n=4 mean=4 median=2"\n'
 )
 print("added stats.report.summary() and its test")

@@ -257,6 +257,38 @@ fn render_result(text: &mut String, result: &TaskResult) {
                     run.coverage_target
                 );
             }
+            if let Some(fix_loop) = &run.fix_loop {
+                let _ = writeln!(
+                    text,
+                    "      fix loop: {} iteration(s), {}{}",
+                    fix_loop.iterations.len(),
+                    if fix_loop.succeeded {
+                        "succeeded"
+                    } else {
+                        "did not reach the target"
+                    },
+                    if fix_loop.flaky_tests.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; flaky: {}", fix_loop.flaky_tests.join(", "))
+                    }
+                );
+                for step in &fix_loop.iterations {
+                    let _ = writeln!(
+                        text,
+                        "        {} {} {} (pass rate {:.1} %){}",
+                        step.iteration,
+                        step.strategy,
+                        step.verdict,
+                        step.pass_rate * 100.0,
+                        if step.commit.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" at {}", short(&step.commit))
+                        }
+                    );
+                }
+            }
             for failure in run.failures.iter().take(10) {
                 let _ = writeln!(
                     text,

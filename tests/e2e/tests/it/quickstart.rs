@@ -91,9 +91,12 @@ async fn troupe_run_prints_a_report_and_exits_zero() -> anyhow::Result<()> {
         "IMPL-001       completed",
         "IMPL-002       completed",
         "VALIDATE-001   completed",
+        "REVIEW-001     completed",
         "TESTRUN-001    completed",
+        "VERIFY-001     completed",
+        "fix loop: 1 iteration(s), succeeded",
         "tests passed: 6 passed, 0 failed, 0 skipped of 6",
-        "session completed: 4 completed",
+        "session completed: 6 completed",
         "commits are on branch troupe/quickstart-",
     ] {
         assert!(

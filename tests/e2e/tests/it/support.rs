@@ -195,7 +195,7 @@ pub(crate) fn assert_quickstart_completed(response: &GetSessionResponse) -> anyh
         SessionState::Completed as i32,
         "session did not complete:\n{report}"
     );
-    assert_eq!(response.tasks.len(), 4);
+    assert_eq!(response.tasks.len(), 6);
     for task in &response.tasks {
         assert_eq!(
             task.state,
@@ -292,5 +292,65 @@ pub(crate) fn assert_quickstart_completed(response: &GetSessionResponse) -> anyh
         .and_then(|c| c.lines)
         .context("no line coverage")?;
     assert!((coverage - 100.0).abs() < 1e-9, "line coverage {coverage}");
+
+    // IMPL-002's agent wrote a wrong expectation; the fix loop repaired the test (tests only)
+    // and integrated the fix into the session branch before VERIFY-001 looked at it.
+    let fix_loop = run
+        .fix_loop
+        .as_ref()
+        .context("TESTRUN-001 ran no fix loop")?;
+    assert!(fix_loop.succeeded, "{fix_loop:?}");
+    assert_eq!(fix_loop.iterations.len(), 1, "{fix_loop:?}");
+    assert_eq!(fix_loop.iterations[0].verdict, "kept", "{fix_loop:?}");
+    assert!(fix_loop.flaky_tests.is_empty(), "{fix_loop:?}");
+    let fixed_test = troupe_testkit::git(
+        repo_path,
+        &["show", &format!("{}:tests/test_report.py", repo.branch)],
+    )?;
+    assert!(
+        fixed_test.contains("median=2.5"),
+        "the fix is not on {}:\n{fixed_test}",
+        repo.branch
+    );
+
+    let review = match task("REVIEW-001")
+        .result
+        .as_ref()
+        .and_then(|r| r.detail.as_ref())
+    {
+        Some(Detail::Validation(validation)) => {
+            validation.review.as_ref().context("no review report")?
+        }
+        other => bail!("REVIEW-001 has no validation report: {other:?}"),
+    };
+    assert_eq!(
+        review.verdict,
+        troupe_proto::v1::ReviewVerdict::Approve as i32,
+        "{review:?}"
+    );
+
+    let verification = match task("VERIFY-001")
+        .result
+        .as_ref()
+        .and_then(|r| r.detail.as_ref())
+    {
+        Some(Detail::Validation(validation)) => validation
+            .verification
+            .as_ref()
+            .context("no goal verification")?,
+        other => bail!("VERIFY-001 has no validation report: {other:?}"),
+    };
+    assert_eq!(verification.status, "passed", "{verification:?}");
+    assert_eq!(
+        (verification.tasks_checked, verification.tasks_passed),
+        (2, 2),
+        "{verification:?}"
+    );
+    assert!(verification.gaps.is_empty(), "{verification:?}");
+    assert!(
+        Path::new(&verification.path).is_file(),
+        "no verification.md at {}",
+        verification.path
+    );
     Ok(())
 }
