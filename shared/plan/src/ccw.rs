@@ -25,7 +25,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
-use crate::{Plan, PlanError, Problem, ProblemKind, Role};
+use crate::validate::Problems;
+use crate::{Plan, PlanError, ProblemKind, Role};
 
 /// What to tell a user whose session folder is broken; CCW's team-executor never repairs a
 /// session either.
@@ -57,18 +58,6 @@ pub fn project_root(session_dir: &Path) -> Option<PathBuf> {
 /// Returns the id prefix (the part before the first `-`).
 fn id_prefix(id: &str) -> &str {
     id.split('-').next().unwrap_or_default()
-}
-
-#[derive(Default)]
-struct Problems(Vec<Problem>);
-
-impl Problems {
-    fn push(&mut self, kind: ProblemKind, message: impl Into<String>) {
-        self.0.push(Problem {
-            kind,
-            message: message.into(),
-        });
-    }
 }
 
 /// Reads a JSON object file; `None` (with a problem when `required`) if absent or broken.

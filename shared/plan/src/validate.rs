@@ -55,11 +55,12 @@ impl fmt::Display for Problem {
     }
 }
 
+/// Collects every problem of a document, so a refusal can list them all at once.
 #[derive(Default)]
-struct Problems(Vec<Problem>);
+pub(crate) struct Problems(pub(crate) Vec<Problem>);
 
 impl Problems {
-    fn push(&mut self, kind: ProblemKind, message: impl Into<String>) {
+    pub(crate) fn push(&mut self, kind: ProblemKind, message: impl Into<String>) {
         self.0.push(Problem {
             kind,
             message: message.into(),
