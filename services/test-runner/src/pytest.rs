@@ -300,23 +300,13 @@ pub(crate) fn decide(
         ));
         return (TestOutcome::RunnerCrashed, warnings);
     }
-    if totals.total == totals.skipped {
-        warnings.push("every collected test was skipped".to_owned());
-        return (TestOutcome::NoTests, warnings);
-    }
-    if target > 0.0 {
-        match coverage {
-            None => {
-                warnings.push(format!(
-                    "coverage target {target}% set but no coverage was measured"
-                ));
-                return (TestOutcome::CoverageBelowTarget, warnings);
-            }
-            Some(pct) if pct < target => return (TestOutcome::CoverageBelowTarget, warnings),
-            Some(_) => {}
-        }
-    }
-    (TestOutcome::Passed, warnings)
+    crate::runner::clean_run_outcome(
+        totals,
+        coverage,
+        target,
+        "every collected test was skipped",
+        warnings,
+    )
 }
 
 /// `passed / (total - skipped)`, 0 when nothing ran.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 
 use tokio_util::sync::CancellationToken;
-use troupe_proto::v1::{RunTestsRequest, TestFramework, TestOutcome, TestRunReport};
+use troupe_proto::v1::{RunTestsRequest, TestFramework, TestOutcome, TestRunReport, TestTotals};
 use troupe_workspace::{Oid, Repo};
 
 use crate::Error;
@@ -640,6 +640,35 @@ fn truncate_chars(text: &mut String, max: usize) {
         text.truncate(cut);
         text.push_str(" [truncated]");
     }
+}
+
+/// The verdict of a run that exited cleanly with no failing test, shared by every framework:
+/// all tests skipped is "no tests"; otherwise the coverage target decides, and a target with
+/// no coverage measured is never met.
+pub(crate) fn clean_run_outcome(
+    totals: &TestTotals,
+    coverage: Option<f64>,
+    target: f64,
+    all_skipped: &str,
+    mut warnings: Vec<String>,
+) -> (TestOutcome, Vec<String>) {
+    if totals.total == totals.skipped {
+        warnings.push(all_skipped.to_owned());
+        return (TestOutcome::NoTests, warnings);
+    }
+    if target > 0.0 {
+        match coverage {
+            None => {
+                warnings.push(format!(
+                    "coverage target {target}% set but no coverage was measured"
+                ));
+                return (TestOutcome::CoverageBelowTarget, warnings);
+            }
+            Some(pct) if pct < target => return (TestOutcome::CoverageBelowTarget, warnings),
+            Some(_) => {}
+        }
+    }
+    (TestOutcome::Passed, warnings)
 }
 
 /// Display name of an outcome (`passed`, `tests_failed`, ...).
