@@ -552,6 +552,11 @@ async fn check_file(
                     bytes.len()
                 ),
             ),
+            // Not a file, but something else is there: a directory is not "deleted".
+            None if repo.path_exists(commit, path).await? => (
+                CheckStatus::Fail,
+                format!("delete: {path} still exists at {at} (as a directory)"),
+            ),
             None => {
                 let before = match base {
                     Some(base) => repo

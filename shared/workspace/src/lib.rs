@@ -478,6 +478,12 @@ impl Repo {
         Ok(output.success().then_some(output.stdout))
     }
 
+    /// Whether anything (a file, a directory, a submodule) is at `path` in `rev`.
+    pub async fn path_exists(&self, rev: &Oid, path: &str) -> Result<bool, Error> {
+        let spec = format!("{rev}:{path}");
+        Ok(self.git.run(&["cat-file", "-e", &spec]).await?.success())
+    }
+
     /// Integrates `source` into `target`: fast-forward when possible, else a merge commit with
     /// parents (old head, source) and `message`. Works on objects and refs only, so no checkout
     /// changes; concurrent integrations into the same branch all land (compare-and-swap with

@@ -406,3 +406,19 @@ async fn concurrent_worktrees_do_not_trip_over_each_other() {
         assert!(commit.is_some());
     }
 }
+
+#[tokio::test]
+async fn path_exists_sees_files_and_directories_but_read_file_only_files() {
+    let (_root, repo) = repo().await;
+    let head = repo.resolve("HEAD").await.expect("head");
+    assert!(repo.path_exists(&head, "a.txt").await.expect("file"));
+    assert!(repo.path_exists(&head, "src").await.expect("dir"));
+    assert!(
+        !repo
+            .path_exists(&head, "missing.txt")
+            .await
+            .expect("absent")
+    );
+    // A directory is not a file: read_file says None, path_exists says it is there.
+    assert_eq!(repo.read_file(&head, "src").await.expect("read"), None);
+}

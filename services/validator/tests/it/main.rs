@@ -36,6 +36,7 @@ async fn fixture() -> Fixture {
             ("a.py", "x = 1\n"),
             ("b.py", "y = 2\n"),
             ("c.py", "z = 3\n"),
+            ("pkg/mod.py", "m = 0\n"),
         ],
     )
     .expect("repo");
@@ -174,6 +175,7 @@ async fn file_checks_pass_and_fail_with_evidence() {
                 file("gone.py", FileAction::Modify),
                 file("c.py", FileAction::Delete),
                 file("b.py", FileAction::Delete),
+                file("pkg", FileAction::Delete),
                 file("../outside.py", FileAction::Create),
             ],
             ..ValidateRequest::default()
@@ -198,6 +200,7 @@ async fn file_checks_pass_and_fail_with_evidence() {
             ("file:gone.py", CheckStatus::Fail),
             ("file:c.py", CheckStatus::Pass),
             ("file:b.py", CheckStatus::Fail),
+            ("file:pkg", CheckStatus::Fail),
             ("file:../outside.py", CheckStatus::Error),
         ]
     );
@@ -223,7 +226,8 @@ async fn file_checks_pass_and_fail_with_evidence() {
         e(6)
     );
     assert!(e(7).contains("still exists"), "{}", e(7));
-    assert!(e(8).contains("escapes"), "{}", e(8));
+    assert!(e(8).contains("as a directory"), "{}", e(8));
+    assert!(e(9).contains("escapes"), "{}", e(9));
     assert!(report.checks.iter().all(|c| c.kind == "file"));
 
     // Against the first commit itself (a root commit) with an explicit base of HEAD: `a.py`
