@@ -422,6 +422,8 @@ pub(crate) async fn run_loop(
                     placeholders,
                     command: ctx.fix.command.clone(),
                     timeout: Some(ctx.fix.timeout),
+                    // CLI backends (codex, claude, ...) need a private HOME/TMPDIR per run.
+                    home: Some(iter_dir.join("agent-home")),
                     ..troupe_backends::RunSpec::default()
                 },
                 cancel,
