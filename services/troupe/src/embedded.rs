@@ -101,34 +101,26 @@ impl Embedded {
             .await
             .context("grpc server")
         });
-        let background = shutdown.clone();
-        tasks.spawn(async move {
-            coordinator
-                .run_background(background)
-                .await
-                .context("coordinator")
-        });
-        let background = shutdown.clone();
-        tasks.spawn(async move {
-            executor
-                .run_background(background)
-                .await
-                .context("executor")
-        });
-        let background = shutdown.clone();
-        tasks.spawn(async move {
-            test_runner
-                .run_background(background)
-                .await
-                .context("test-runner")
-        });
-        let background = shutdown.clone();
-        tasks.spawn(async move {
-            validator
-                .run_background(background)
-                .await
-                .context("validator")
-        });
+        spawn_part(
+            &mut tasks,
+            "coordinator",
+            coordinator.run_background(shutdown.clone()),
+        );
+        spawn_part(
+            &mut tasks,
+            "executor",
+            executor.run_background(shutdown.clone()),
+        );
+        spawn_part(
+            &mut tasks,
+            "test-runner",
+            test_runner.run_background(shutdown.clone()),
+        );
+        spawn_part(
+            &mut tasks,
+            "validator",
+            validator.run_background(shutdown.clone()),
+        );
         Ok(Self {
             addr,
             tasks,
@@ -159,4 +151,15 @@ impl Embedded {
         }
         first_error.map_or(Ok(()), Err)
     }
+}
+
+/// Runs one part of the embedded server, naming it in its error.
+fn spawn_part<E>(
+    tasks: &mut JoinSet<anyhow::Result<()>>,
+    name: &'static str,
+    part: impl std::future::Future<Output = Result<(), E>> + Send + 'static,
+) where
+    E: std::error::Error + Send + Sync + 'static,
+{
+    tasks.spawn(async move { part.await.context(name) });
 }
