@@ -189,6 +189,8 @@ pub async fn run_worker<H: TaskHandler>(
     tracing::info!(worker_id = %config.worker_id, roles = ?config.roles, coordinator = %config.coordinator_url, "worker started");
 
     while !shutdown.is_cancelled() {
+        // Finished tasks still count in the set until joined; reap them so slots are freed.
+        while running.try_join_next().is_some() {}
         let free = config.concurrency.saturating_sub(running.len());
         if free == 0 {
             tokio::select! {
@@ -209,11 +211,12 @@ pub async fn run_worker<H: TaskHandler>(
             let mut client = client.clone();
             async move { client.claim_tasks(request).await }
         };
+        // Never abandon a claim in flight: the coordinator may already have leased tasks to
+        // it, and a dropped response leaves them running under a lease nobody holds until it
+        // expires. The long-poll is bounded by `poll_wait`; shutdown is the only exception.
         let response = tokio::select! {
             response = claim => response,
             () = shutdown.cancelled() => break,
-            // A finished task frees a slot; claim again with the larger batch.
-            Some(_) = running.join_next(), if !running.is_empty() => continue,
         };
         match response {
             Ok(response) => {
