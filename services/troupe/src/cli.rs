@@ -279,21 +279,7 @@ async fn submit_and_follow(
     let session = created.session.context("coordinator returned no session")?;
     print!("{}", report::session_header(&session, &created.tasks));
 
-    let mut events = client
-        .watch_session(WatchSessionRequest {
-            session_id: session.id.clone(),
-            after_sequence: 0,
-            follow: false,
-        })
-        .await
-        .context("watching the session")?
-        .into_inner();
-    while let Some(event) = events.next().await {
-        let event = event.context("session event stream failed")?;
-        if let Some(line) = report::event_line(&event) {
-            println!("{line}");
-        }
-    }
+    print_events(&mut client, &session.id, 0).await?;
 
     let final_state = client
         .get_session(GetSessionRequest {
@@ -356,22 +342,38 @@ async fn status(args: SessionArgs) -> anyhow::Result<ExitCode> {
 
 async fn watch(args: WatchArgs) -> anyhow::Result<ExitCode> {
     let mut client = troupe_grpc::coordinator_client(&args.session.connect)?;
+    print_events(&mut client, &args.session.session, args.after).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints a session's events after `after_sequence` until the session ends (`run`, `import`
+/// and `watch` all follow a session this way).
+async fn print_events(
+    client: &mut troupe_grpc::CoordinatorClient,
+    session_id: &str,
+    after_sequence: u64,
+) -> anyhow::Result<()> {
     let mut events = client
         .watch_session(WatchSessionRequest {
-            session_id: args.session.session,
-            after_sequence: args.after,
+            session_id: session_id.to_owned(),
+            after_sequence,
             follow: false,
         })
         .await
-        .map_err(|status| anyhow::anyhow!("{}", status.message()))?
+        .map_err(|status| anyhow::anyhow!("watching session {session_id}: {}", status.message()))?
         .into_inner();
     while let Some(event) = events.next().await {
-        let event = event.map_err(|status| anyhow::anyhow!("{}", status.message()))?;
+        let event = event.map_err(|status| {
+            anyhow::anyhow!(
+                "session {session_id} event stream failed: {}",
+                status.message()
+            )
+        })?;
         if let Some(line) = report::event_line(&event) {
             println!("{line}");
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }
 
 async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
