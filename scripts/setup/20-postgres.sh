@@ -6,7 +6,8 @@
 # - data in $TOOLS/pg/data, log in $TOOLS/pg/log, socket + port file in $TOOLS/pg/run
 # - TCP on 127.0.0.1 on a free port (remembered in $TOOLS/pg/port), trust authentication
 # - the server never runs as root: as root it runs as the system user `troupe-pg`
-# Each run gets a fresh database `troupe_test`; tests create a schema each, so they run in parallel.
+# Each run gets a fresh database `troupe_test_<pid>`; tests create a schema each, so they run in
+# parallel, and so do concurrent runs.
 # Without the binaries the variable stays unset (the PostgreSQL tests fail under CI=true).
 pg_setup() {
   local bin=${TROUPE_PG_BIN:-/usr/lib/postgresql/15/bin}
@@ -55,11 +56,24 @@ pg_setup() {
     fi
     sleep 0.2
   done
-  # A fresh database per run: tests leave their schemas behind, this drops the last run's.
-  PGOPTIONS="-c client_min_messages=warning" "$bin/psql" --quiet --host=127.0.0.1 --port="$port" --username=postgres --dbname=postgres \
-    --command="DROP DATABASE IF EXISTS troupe_test WITH (FORCE)" \
-    --command="CREATE DATABASE troupe_test" >/dev/null
-  export TROUPE_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:$port/troupe_test"
+  # A fresh database per run, named after this shell's pid: tests leave their schemas behind, so
+  # the databases of runs whose shell has exited are dropped; a concurrent run's is left alone.
+  local psql=("$bin/psql" --quiet --tuples-only --no-align --host=127.0.0.1 --port="$port" --username=postgres --dbname=postgres)
+  local name stale
+  for name in $(PGOPTIONS="-c client_min_messages=warning" "${psql[@]}" \
+    --command="SELECT datname FROM pg_database WHERE datname LIKE 'troupe\_test%'"); do
+    stale=${name#troupe_test}
+    stale=${stale#_}
+    if [ -z "$stale" ] || ! kill -0 "$stale" 2>/dev/null; then
+      PGOPTIONS="-c client_min_messages=warning" "${psql[@]}" \
+        --command="DROP DATABASE IF EXISTS \"$name\" WITH (FORCE)" >/dev/null
+    fi
+  done
+  local db="troupe_test_$$"
+  PGOPTIONS="-c client_min_messages=warning" "${psql[@]}" \
+    --command="DROP DATABASE IF EXISTS $db WITH (FORCE)" \
+    --command="CREATE DATABASE $db" >/dev/null
+  export TROUPE_TEST_DATABASE_URL="postgres://postgres@127.0.0.1:$port/$db"
   echo "postgres: $TROUPE_TEST_DATABASE_URL (data $data)"
 }
 pg_setup
