@@ -76,8 +76,14 @@ pub struct CheckConfig {
     pub tool_dirs: Vec<PathBuf>,
     /// Judge for free-text criteria when a task names none: a command line (split without a
     /// shell) that reads the criterion and evidence as JSON on stdin and answers JSON.
-    #[arg(long, env = "TROUPE_VALIDATOR_JUDGE")]
+    #[arg(long, env = "TROUPE_VALIDATOR_JUDGE", conflicts_with = "judge_config")]
     pub judge: Option<String>,
+    /// Judge for free-text criteria when a task names none, as a TOML file: `backend`
+    /// (`codex`, `claude`, `gemini`, `qwen`, `opencode`, `agent` or `command`) and the
+    /// executor's backend settings (`command`, `model`, `endpoint`, `api_key_env`,
+    /// `env_allow`, `timeout_seconds`, ...). The backend runs read-only in the worktree.
+    #[arg(long, env = "TROUPE_VALIDATOR_JUDGE_CONFIG")]
+    pub judge_config: Option<PathBuf>,
     /// Wall-clock limit per judged criterion.
     #[arg(
         long,
@@ -88,7 +94,7 @@ pub struct CheckConfig {
 }
 
 impl CheckConfig {
-    /// The `TROUPE_VALIDATOR_*` variables (tool dirs, judge, judge timeout) only.
+    /// The `TROUPE_VALIDATOR_*` variables (tool dirs, judge, judge config, judge timeout) only.
     pub fn from_env() -> Result<Self, Error> {
         #[derive(clap::Parser)]
         struct FromEnv {
@@ -101,17 +107,29 @@ impl CheckConfig {
     }
 
     fn judge(&self) -> Result<Option<JudgeConfig>, Error> {
+        let timeout = Duration::from_secs(match self.judge_timeout_seconds {
+            0 => 300,
+            secs => secs,
+        });
+        if let Some(path) = &self.judge_config {
+            let text = std::fs::read_to_string(path).map_err(|source| Error::Io {
+                path: path.clone(),
+                source,
+            })?;
+            return JudgeConfig::from_toml(&text, timeout)
+                .map(Some)
+                .map_err(|err| {
+                    Error::InvalidArgument(format!("judge config {}: {err}", path.display()))
+                });
+        }
         match self.judge.as_deref().map(str::trim) {
             None | Some("") => Ok(None),
-            Some(line) => Ok(Some(JudgeConfig {
-                command: troupe_process::command_line_to_argv(line).map_err(|err| {
+            Some(line) => Ok(Some(JudgeConfig::command(
+                troupe_process::command_line_to_argv(line).map_err(|err| {
                     Error::InvalidArgument(format!("--judge cannot be parsed: {err}"))
                 })?,
-                timeout: Duration::from_secs(match self.judge_timeout_seconds {
-                    0 => 300,
-                    secs => secs,
-                }),
-            })),
+                timeout,
+            ))),
         }
     }
 }

@@ -77,6 +77,12 @@ impl Validation {
             0 => DEFAULT_VERIFICATION_TIMEOUT,
             secs => Duration::from_secs(u64::from(secs)),
         };
+        let judge = match &request.judge_spec {
+            Some(spec) => JudgeConfig::from_value(&troupe_proto::json::from_struct(spec), timeout)
+                .map_err(|err| Error::InvalidArgument(format!("judge_spec: {err}")))?,
+            None if request.judge.is_empty() => None,
+            None => Some(JudgeConfig::command(request.judge, timeout)),
+        };
         Ok(Self {
             repo_path,
             git_ref: if request.r#ref.is_empty() {
@@ -90,14 +96,7 @@ impl Validation {
             timeout,
             criteria: request.criteria,
             test_runs: request.test_runs,
-            judge: if request.judge.is_empty() {
-                None
-            } else {
-                Some(JudgeConfig {
-                    command: request.judge,
-                    timeout,
-                })
-            },
+            judge,
             review: request.review,
             syntax: request.syntax,
         })

@@ -33,7 +33,7 @@ use troupe_proto::v1::{
 use troupe_workspace::{Oid, Repo};
 
 use crate::Error;
-use crate::judge::{self, JudgeConfig};
+use crate::judge::JudgeConfig;
 use crate::validate::{
     DEFAULT_VERIFICATION_TIMEOUT, TreeJob, Validator, check_files, first_parent, report,
 };
@@ -112,11 +112,11 @@ impl ValidateHandler {
             .map(troupe_proto::json::from_struct)
             .unwrap_or(Value::Null);
         let convergence = TaskConvergence::parse(&spec)?;
-        let own_judge = judge::from_spec(
+        let own_judge = JudgeConfig::from_value(
             spec.get("judge").unwrap_or(&Value::Null),
             convergence.timeout,
         )
-        .map_err(Error::InvalidArgument)?;
+        .map_err(|err| Error::InvalidArgument(format!("judge: {err}")))?;
         let judge = own_judge.as_ref().or(self.validator.default_judge());
         let repo = Repo::open(&session_repo.path).await?;
         let head = repo.resolve(&session_repo.branch).await?;

@@ -264,10 +264,18 @@ async fn the_judge_must_cite_evidence_that_exists() {
         (
             j(
                 "ok.py",
-                r#"{"verdict": "pass", "evidence": [{"file": "stats.py", "line": 4}, {"command": "python3 -c 'import stats'", "output": "ok"}], "reason": "even lengths average"}"#,
+                r#"{"verdict": "pass", "evidence": [{"file": "stats.py", "line": 4}, {"command": "echo thinking", "output": "thinking about median()"}], "reason": "even lengths average"}"#,
             ),
             CheckStatus::Pass,
             "stats.py:4: return s[n // 2]",
+        ),
+        (
+            j(
+                "selfquote.py",
+                r#"{"verdict": "pass", "evidence": [{"command": "pytest -q", "output": "9 passed"}]}"#,
+            ),
+            CheckStatus::ManualReview,
+            "appears neither in the checks that ran nor in the judge's own transcript",
         ),
         (
             j(
@@ -317,8 +325,8 @@ async fn the_judge_must_cite_evidence_that_exists() {
                 "-c".to_owned(),
                 "import sys; sys.exit(2)".to_owned(),
             ],
-            CheckStatus::ManualReview,
-            "gave no verdict",
+            CheckStatus::Error,
+            "could not give a verdict: backend `command` exited with code 2",
         ),
     ];
     let (service, _data) = start(None).await;

@@ -4,6 +4,7 @@
 
 mod checks;
 mod criteria;
+mod judge;
 mod review;
 mod worker;
 
@@ -85,6 +86,7 @@ pub(crate) async fn start(judge: Option<String>) -> (TestService, tempfile::Temp
     let checks = troupe_validator::CheckConfig {
         tool_dirs: tool_dirs(),
         judge,
+        judge_config: None,
         judge_timeout_seconds: 30,
     };
     let service = TestService::spawn(move |listener, shutdown| {
