@@ -15,6 +15,7 @@ mod check;
 mod criteria;
 mod grpc;
 mod judge;
+mod lexer;
 mod review;
 mod syntax;
 mod tools;

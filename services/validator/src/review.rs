@@ -14,6 +14,11 @@
 //! | requirements | a criterion, file or verification check that failed or errored | high |
 //! | requirements | a criterion that needs manual review | medium |
 //!
+//! Detectors look only at what they are about (crate::lexer masks comments and strings per
+//! language family): code patterns see code, not comments or string contents; `sql-concatenation`
+//! and `deep-parent-import` see code and strings; `ts-ignore` sees comments; `hardcoded-secret`
+//! sees everything (a key in a comment is leaked too). Lines are those of the file.
+//!
 //! Verdict: BLOCK on any critical finding, CONDITIONAL on high or medium ones, else APPROVE.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -24,6 +29,8 @@ use regex::Regex;
 use troupe_proto::v1::{
     CheckResult, CheckStatus, ReviewFinding, ReviewReport, ReviewVerdict, Severity,
 };
+
+use crate::lexer::{self, Family};
 
 /// Lines above which a file is flagged.
 pub const LONG_FILE_LINES: usize = 500;
@@ -39,7 +46,22 @@ struct Rule {
     message: &'static str,
     /// Which files it applies to.
     lang: Lang,
+    /// What part of the text it looks at.
+    view: View,
     pattern: Regex,
+}
+
+/// The part of a source file a detector looks at (crate::lexer).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum View {
+    /// Code only: comments and string contents blanked.
+    Code,
+    /// Code and string literals, comments blanked.
+    CodeAndStrings,
+    /// Comments only.
+    Comments,
+    /// The whole text: a secret is leaked wherever it is written.
+    Raw,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -58,6 +80,12 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
         name,
         severity,
         lang,
+        view: match name {
+            "ts-ignore" => View::Comments,
+            "hardcoded-secret" => View::Raw,
+            "sql-concatenation" | "deep-parent-import" => View::CodeAndStrings,
+            _ => View::Code,
+        },
         message,
         pattern: re(pattern),
     };
@@ -254,14 +282,33 @@ pub(crate) fn review(worktree: &Path, files: &[String], checks: &[CheckResult]) 
         let text = String::from_utf8_lossy(&bytes).into_owned();
         reviewed.push(file.clone());
         let lang = lang_of(file);
+        let views = lang.map(|l| {
+            lexer::views(
+                &text,
+                if l == Lang::Py {
+                    Family::Python
+                } else {
+                    Family::Js
+                },
+            )
+        });
         for rule in RULES.iter() {
             if !applies(rule.lang, lang)
                 || (rule.name == "hardcoded-secret" && skip_for_secrets(file))
             {
                 continue;
             }
-            for m in rule.pattern.find_iter(&text) {
-                let line = line_of(&text, m.start());
+            // Views keep every byte offset, so lines and excerpts come from the real text.
+            let seen = match (&views, rule.view) {
+                (None, _) | (_, View::Raw) => &text,
+                (Some(v), View::Code) => &v.code,
+                (Some(v), View::CodeAndStrings) => &v.code_and_strings,
+                (Some(v), View::Comments) => &v.comments,
+            };
+            for m in rule.pattern.find_iter(seen) {
+                // A pattern may begin with the character before its subject (`[^\w.]eval`),
+                // which can be the previous line's newline: count from the first visible byte.
+                let line = line_of(&text, m.end() - m.as_str().trim_start().len());
                 findings.push(finding(
                     rule.dimension,
                     rule.name,
@@ -285,8 +332,15 @@ pub(crate) fn review(worktree: &Path, files: &[String], checks: &[CheckResult]) 
                 String::new(),
             ));
         }
-        if lang.is_some() {
-            sources.insert(file.clone(), text);
+        // Imports are read from code (JS import paths are strings; comments never count).
+        match (lang, views) {
+            (Some(Lang::Py), Some(v)) => {
+                sources.insert(file.clone(), v.code);
+            }
+            (Some(_), Some(v)) => {
+                sources.insert(file.clone(), v.code_and_strings);
+            }
+            _ => {}
         }
     }
     findings.extend(cycles(&sources));
@@ -585,6 +639,87 @@ mod tests {
             [("deep-parent-import".to_owned(), 1)]
         );
         assert_eq!(rules_hit("a.js", "import x from '../x';\n"), []);
+    }
+
+    #[test]
+    fn detectors_ignore_comments_and_strings_unless_they_are_about_them() {
+        // In a comment or a string: no finding. The same in code: found, on its own line.
+        assert_eq!(
+            rules_hit(
+                "a.js",
+                "// eval(code) is dangerous
+const help = \"never call eval(x) or console.log(y)\";
+/* el.innerHTML = x;\n   eval(z) */
+const t = `eval(${name})\nconsole.log(1)`;
+const r = /eval\\(/;
+eval(code);
+"
+            ),
+            [("eval-exec".to_owned(), 8)]
+        );
+        assert_eq!(
+            rules_hit(
+                "a.py",
+                "# exec(x) would be bad
+DOC = \"\"\"\nexec(y)\neval(z)\n\"\"\"\nmsg = 'call eval(q)'\nexec(code)\n"
+            ),
+            [("eval-exec".to_owned(), 7)]
+        );
+        // `@ts-ignore` is about comments: a comment fires, a string does not.
+        assert_eq!(
+            rules_hit(
+                "a.ts",
+                "const s = \"@ts-ignore\";\n/*\n * @ts-ignore\n */\nf();\n"
+            ),
+            [("ts-ignore".to_owned(), 3)]
+        );
+        // A secret inside a string literal (even a template literal) still fires; one only
+        // named in a comment-free string of prose does not.
+        assert_eq!(
+            rules_hit(
+                "a.ts",
+                "// set the API key from the environment\nconst key = `sk-live-0123456789abcdefghijkl`;\n"
+            ),
+            [("hardcoded-secret".to_owned(), 2)]
+        );
+        assert_eq!(
+            rules_hit(
+                "a.py",
+                "def f():\n    token = \"ghp_0123456789abcdefghijklmnopqrstuvwxyz\"\n"
+            ),
+            [("hardcoded-secret".to_owned(), 2)]
+        );
+        // SQL built from strings is about strings and code together; in a comment it is not.
+        assert_eq!(
+            rules_hit(
+                "a.py",
+                "# q = \"SELECT * FROM t WHERE id = \" + uid\nq = \"SELECT * FROM t WHERE id = \" + uid\n"
+            ),
+            [("sql-concatenation".to_owned(), 2)]
+        );
+        // Commented-out imports do not make a cycle; deep imports in comments do not count.
+        assert_eq!(
+            rules_hit(
+                "a/b/c.js",
+                "// import x from '../../../x';\nimport y from '../y';\n"
+            ),
+            []
+        );
+        let sources: BTreeMap<String, String> = [
+            ("s/a.ts".to_owned(), "import { b } from './b';\n".to_owned()),
+            (
+                "s/b.ts".to_owned(),
+                "// import { a } from './a';\n".to_owned(),
+            ),
+        ]
+        .into();
+        let dir = tempfile::tempdir().expect("tempdir");
+        for (file, text) in &sources {
+            std::fs::create_dir_all(dir.path().join("s")).expect("mkdir");
+            std::fs::write(dir.path().join(file), text).expect("write");
+        }
+        let files: Vec<String> = sources.keys().cloned().collect();
+        assert!(review(dir.path(), &files, &[]).findings.is_empty());
     }
 
     #[test]

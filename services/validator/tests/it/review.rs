@@ -159,3 +159,66 @@ async fn review_verdicts_follow_the_worst_finding() {
     );
     service.stop().await;
 }
+
+/// Detectors see only what they are about: a pattern in a comment or a string (multi-line
+/// ones included) does not fire, the same pattern in code does, on its own line; a secret in
+/// a string literal still fires.
+#[tokio::test]
+async fn review_ignores_patterns_in_comments_and_strings() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = git_repo(dir.path(), &[("README.md", "app\n")]).expect("repo");
+    let head = commit(
+        dir.path(),
+        &[
+            (
+                "web/app.js",
+                "/* Never write el.innerHTML = input;\n   and never eval(input). */\nconst help = `usage:\n  console.log(x) prints; eval(y) runs`;\nconst q = 'eval(z)'; // eval(w)\nexport function run(code) {\n  return eval(code);\n}\n",
+            ),
+            (
+                "tool/cli.py",
+                "\"\"\"Runs things.\n\nDo not exec(user_input) here.\n\"\"\"\nTOKEN = \"ghp_0123456789abcdefghijklmnopqrstuvwxyz\"\n\n\ndef run(src):\n    # exec(src) was the old way\n    return exec(src)\n",
+            ),
+        ],
+        "mixed",
+    );
+    let (service, _data) = start(None).await;
+    let report = validate(
+        &service,
+        ValidateRequest {
+            repo_path: dir.path().display().to_string(),
+            r#ref: head,
+            base_ref: root,
+            review: true,
+            ..ValidateRequest::default()
+        },
+    )
+    .await
+    .expect("validate");
+    let review = report.review.expect("a review");
+    assert_eq!(
+        rules(&review),
+        [
+            (
+                "hardcoded-secret".to_owned(),
+                "tool/cli.py".to_owned(),
+                5,
+                Severity::Critical
+            ),
+            (
+                "eval-exec".to_owned(),
+                "tool/cli.py".to_owned(),
+                10,
+                Severity::High
+            ),
+            (
+                "eval-exec".to_owned(),
+                "web/app.js".to_owned(),
+                7,
+                Severity::High
+            ),
+        ]
+    );
+    assert_eq!(review.findings[2].excerpt, "return eval(code);");
+    assert_eq!(review.verdict(), ReviewVerdict::Block);
+    service.stop().await;
+}
