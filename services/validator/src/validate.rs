@@ -627,9 +627,20 @@ pub(crate) fn report(commit: Oid, mut checks: Vec<CheckResult>) -> ValidationRep
 /// `convergence-met`: `pass` when all passed, `fail` when one failed or errored, else
 /// `pending`; empty without criteria.
 pub(crate) fn convergence(checks: &[CheckResult]) -> (Vec<bool>, String) {
+    convergence_of(checks, "")
+}
+
+/// [`convergence`] for the criteria checks named `<prefix>criterion:<n>` (an upstream task's,
+/// with prefix `IMPL-001/`).
+pub(crate) fn convergence_of(checks: &[CheckResult], prefix: &str) -> (Vec<bool>, String) {
     let own: Vec<&CheckResult> = checks
         .iter()
-        .filter(|c| c.kind == "criterion" && c.name.starts_with("criterion:"))
+        .filter(|c| {
+            c.kind == "criterion"
+                && c.name
+                    .strip_prefix(prefix)
+                    .is_some_and(|rest| rest.starts_with("criterion:"))
+        })
         .collect();
     let verified: Vec<bool> = own
         .iter()

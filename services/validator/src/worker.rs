@@ -8,7 +8,10 @@
 //! - in one worktree at the head: the task's own `convergence.verification`, syntax and lint
 //!   of every file changed since the session's base, and the task's own criteria (typed, then
 //!   the judge from the task's `judge` or the validator's `--judge`, else manual review), with
-//!   upstream TESTRUN results for `test:` and `coverage` criteria.
+//!   upstream TESTRUN results for `test:` and `coverage` criteria;
+//! - each upstream executor task's own criteria (read from the plan in `plan_dir`) at the
+//!   head, named `<TASK-ID>/criterion:<n>`, summarised per task in
+//!   `ValidationReport.upstream_convergence` for the coordinator to copy onto that task.
 //!   PASS or MANUAL_REVIEW completes the task; FAIL fails it (CHECK_FAILED, not retryable).
 //!
 //! REVIEW-*: the same files and criteria, plus the review of every changed file; BLOCK fails
@@ -28,14 +31,16 @@ use tokio_util::sync::CancellationToken;
 use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
 use troupe_proto::v1::{
     CheckResult, CheckStatus, ClaimedTask, ErrorKind, GoalVerification, ReviewVerdict, Role,
-    TaskResult, TestRunReport, ValidationReport, Verdict, task_result,
+    TaskResult, TestRunReport, UpstreamConvergence, UpstreamResult, ValidationReport, Verdict,
+    task_result,
 };
 use troupe_workspace::{Oid, Repo};
 
 use crate::Error;
 use crate::judge::JudgeConfig;
 use crate::validate::{
-    DEFAULT_VERIFICATION_TIMEOUT, TreeJob, Validator, check_files, first_parent, report,
+    DEFAULT_VERIFICATION_TIMEOUT, TreeJob, Validator, check_files, convergence_of, first_parent,
+    report,
 };
 use crate::verify;
 
@@ -163,6 +168,14 @@ impl ValidateHandler {
             verification = Some(result);
         } else {
             checks.extend(upstream_file_checks(&claimed, &repo).await?);
+            if kind == TaskKind::Validate {
+                checks.extend(
+                    self.upstream_criteria(
+                        &claimed, &repo, &head, &test_runs, judge, cancel, progress,
+                    )
+                    .await?,
+                );
+            }
         }
         if !task.files.is_empty() {
             checks.extend(check_files(&repo, &head, session_base.as_ref(), &task.files, "").await?);
@@ -188,6 +201,17 @@ impl ValidateHandler {
             .await?;
         let mut report = report(head.clone(), checks);
         report.review = review;
+        report.upstream_convergence = executor_upstream(&claimed)
+            .filter_map(|u| {
+                let (verified, met) = convergence_of(&report.checks, &format!("{}/", u.task_id));
+                (!verified.is_empty()).then(|| UpstreamConvergence {
+                    task_id: u.task_id.clone(),
+                    convergence_verified: verified,
+                    convergence_met: met,
+                    commit: head.to_string(),
+                })
+            })
+            .collect();
         if let Some(mut result) = verification {
             let tasks = group_by_task(&report.checks);
             let text = verify::render(&verify::Summary {
@@ -206,6 +230,65 @@ impl ValidateHandler {
         Ok(report)
     }
 
+    /// VALIDATE: every upstream executor task's criteria (from the plan) at `head`, named
+    /// `<TASK>/criterion:<n>`. Without a plan, or for a task not in it, there is nothing to
+    /// check here (the executor's self-validation and VERIFY-* cover those).
+    #[allow(clippy::too_many_arguments)]
+    async fn upstream_criteria(
+        &self,
+        claimed: &ClaimedTask,
+        repo: &Repo,
+        head: &Oid,
+        test_runs: &[TestRunReport],
+        judge: Option<&JudgeConfig>,
+        cancel: &CancellationToken,
+        progress: &(dyn Fn(String) + Send + Sync),
+    ) -> Result<Vec<CheckResult>, Error> {
+        let mut checks = Vec::new();
+        if executor_upstream(claimed).next().is_none() {
+            return Ok(checks);
+        }
+        let plan = match verify::load_plan(&claimed.plan_dir) {
+            Ok(plan) => plan,
+            Err(reason) => {
+                tracing::debug!(reason = %reason, "upstream criteria not checked");
+                return Ok(checks);
+            }
+        };
+        for upstream in executor_upstream(claimed) {
+            let id = upstream.task_id.as_str();
+            let Some(spec) = verify::task_spec(&plan, id) else {
+                continue;
+            };
+            let convergence = TaskConvergence::parse(&spec)?;
+            if convergence.criteria.is_empty() {
+                continue;
+            }
+            progress(format!("checking the criteria of {id}"));
+            let prefix = format!("{id}/");
+            let job = TreeJob {
+                timeout: convergence.timeout,
+                criteria: &convergence.criteria,
+                prefix: &prefix,
+                test_runs,
+                judge,
+                task_id: id,
+                title: spec.get("title").and_then(Value::as_str).unwrap_or(""),
+                description: spec
+                    .get("description")
+                    .and_then(Value::as_str)
+                    .unwrap_or(""),
+                ..TreeJob::default()
+            };
+            let (done, _) = self
+                .validator
+                .in_tree(repo, head, job, Vec::new(), cancel)
+                .await?;
+            checks.extend(done);
+        }
+        Ok(checks)
+    }
+
     /// VERIFY: every upstream executor task's files, verification and criteria at `head`.
     #[allow(clippy::too_many_arguments)]
     async fn verify_upstream(
@@ -220,11 +303,7 @@ impl ValidateHandler {
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<(Vec<CheckResult>, GoalVerification), Error> {
         let plan = verify::load_plan(&claimed.plan_dir);
-        let targets: Vec<_> = claimed
-            .upstream
-            .iter()
-            .filter(|u| matches!(u.role(), Role::Executor | Role::Unspecified))
-            .collect();
+        let targets: Vec<_> = executor_upstream(claimed).collect();
         let mut all = Vec::new();
         let mut gaps = Vec::new();
         let mut passed = 0;
@@ -302,6 +381,14 @@ impl ValidateHandler {
         };
         Ok((all, result))
     }
+}
+
+/// The upstream tasks that are executors' (whose promises a validator checks).
+fn executor_upstream(claimed: &ClaimedTask) -> impl Iterator<Item = &UpstreamResult> {
+    claimed
+        .upstream
+        .iter()
+        .filter(|u| matches!(u.role(), Role::Executor | Role::Unspecified))
 }
 
 /// Upstream executors' files, each at its own result commit.
@@ -469,6 +556,14 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
     );
     if !report.convergence_met.is_empty() {
         summary.push_str(&format!("; convergence-met: {}", report.convergence_met));
+    }
+    if !report.upstream_convergence.is_empty() {
+        let each: Vec<String> = report
+            .upstream_convergence
+            .iter()
+            .map(|u| format!("{} {}", u.task_id, u.convergence_met))
+            .collect();
+        summary.push_str(&format!("; upstream convergence-met: {}", each.join(", ")));
     }
     let mut warnings = Vec::new();
     if review > 0 {

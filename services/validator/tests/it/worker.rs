@@ -10,7 +10,7 @@ use tokio_util::sync::CancellationToken;
 use troupe_grpc::worker::TaskFailure;
 use troupe_proto::v1::{
     CheckStatus, ClaimedTask, Coverage, ErrorKind, FileAction, Role, SessionRepo, Task, TaskResult,
-    TestRunReport, UpstreamResult, ValidationReport, task_result,
+    TestRunReport, UpstreamConvergence, UpstreamResult, ValidationReport, task_result,
 };
 use troupe_testkit::{git, git_repo};
 use troupe_validator::{Tools, ValidateHandler, Validator};
@@ -198,6 +198,24 @@ async fn verify_finds_gaps_and_writes_verification_md() {
     let report = validation(&partial);
     let v = report.verification.as_ref().expect("verification");
     assert_eq!(v.status, "gaps_found");
+    let entries: Vec<(&str, &[bool], &str)> = report
+        .upstream_convergence
+        .iter()
+        .map(|u| {
+            (
+                u.task_id.as_str(),
+                u.convergence_verified.as_slice(),
+                u.convergence_met.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        entries,
+        [
+            ("IMPL-001", &[true, true][..], "pass"),
+            ("IMPL-002", &[false][..], "fail")
+        ]
+    );
     assert_eq!((v.tasks_checked, v.tasks_passed), (2, 1));
     let gaps: Vec<(&str, &str, &str)> = v
         .gaps
@@ -411,6 +429,70 @@ async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
     assert_eq!(status("syntax:report.py"), CheckStatus::Pass);
     assert_eq!(status("criterion:1"), CheckStatus::Pass);
     assert_eq!(status("criterion:3"), CheckStatus::ManualReview);
+    // IMPL-001's own criteria (from the plan) at the session head, for its record.
+    assert_eq!(status("IMPL-001/criterion:1"), CheckStatus::Pass);
+    assert_eq!(status("IMPL-001/criterion:2"), CheckStatus::Pass);
+    assert_eq!(
+        report.upstream_convergence,
+        [UpstreamConvergence {
+            task_id: "IMPL-001".into(),
+            convergence_verified: vec![true, true],
+            convergence_met: "pass".into(),
+            commit: s.impl2.clone(),
+        }]
+    );
+    assert!(
+        done.summary
+            .contains("upstream convergence-met: IMPL-001 pass"),
+        "{}",
+        done.summary
+    );
+
+    // IMPL-002 promised `def summary` and did not deliver: its record gets [false] and
+    // `fail`, and the validation fails. The test run is not an executor: no entry.
+    let failure = s
+        .run(s.claimed(
+            "VALIDATE-003",
+            json!({}),
+            vec![
+                s.upstream_impl("IMPL-001", &s.impl1, &[("stats.py", FileAction::Create)]),
+                s.upstream_impl("IMPL-002", &s.impl2, &[("report.py", FileAction::Create)]),
+            ],
+        ))
+        .await
+        .expect_err("an upstream criterion failed");
+    let report = validation(failure.partial.as_ref().expect("partial")).clone();
+    let entries: Vec<(&str, &[bool], &str)> = report
+        .upstream_convergence
+        .iter()
+        .map(|u| {
+            (
+                u.task_id.as_str(),
+                u.convergence_verified.as_slice(),
+                u.convergence_met.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        entries,
+        [
+            ("IMPL-001", &[true, true][..], "pass"),
+            ("IMPL-002", &[false][..], "fail")
+        ]
+    );
+    assert!(report.convergence_verified.is_empty());
+    assert_eq!(report.convergence_met, "");
+
+    // Without a plan there is nothing to read the upstream criteria from: no entries, and
+    // no failure for that alone.
+    let mut claimed = s.claimed(
+        "VALIDATE-004",
+        json!({}),
+        vec![s.upstream_impl("IMPL-001", &s.impl1, &[("stats.py", FileAction::Create)])],
+    );
+    claimed.plan_dir = String::new();
+    let done = s.run(claimed).await.expect("files pass");
+    assert!(validation(&done).upstream_convergence.is_empty());
 
     // A failing typed criterion fails the task with convergence-met: fail.
     let failure = s
