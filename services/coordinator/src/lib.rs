@@ -129,6 +129,7 @@ impl App {
         tokio::join!(
             self.inner.run_reaper(REAPER_INTERVAL, shutdown.clone()),
             self.inner.run_change_listener(shutdown.clone()),
+            self.inner.run_change_publisher(shutdown.clone()),
         );
         self.inner.stop();
         Ok(())

@@ -282,6 +282,7 @@ fn fresh(failed: &TaskRow, now_ms: i64) -> TaskRow {
         result: None,
         last_error: None,
         superseded_by: String::new(),
+        convergence: None,
         ..failed.clone()
     }
 }
@@ -465,6 +466,7 @@ mod tests {
             result: None,
             last_error: None,
             superseded_by: String::new(),
+            convergence: None,
         }
     }
 

@@ -45,6 +45,8 @@ pub(crate) struct TaskRow {
     /// The re-run that replaced this failed task in a fix round (empty when none): the task
     /// stays failed but no longer holds the session back.
     pub(crate) superseded_by: String,
+    /// The task's own criteria as last checked by a validator task downstream of it.
+    pub(crate) convergence: Option<pb::TaskConvergence>,
 }
 
 /// Returns true for states a task never leaves on its own.
@@ -324,6 +326,7 @@ mod tests {
             result: None,
             last_error: None,
             superseded_by: String::new(),
+            convergence: None,
         }
     }
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use futures::Stream;
 use rand::Rng;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use troupe_plan::{Plan, RepoSource};
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
@@ -40,6 +40,9 @@ pub(crate) struct Coordinator {
     /// Bumped after every committed change; claim long-polls and watchers wait on it. A watch
     /// channel (not `Notify`) so that a change between "look" and "wait" is never missed.
     changes: watch::Sender<u64>,
+    /// Bumped after changes that may make a task claimable (not after claims or heartbeats):
+    /// what parked claims wait on, so they do not all retry on every change.
+    claimable: watch::Sender<u64>,
     /// Cancelled at shutdown so open `WatchSession` streams end.
     stop: CancellationToken,
     /// Ready tasks of a role no worker claimed for this long are a capability gap.
@@ -50,6 +53,9 @@ pub(crate) struct Coordinator {
     workers_seen: Mutex<HashMap<String, i64>>,
     /// Random id of this coordinator, the payload of its change notifications.
     origin: String,
+    /// PostgreSQL: a change to announce to the other coordinators. One stored permit, so a
+    /// burst of changes costs one `pg_notify` (plus one for changes made during it).
+    publish: Notify,
 }
 
 /// How often a worker's "last seen" is written at most (less when the gap threshold is short).
@@ -115,6 +121,7 @@ pub(crate) fn task_proto(row: &TaskRow) -> pb::Task {
         finished_at: opt_timestamp(row.finished_at),
         progress: row.progress.clone(),
         superseded_by: row.superseded_by.clone(),
+        convergence: row.convergence.clone(),
     }
 }
 
@@ -163,15 +170,18 @@ struct ResolvedRepo {
 impl Coordinator {
     pub(crate) fn new(store: Store, data_dir: PathBuf, capability_gap: Duration) -> Self {
         let (changes, _) = watch::channel(0);
+        let (claimable, _) = watch::channel(0);
         Self {
             store,
             data_dir,
             changes,
+            claimable,
             stop: CancellationToken::new(),
             capability_gap,
             started_at: now_ms(),
             workers_seen: Mutex::new(HashMap::new()),
             origin: uuid::Uuid::new_v4().simple().to_string(),
+            publish: Notify::new(),
         }
     }
 
@@ -200,23 +210,51 @@ impl Coordinator {
         }
     }
 
+    /// Announces a committed change that may have made tasks claimable.
     fn notify(&self) {
+        self.claimable
+            .send_modify(|generation| *generation = generation.wrapping_add(1));
+        self.notify_watchers();
+    }
+
+    /// Announces a committed change that cannot make a task claimable (a claim, a heartbeat):
+    /// it wakes watchers, not parked claims.
+    fn notify_watchers(&self) {
         self.bump();
         // Other coordinators on the same PostgreSQL learn of it through LISTEN/NOTIFY.
         if self.store.dialect() == Dialect::Postgres {
-            let store = self.store.clone();
-            let origin = self.origin.clone();
-            tokio::spawn(async move {
-                if let Err(err) = store.publish_change(&origin).await {
-                    tracing::warn!(error = %err, "could not publish a change");
+            self.publish.notify_one();
+        }
+    }
+
+    /// On PostgreSQL, announces this coordinator's changes to the others, coalescing bursts;
+    /// returns at once on SQLite.
+    pub(crate) async fn run_change_publisher(&self, shutdown: CancellationToken) {
+        if self.store.dialect() != Dialect::Postgres {
+            return;
+        }
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = self.publish.notified() => {
+                    if let Err(err) = self.store.publish_change(&self.origin).await {
+                        tracing::warn!(error = %err, "could not publish a change");
+                    }
                 }
-            });
+            }
         }
     }
 
     fn bump(&self) {
         self.changes
             .send_modify(|generation| *generation = generation.wrapping_add(1));
+    }
+
+    /// Wakes everything: a change made by another coordinator, of a kind not known here.
+    fn bump_all(&self) {
+        self.claimable
+            .send_modify(|generation| *generation = generation.wrapping_add(1));
+        self.bump();
     }
 
     /// On PostgreSQL, wakes this coordinator's long polls and watchers when another
@@ -248,11 +286,11 @@ impl Coordinator {
                 received = listener.recv() => match received {
                     // Our own changes already woke our waiters.
                     Ok(notification) if notification.payload() == self.origin => {}
-                    Ok(_) => self.bump(),
+                    Ok(_) => self.bump_all(),
                     Err(err) => {
                         // recv reconnects on the next call; wake everyone in case we missed one.
                         tracing::warn!(error = %err, "change listener lost its connection");
-                        self.bump();
+                        self.bump_all();
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
                 }
@@ -564,7 +602,7 @@ impl Coordinator {
         self.touch_worker(&request.worker_id, &roles).await;
         let lease_ms = millis(lease(request.lease_duration, DEFAULT_LEASE)?);
         let deadline = tokio::time::Instant::now() + wait;
-        let mut changes = self.changes.subscribe();
+        let mut changes = self.claimable.subscribe();
         loop {
             changes.borrow_and_update();
             let claimed = self
@@ -572,7 +610,7 @@ impl Coordinator {
                 .claim(&request.worker_id, &roles, max, lease_ms, now_ms())
                 .await?;
             if !claimed.is_empty() {
-                self.notify();
+                self.notify_watchers();
                 let tasks = claimed
                     .into_iter()
                     .map(|claimed| {
@@ -632,7 +670,7 @@ impl Coordinator {
             )
             .await?;
         if !progress.is_empty() {
-            self.notify();
+            self.notify_watchers();
         }
         Ok(pb::HeartbeatResponse {
             expires_at: Some(timestamp(expires_at)),
@@ -1108,6 +1146,7 @@ fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
             result: imported,
             last_error: None,
             superseded_by: String::new(),
+            convergence: None,
         })
         .collect()
 }

@@ -36,12 +36,22 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "superseded",
         include_str!("migrations/0003_superseded.sql"),
     ),
+    (
+        4,
+        "claim order",
+        include_str!("migrations/0004_claim_order.sql"),
+    ),
+    (
+        5,
+        "convergence",
+        include_str!("migrations/0005_convergence.sql"),
+    ),
 ];
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
      wave, critical_path, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
      worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
-     progress, result, last_error, superseded_by";
+     progress, result, last_error, superseded_by, convergence";
 
 const SESSION_COLUMNS: &str =
     "id, name, description, state, mode, on_failure, plan_dir, last_seq, created_at, updated_at";
@@ -175,6 +185,8 @@ pub(crate) struct Store {
     dialect: Dialect,
     /// The PostgreSQL URL, for the change listener.
     url: Option<String>,
+    /// Each session's repositories, which never change once stored: claims skip the query.
+    repos: std::sync::Arc<std::sync::Mutex<HashMap<String, Vec<pb::SessionRepo>>>>,
 }
 
 /// Channel of the PostgreSQL notifications that wake other coordinators' long polls.
@@ -225,6 +237,7 @@ impl Store {
             reader: writer.clone(),
             dialect: Dialect::Sqlite,
             url: None,
+            repos: Default::default(),
         };
         store.migrate().await?;
         let reader = pragmas(AnyPoolOptions::new())
@@ -247,12 +260,35 @@ impl Store {
             reader: pool,
             dialect: Dialect::Postgres,
             url: Some(url.to_owned()),
+            repos: Default::default(),
         };
         store.migrate().await?;
         Ok(store)
     }
 
     /// Returns the database this store talks to.
+    /// A session's repositories, from the cache once read (they never change).
+    async fn repos(&self, tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
+        if let Some(repos) = self.cached_repos().get(session_id) {
+            return Ok(repos.clone());
+        }
+        let repos = load_repos(tx, session_id).await?;
+        let mut cache = self.cached_repos();
+        // Bounded: finished sessions' entries are dropped wholesale now and then.
+        if cache.len() >= 4096 {
+            cache.clear();
+        }
+        cache.insert(session_id.to_owned(), repos.clone());
+        Ok(repos)
+    }
+
+    fn cached_repos(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<pb::SessionRepo>>> {
+        // A poisoned cache holds nothing wrong: the data is immutable.
+        self.repos
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     pub(crate) fn dialect(&self) -> Dialect {
         self.dialect
     }
@@ -523,17 +559,17 @@ impl Store {
         now: i64,
     ) -> Result<Vec<Claimed>, Error> {
         let mut tx = self.begin().await?;
-        let role_filter = if roles.is_empty() {
-            String::new()
-        } else {
-            let placeholders: Vec<String> =
-                (0..roles.len()).map(|i| format!("${}", i + 4)).collect();
-            format!(" AND t.role IN ({})", placeholders.join(", "))
-        };
+        let role_filter = role_filter("t.role", roles, 4);
+        // The order of the `tasks_claim` index, so the best candidates are its first entries.
+        let columns = TASK_COLUMNS
+            .split(", ")
+            .map(|column| format!("t.{}", column.trim()))
+            .collect::<Vec<_>>()
+            .join(", ");
         let sql = format!(
-            "SELECT t.session_id, t.id FROM tasks t JOIN sessions s ON s.id = t.session_id \
+            "SELECT {columns}, s.plan_dir AS session_plan_dir FROM tasks t JOIN sessions s ON s.id = t.session_id \
              WHERE t.state = $1 AND s.state = $2{role_filter} \
-             ORDER BY t.priority, t.critical_path DESC, s.created_at, t.session_id, t.id LIMIT $3"
+             ORDER BY t.priority, t.critical_path DESC, t.created_at, t.session_id, t.position LIMIT $3"
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(TaskState::Ready as i32)
@@ -548,20 +584,26 @@ impl Store {
             return Ok(Vec::new());
         }
         // Keep the claim order while grouping the work per session.
-        let mut by_session: Vec<(String, Vec<String>)> = Vec::new();
+        let mut by_session: Vec<(String, String, Vec<TaskRow>)> = Vec::new();
         for row in &picked {
-            let session_id: String = row.try_get("session_id")?;
-            let task_id: String = row.try_get("id")?;
-            match by_session.iter_mut().find(|(id, _)| *id == session_id) {
-                Some((_, ids)) => ids.push(task_id),
-                None => by_session.push((session_id, vec![task_id])),
+            let task = task_from_row(row)?;
+            match by_session
+                .iter_mut()
+                .find(|(id, _, _)| *id == task.session_id)
+            {
+                Some((_, _, tasks)) => tasks.push(task),
+                None => by_session.push((
+                    task.session_id.clone(),
+                    row.try_get("session_plan_dir")?,
+                    vec![task],
+                )),
             }
         }
         let mut locked: Vec<&str> = Vec::new();
         match self.dialect {
-            Dialect::Sqlite => locked.extend(by_session.iter().map(|(id, _)| id.as_str())),
+            Dialect::Sqlite => locked.extend(by_session.iter().map(|(id, _, _)| id.as_str())),
             Dialect::Postgres => {
-                for (session_id, _) in &by_session {
+                for (session_id, _, _) in &by_session {
                     if try_lock_session(&mut tx, session_id, " FOR UPDATE SKIP LOCKED").await? {
                         locked.push(session_id);
                     }
@@ -574,18 +616,23 @@ impl Store {
             }
         }
         let mut out = Vec::new();
-        for (session_id, task_ids) in by_session
+        for (session_id, plan_dir, candidates) in by_session
             .iter()
-            .filter(|(id, _)| locked.contains(&id.as_str()))
+            .filter(|(id, _, _)| locked.contains(&id.as_str()))
         {
-            let session = load_session(&mut tx, session_id).await?;
-            if session.state != SessionState::Active {
-                continue;
-            }
-            let repos = load_repos(&mut tx, session_id).await?;
-            // The session's best claimable tasks: the candidates picked above while still ready,
-            // else (another claimer took some first) the next ones.
-            let before = load_claimable(&mut tx, session_id, roles, task_ids.len()).await?;
+            let before = match self.dialect {
+                // The candidates were read holding the database's write lock: still current.
+                Dialect::Sqlite => candidates.clone(),
+                // Now that the session is locked: its best claimable tasks, the candidates
+                // while still ready, else (another claimer took some first) the next ones.
+                Dialect::Postgres => {
+                    if load_session(&mut tx, session_id).await?.state != SessionState::Active {
+                        continue;
+                    }
+                    load_claimable(&mut tx, session_id, roles, candidates.len()).await?
+                }
+            };
+            let repos = self.repos(&mut tx, session_id).await?;
             let taken: Vec<String> = before.iter().map(|task| task.id.clone()).collect();
             if taken.is_empty() {
                 continue;
@@ -604,7 +651,7 @@ impl Store {
                 task.lease_expires_at = Some(now + lease_ms);
             }
             // A claim changes nothing else in the graph: no settling needed.
-            write_changes(&mut tx, &session, &before, &tasks, transitions, now).await?;
+            write_changes(&mut tx, session_id, &before, &tasks, transitions, now).await?;
             // Upstream results need the whole graph, but only for tasks with dependencies.
             let graph = if tasks.iter().any(|task| !task.depends_on.is_empty()) {
                 load_tasks_lite(&mut tx, session_id).await?
@@ -621,7 +668,7 @@ impl Store {
                 out.push(Claimed {
                     task,
                     repo,
-                    plan_dir: session.plan_dir.clone(),
+                    plan_dir: plan_dir.clone(),
                     upstream,
                 });
             }
@@ -688,8 +735,7 @@ impl Store {
         now: i64,
     ) -> Result<TaskRow, Error> {
         let mut tx = self.begin().await?;
-        lock_session(&mut tx, session_id, self.for_update()).await?;
-        let session = load_session(&mut tx, session_id).await?;
+        let session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
         if session.mode == Mode::Eager && session.state == SessionState::Active {
             return self
                 .complete_eager(tx, &session, task_id, token, result, now)
@@ -701,6 +747,7 @@ impl Store {
         if task.state != TaskState::Running || task.fencing_token != token {
             return Err(stale(task, token));
         }
+        write_back_convergence(&mut tx, session_id, task_id, &result).await?;
         task.result = Some(result);
         let transition = sched::transition(task, TaskState::Completed, "completed", now);
         save(
@@ -736,6 +783,7 @@ impl Store {
             return Err(stale(&original, token));
         }
         let mut task = original.clone();
+        write_back_convergence(&mut tx, session_id, task_id, &result).await?;
         task.result = Some(result);
         let transition = sched::transition(&mut task, TaskState::Completed, "completed", now);
         // Pending tasks that name this one among their dependencies (the LIKE is a coarse
@@ -786,23 +834,16 @@ impl Store {
             session.on_failure,
             now,
         ));
-        let count = write_changes(&mut tx, session, &before, &subset, transitions, now).await?;
-        let open = count_tasks(
-            &mut tx,
-            session_id,
-            &[TaskState::Pending, TaskState::Ready, TaskState::Running],
-        )
-        .await?;
-        let moving =
-            count_tasks(&mut tx, session_id, &[TaskState::Ready, TaskState::Running]).await?;
-        if open == 0 || moving == 0 {
-            // Rare: the session may have ended or stalled; decide on the whole graph.
+        let count = write_changes(&mut tx, &session.id, &before, &subset, transitions, now).await?;
+        // While some task is ready or running the session can neither end nor stall; only
+        // when none is (rare) is the whole graph read to decide.
+        if !any_task_in(&mut tx, session_id, &[TaskState::Ready, TaskState::Running]).await? {
             let tasks = load_tasks_lite(&mut tx, session_id).await?;
             finish(&mut tx, session, &tasks, count, now).await?;
         }
-        let task = load_task(&mut tx, session_id, task_id).await?;
         tx.commit().await?;
-        Ok(task)
+        // Settling changes only pending dependents, never the completed task itself.
+        Ok(subset.swap_remove(0))
     }
 
     /// Fails an attempt: back to pending with a retry time while attempts remain and the error
@@ -819,9 +860,8 @@ impl Store {
         now: i64,
     ) -> Result<(TaskRow, Option<i64>), Error> {
         let mut tx = self.begin().await?;
-        lock_session(&mut tx, session_id, self.for_update()).await?;
+        let session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
         let before = load_tasks_lite(&mut tx, session_id).await?;
-        let session = load_session(&mut tx, session_id).await?;
         let mut tasks = before.clone();
         let task = find_task_mut(&mut tasks, task_id, session_id)?;
         if task.fencing_token != token {
@@ -843,6 +883,9 @@ impl Store {
         let retry = error.retryable && task.attempt < task.max_attempts;
         let loop_inputs = (!retry && !timed_out).then(|| (error.clone(), partial.clone()));
         task.last_error = Some(error);
+        if let Some(partial) = &partial {
+            write_back_convergence(&mut tx, session_id, task_id, partial).await?;
+        }
         if partial.is_some() {
             task.result = partial;
         }
@@ -1301,7 +1344,7 @@ async fn save(
     if session.state == SessionState::Active {
         transitions.extend(sched::settle(tasks, session.mode, session.on_failure, now));
     }
-    let count = write_changes(tx, session, before, tasks, transitions, now).await?;
+    let count = write_changes(tx, &session.id, before, tasks, transitions, now).await?;
     finish(tx, session, tasks, count, now).await?;
     Ok(count)
 }
@@ -1386,18 +1429,64 @@ async fn fix_round(
     }
 }
 
-/// Counts a session's tasks in `states`.
-async fn count_tasks(tx: &mut Tx, session_id: &str, states: &[TaskState]) -> Result<i64, Error> {
+/// Copies a validator task's per-task criterion results (`upstream_convergence` of its report)
+/// onto the tasks they belong to, so each task's record carries its own `convergence`. Written
+/// in the same transaction as the validator's result; a later validator overwrites it.
+async fn write_back_convergence(
+    tx: &mut Tx,
+    session_id: &str,
+    checked_by: &str,
+    result: &pb::TaskResult,
+) -> Result<(), Error> {
+    let Some(pb::task_result::Detail::Validation(report)) = &result.detail else {
+        return Ok(());
+    };
+    for entry in &report.upstream_convergence {
+        let convergence = pb::TaskConvergence {
+            verified: entry.convergence_verified.clone(),
+            met: entry.convergence_met.clone(),
+            checked_by: checked_by.to_owned(),
+            commit: entry.commit.clone(),
+        };
+        let written =
+            sqlx::query("UPDATE tasks SET convergence = $3 WHERE session_id = $1 AND id = $2")
+                .bind(session_id)
+                .bind(&entry.task_id)
+                .bind(convergence.encode_to_vec())
+                .execute(&mut **tx)
+                .await?;
+        if written.rows_affected() == 0 {
+            tracing::warn!(session_id, checked_by, task_id = %entry.task_id, "convergence names an unknown task");
+        }
+    }
+    Ok(())
+}
+
+/// `AND <column> = $n` for one role (an equality keeps the claim index's order), `IN` for
+/// several, nothing for any role; the roles bind from `$first` on.
+fn role_filter(column: &str, roles: &[pb::Role], first: usize) -> String {
+    match roles.len() {
+        0 => String::new(),
+        1 => format!(" AND {column} = ${first}"),
+        n => {
+            let placeholders: Vec<String> = (first..first + n).map(|i| format!("${i}")).collect();
+            format!(" AND {column} IN ({})", placeholders.join(", "))
+        }
+    }
+}
+
+/// Whether any of a session's tasks is in one of `states` (an index probe, not a count).
+async fn any_task_in(tx: &mut Tx, session_id: &str, states: &[TaskState]) -> Result<bool, Error> {
     let placeholders: Vec<String> = (0..states.len()).map(|i| format!("${}", i + 2)).collect();
     let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT COUNT(*) AS n FROM tasks WHERE session_id = $1 AND state IN ({})",
+        "SELECT 1 AS found FROM tasks WHERE session_id = $1 AND state IN ({}) LIMIT 1",
         placeholders.join(", ")
     )))
     .bind(session_id);
     for state in states {
         query = query.bind(*state as i32);
     }
-    Ok(query.fetch_one(&mut **tx).await?.try_get("n")?)
+    Ok(query.fetch_optional(&mut **tx).await?.is_some())
 }
 
 /// After `count` transitions on the whole graph `tasks`: ends the session when every task is
@@ -1467,7 +1556,7 @@ pub(crate) fn stall_message(stuck: &[sched::Stuck]) -> NewMessage {
 /// Writes the tasks that changed and appends every transition as an event.
 async fn write_changes(
     tx: &mut Tx,
-    session: &SessionRow,
+    session_id: &str,
     before: &[TaskRow],
     tasks: &[TaskRow],
     transitions: Vec<pb::TaskTransition>,
@@ -1479,9 +1568,13 @@ async fn write_changes(
         }
     }
     let count = transitions.len();
-    for transition in transitions {
-        append_event(tx, &session.id, now, Kind::Task(transition)).await?;
-    }
+    append_events(
+        tx,
+        session_id,
+        now,
+        transitions.into_iter().map(Kind::Task).collect(),
+    )
+    .await?;
     Ok(count)
 }
 
@@ -1525,6 +1618,58 @@ async fn next_seq(tx: &mut Tx, session_id: &str, now: i64) -> Result<u64, Error>
         .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
     let seq: i64 = row.try_get("last_seq")?;
     u64::try_from(seq).map_err(corrupt)
+}
+
+/// Appends events with consecutive sequence numbers: one sequence update and one insert
+/// however many there are.
+async fn append_events(
+    tx: &mut Tx,
+    session_id: &str,
+    now: i64,
+    kinds: Vec<Kind>,
+) -> Result<(), Error> {
+    if kinds.is_empty() {
+        return Ok(());
+    }
+    let count = kinds.len();
+    let row = sqlx::query(
+        "UPDATE sessions SET last_seq = last_seq + $3, updated_at = $2 WHERE id = $1 RETURNING last_seq",
+    )
+    .bind(session_id)
+    .bind(now)
+    .bind(i64::try_from(count).map_err(corrupt)?)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    let last = u64::try_from(row.try_get::<i64, _>("last_seq")?).map_err(corrupt)?;
+    let first = last + 1 - count as u64;
+    // Rows per INSERT, well below the databases' limits on bound parameters.
+    const CHUNK: usize = 256;
+    let mut kinds = kinds.into_iter().enumerate().peekable();
+    while kinds.peek().is_some() {
+        let chunk: Vec<(usize, Kind)> = kinds.by_ref().take(CHUNK).collect();
+        let values: Vec<String> = (0..chunk.len())
+            .map(|i| format!("($1, ${}, $2, ${})", 3 + 2 * i, 4 + 2 * i))
+            .collect();
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
+            values.join(", ")
+        )))
+        .bind(session_id)
+        .bind(now);
+        for (i, kind) in chunk {
+            let sequence = first + i as u64;
+            let event = pb::SessionEvent {
+                sequence,
+                session_id: session_id.to_owned(),
+                ts: Some(timestamp(now)),
+                kind: Some(kind),
+            };
+            query = query.bind(to_i64(sequence)).bind(event.encode_to_vec());
+        }
+        query.execute(&mut **tx).await?;
+    }
+    Ok(())
 }
 
 async fn append_event(tx: &mut Tx, session_id: &str, now: i64, kind: Kind) -> Result<u64, Error> {
@@ -1636,8 +1781,17 @@ fn parse_object(text: &str) -> Result<Map<String, Value>, Error> {
 }
 
 async fn load_session(tx: &mut Tx, session_id: &str) -> Result<SessionRow, Error> {
+    lock_and_load_session(tx, session_id, "").await
+}
+
+/// [`lock_session`] and [`load_session`] in one statement.
+async fn lock_and_load_session(
+    tx: &mut Tx,
+    session_id: &str,
+    lock: &str,
+) -> Result<SessionRow, Error> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1"
+        "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1{lock}"
     )))
     .bind(session_id)
     .fetch_optional(&mut **tx)
@@ -1780,15 +1934,10 @@ async fn load_claimable(
     roles: &[pb::Role],
     limit: usize,
 ) -> Result<Vec<TaskRow>, Error> {
-    let role_filter = if roles.is_empty() {
-        String::new()
-    } else {
-        let placeholders: Vec<String> = (0..roles.len()).map(|i| format!("${}", i + 4)).collect();
-        format!(" AND role IN ({})", placeholders.join(", "))
-    };
+    let role_filter = role_filter("role", roles, 4);
     let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = $2{role_filter} \
-         ORDER BY priority, critical_path DESC, id LIMIT $3"
+         ORDER BY priority, critical_path DESC, created_at, position LIMIT $3"
     )))
     .bind(session_id)
     .bind(TaskState::Ready as i32)
@@ -1830,6 +1979,7 @@ fn task_from_row(row: &AnyRow) -> Result<TaskRow, Error> {
     let files: Vec<StoredFile> = serde_json::from_str(&files).map_err(corrupt)?;
     let result: Option<Vec<u8>> = row.try_get("result")?;
     let last_error: Option<Vec<u8>> = row.try_get("last_error")?;
+    let convergence: Option<Vec<u8>> = row.try_get("convergence")?;
     Ok(TaskRow {
         session_id: row.try_get("session_id")?,
         id: row.try_get("id")?,
@@ -1872,6 +2022,10 @@ fn task_from_row(row: &AnyRow) -> Result<TaskRow, Error> {
             .transpose()
             .map_err(corrupt)?,
         superseded_by: row.try_get("superseded_by")?,
+        convergence: convergence
+            .map(|bytes| pb::TaskConvergence::decode(bytes.as_slice()))
+            .transpose()
+            .map_err(corrupt)?,
     })
 }
 

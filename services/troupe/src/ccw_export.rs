@@ -622,6 +622,12 @@ fn task_json(task: &pb::Task) -> Value {
             }),
         );
     }
+    // One boolean per criterion, as a validator wrote them back onto the task.
+    if let Some(convergence) = &task.convergence
+        && let Some(Value::Object(result)) = spec.get_mut("result")
+    {
+        result.insert("convergence_verified".into(), json!(convergence.verified));
+    }
     Value::Object(spec)
 }
 
@@ -738,7 +744,19 @@ fn convergence_met(task: &pb::Task, tasks: &[pb::Task]) -> (&'static str, Vec<pb
     let passed = |check: &&pb::CheckResult| {
         check.status == CheckStatus::Pass as i32 || check.status == CheckStatus::Skipped as i32
     };
-    let met = if own.iter().any(failed) || (own.is_empty() && verdicts.contains(&Verdict::Fail)) {
+    // The results a validator wrote back onto the task itself are the final word.
+    let written_back = task
+        .convergence
+        .as_ref()
+        .and_then(|c| match c.met.as_str() {
+            "pass" => Some("pass"),
+            "fail" => Some("fail"),
+            "pending" => Some("pending"),
+            _ => None,
+        });
+    let met = if let Some(met) = written_back {
+        met
+    } else if own.iter().any(failed) || (own.is_empty() && verdicts.contains(&Verdict::Fail)) {
         "fail"
     } else if (!own.is_empty() && own.iter().all(passed))
         || (!verdicts.is_empty() && verdicts.iter().all(|v| *v == Verdict::Pass))

@@ -2,6 +2,7 @@
 //! temporary directory, real git repositories, spoken to over gRPC.
 
 mod bus;
+mod convergence;
 mod plans;
 mod processes;
 mod restart;
