@@ -813,15 +813,19 @@ impl Store {
                 }
             }
         }
-        for dep in &wanted {
-            let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-                "SELECT {columns} FROM tasks WHERE session_id = $1 AND id = $2"
+        // The dependents' other dependencies, in one query (chunked under the bind limits).
+        for chunk in wanted.chunks(256) {
+            let placeholders: Vec<String> =
+                (0..chunk.len()).map(|i| format!("${}", i + 2)).collect();
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
+                placeholders.join(", ")
             )))
-            .bind(session_id)
-            .bind(dep)
-            .fetch_optional(&mut *tx)
-            .await?;
-            if let Some(row) = row {
+            .bind(session_id);
+            for dep in chunk {
+                query = query.bind(dep);
+            }
+            for row in query.fetch_all(&mut *tx).await? {
                 subset.push(task_from_row(&row)?);
             }
         }
@@ -837,7 +841,10 @@ impl Store {
         let count = write_changes(&mut tx, &session.id, &before, &subset, transitions, now).await?;
         // While some task is ready or running the session can neither end nor stall; only
         // when none is (rare) is the whole graph read to decide.
-        if !any_task_in(&mut tx, session_id, &[TaskState::Ready, TaskState::Running]).await? {
+        let readied = subset.iter().any(|task| task.state == TaskState::Ready);
+        if !readied
+            && !any_task_in(&mut tx, session_id, &[TaskState::Ready, TaskState::Running]).await?
+        {
             let tasks = load_tasks_lite(&mut tx, session_id).await?;
             finish(&mut tx, session, &tasks, count, now).await?;
         }

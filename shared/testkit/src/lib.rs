@@ -163,7 +163,17 @@ pub fn git_repo(dir: &Path, files: &[(&str, &str)]) -> anyhow::Result<String> {
 }
 
 /// Returns the repository root of the troupe workspace (for examples and fixtures).
+///
+/// Found from the working directory (cargo and nextest run tests in their package's directory)
+/// first: the compile-time path is only a fallback, because cargo may reuse this crate's build
+/// from another checkout of the same workspace, and that path would point there.
 pub fn workspace_root() -> PathBuf {
+    let is_root = |dir: &Path| dir.join("proto/troupe/v1/coordinator.proto").is_file();
+    if let Ok(cwd) = std::env::current_dir()
+        && let Some(root) = cwd.ancestors().find(|dir| is_root(dir))
+    {
+        return root.to_path_buf();
+    }
     let manifest_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     manifest_dir
         .ancestors()

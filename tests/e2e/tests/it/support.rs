@@ -270,6 +270,23 @@ pub(crate) fn assert_quickstart_completed(response: &GetSessionResponse) -> anyh
         "no verification check"
     );
 
+    // The validators wrote each IMPL task's own criterion results back onto its record.
+    for id in ["IMPL-001", "IMPL-002"] {
+        let convergence = task(id)
+            .convergence
+            .as_ref()
+            .with_context(|| format!("{id} has no convergence written back"))?;
+        assert_eq!(
+            (convergence.verified.as_slice(), convergence.met.as_str()),
+            (&[true, true][..], "pass"),
+            "{id}: {convergence:?}"
+        );
+        assert!(
+            ["VALIDATE-001", "VERIFY-001"].contains(&convergence.checked_by.as_str()),
+            "{id}: {convergence:?}"
+        );
+    }
+
     let run = match task("TESTRUN-001")
         .result
         .as_ref()
