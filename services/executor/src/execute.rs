@@ -1118,8 +1118,8 @@ impl Executor {
         }
     }
 
-    /// Commits `<summary_dir>/summary-<ID>.md` (ccw-reference §2.5) on top of the task's
-    /// commit, with `convergence-met` from the self-validation. Returns the new commit.
+    /// Adds `<summary_dir>/summary-<ID>.md` (ccw-reference §2.5) to the task's commit, with
+    /// `convergence-met` from the self-validation. Returns the amended commit.
     async fn write_summary(
         &self,
         p: &Prepared,
@@ -1158,7 +1158,8 @@ impl Executor {
             requires: p.spec.depends_on.clone(),
             affects: files.to_vec(),
             key_files: p.spec.files.iter().map(|f| f.path.clone()).collect(),
-            commit: commit.to_string(),
+            // The summary goes into that very commit, which therefore cannot name itself.
+            commit: String::new(),
             convergence_met: validation::convergence_met(validation),
             duration_ms: Some(report.duration_ms),
             completed: Some(chrono::Utc::now().format("%Y-%m-%dT%H:%M:%S").to_string()),
@@ -1181,11 +1182,9 @@ impl Executor {
         tokio::fs::write(&path, text)
             .await
             .map_err(|err| err.to_string())?;
-        worktree
-            .commit_all(&format!("{}: summary", p.task_id))
-            .await
-            .map_err(|err| err.to_string())?
-            .ok_or_else(|| "the summary commit was empty".to_owned())
+        // Folded into the task's commit: checks that measure a task by its commit's first
+        // parent (VALIDATE-* `modify` checks) must still see the agent's whole change.
+        worktree.amend_all().await.map_err(|err| err.to_string())
     }
 }
 

@@ -106,7 +106,7 @@ pub(crate) async fn fixture(config: BackendsConfig) -> Fixture {
 }
 
 /// The config as the TOML file the executor reads (so `--config` is what gets tested).
-fn to_toml(config: &BackendsConfig) -> String {
+pub(crate) fn to_toml(config: &BackendsConfig) -> String {
     let mut out = format!(
         "fallback = {}\nretries = {}\nretry_backoff_ms = {}\nauto_backend = \"{}\"\n",
         json!(config.fallback),

@@ -107,18 +107,20 @@ async fn execute_task_commits_the_agent_change_on_a_new_branch() {
         show(&f.repo, &head, "src/app.py").as_deref(),
         Some("print('v2')")
     );
-    // The agent's change, then its summary (which names the change's commit).
+    // One commit: the agent's change with its summary.
     assert_eq!(
-        git(&f.repo, &["log", "-2", "--format=%s", &head]).expect("log"),
-        "IMPL-001: summary\nIMPL-001: Bump the version"
+        git(&f.repo, &["log", "-1", "--format=%s", &head]).expect("log"),
+        "IMPL-001: Bump the version"
     );
-    let change = git(&f.repo, &["rev-parse", &format!("{head}~1")]).expect("parent");
+    assert_eq!(
+        git(&f.repo, &["rev-parse", &format!("{head}~1")]).expect("parent"),
+        git(&f.repo, &["rev-parse", "main"]).expect("main")
+    );
     let summary =
         show(&f.repo, &head, ".troupe-summaries/summary-IMPL-001.md").expect("summary committed");
     for needle in [
         "task: \"IMPL-001\"",
         "title: \"Bump the version\"",
-        &format!("commit: \"{change}\""),
         "affects: [\".prompt-seen\",\"src/app.py\"]",
         "convergence-met: pending",
         "- [ ] prints v2",

@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 use prost::Message;
 use serde_json::{Value, json};
 use tonic::Code;
+use troupe_backends::BackendsConfig;
 use troupe_executor::{Config, TASK_ERROR_METADATA};
+use troupe_modelserver::{Action, ModelServer, Script};
 use troupe_proto::v1::executor_client::ExecutorClient;
 use troupe_proto::v1::{
     ErrorKind, ExecuteTaskRequest, ImplementationReport, TaskError, TaskResult, Verdict,
@@ -85,6 +87,10 @@ struct Fixture {
 }
 
 async fn fixture(with_validator: bool) -> Fixture {
+    fixture_with(with_validator, None).await
+}
+
+async fn fixture_with(with_validator: bool, backends: Option<BackendsConfig>) -> Fixture {
     let root = tempfile::tempdir().expect("tempdir");
     let repo = root.path().join("app");
     git_repo(&repo, &[("README.md", "app\n")]).expect("repo");
@@ -120,7 +126,11 @@ async fn fixture(with_validator: bool) -> Fixture {
         coordinator_url: None,
         concurrency: 1,
         worker_id: None,
-        backends_config: None,
+        backends_config: backends.map(|config| {
+            let file = root.path().join("executor.toml");
+            std::fs::write(&file, crate::clis::to_toml(&config)).expect("config file");
+            file
+        }),
         validator_url: validator.as_ref().map(TestService::url),
         phase_concurrency: 4,
         summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
@@ -558,4 +568,61 @@ async fn a_conflict_inside_a_wave_is_run_again_from_the_new_head() {
             .iter()
             .all(|o| o.state == "completed")
     );
+}
+
+#[tokio::test]
+async fn the_agent_backend_gets_syntax_errors_back_as_context() {
+    // The scripted model writes broken Python, and fixes it once told what the check said.
+    let script = Script::default()
+        .rule(
+            "SELF-VALIDATION FAILED",
+            vec![Action::WriteFile {
+                path: "calc.py".to_owned(),
+                content: "def add(a, b):\n    return a + b\n".to_owned(),
+            }],
+        )
+        .rule(
+            "calc.py",
+            vec![Action::WriteFile {
+                path: "calc.py".to_owned(),
+                content: "def add(a, b)\n    return a + b\n".to_owned(),
+            }],
+        );
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut f = fixture_with(true, Some(crate::clis::config_for(&[("agent", &url)]))).await;
+    let task = json!({
+        "id": "IMPL-701", "title": "Add calc.add",
+        "files": [{"path": "calc.py", "action": "create", "change": "add(a, b)"}],
+        "convergence": {"criteria": ["cmd: python3 -c \"import calc; assert calc.add(2, 3) == 5\""]},
+        "agent": {"backend": "agent"},
+    });
+    let result = f
+        .execute(task, "troupe/direct/IMPL-701")
+        .await
+        .expect("fixed");
+    assert_eq!(
+        show(&f.repo, &result.commit, "calc.py").as_deref(),
+        Some("def add(a, b):\n    return a + b")
+    );
+    let report = report(&result);
+    assert_eq!(report.backend, "agent");
+    let validation = report.self_validation.as_ref().expect("validated");
+    assert_eq!(validation.convergence_verified, [true]);
+    assert_eq!(validation.convergence_met, "pass");
+    // Both agent runs are counted.
+    let usage = report.usage.expect("usage");
+    assert_eq!(usage.output_tokens % troupe_modelserver::OUTPUT_TOKENS, 0);
+    assert!(
+        usage.output_tokens >= 4 * troupe_modelserver::OUTPUT_TOKENS,
+        "{usage:?}"
+    );
+    let feedback = server
+        .requests()
+        .iter()
+        .filter(|r| {
+            r.body_text()
+                .contains("SELF-VALIDATION FAILED (retry 1 of 3)")
+        })
+        .count();
+    assert!(feedback > 0, "the second run carried the syntax error");
 }

@@ -20,7 +20,7 @@ pub struct TaskSummary {
     pub affects: Vec<String>,
     /// Paths its plan entry lists (`files[].path`).
     pub key_files: Vec<String>,
-    /// The commit holding its work.
+    /// The commit holding its work (no `commit:` line when empty).
     pub commit: String,
     /// `pass`, `fail` or `pending`.
     pub convergence_met: String,
@@ -77,7 +77,9 @@ impl TaskSummary {
         );
         let _ = writeln!(text, "affects: {}", yaml_list(&self.affects));
         let _ = writeln!(text, "key-files: {}", yaml_list(&self.key_files));
-        let _ = writeln!(text, "commit: {}", quote(&self.commit));
+        if !self.commit.is_empty() {
+            let _ = writeln!(text, "commit: {}", quote(&self.commit));
+        }
         let _ = writeln!(text, "convergence-met: {}", self.convergence_met);
         if let Some(duration) = self.duration_ms {
             let _ = writeln!(text, "duration: {}", duration_text(duration));
