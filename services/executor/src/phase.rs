@@ -121,6 +121,12 @@ pub fn load_phase(dir: &Path) -> Result<Vec<PhaseTask>, String> {
             .filter(|id| !id.trim().is_empty())
             .ok_or_else(|| format!("{} has no `id`", path.display()))?
             .to_owned();
+        if id.starts_with("EXEC-") {
+            return Err(format!(
+                "{} is an EXEC task; a phase cannot hold another phase",
+                path.display()
+            ));
+        }
         if !seen.insert(id.clone()) {
             return Err(format!("task id {id} appears twice in the phase"));
         }

@@ -626,3 +626,109 @@ async fn the_agent_backend_gets_syntax_errors_back_as_context() {
         .count();
     assert!(feedback > 0, "the second run carried the syntax error");
 }
+
+/// A session job for `Executor::execute`, as the worker builds it from a claim.
+fn session_job(f: &Fixture, spec: Value, attempt: u32) -> troupe_executor::Job {
+    troupe_executor::Job {
+        spec: spec.as_object().expect("object").clone(),
+        repo_path: f.repo.clone(),
+        repo_name: "app".to_owned(),
+        session_id: "s1".to_owned(),
+        task_id: None,
+        attempt,
+        plan_dir: Some(f.plan.clone()),
+        upstream: Vec::new(),
+        target: troupe_executor::Target::Session {
+            branch: "troupe/s1".to_owned(),
+        },
+    }
+}
+
+#[tokio::test]
+async fn phase_progress_names_the_wave_and_retries_redo_only_what_failed() {
+    let f = fixture(false).await;
+    git(&f.repo, &["branch", "troupe/s1", "main"]).expect("session branch");
+    let data = f.log.parent().expect("root").join("direct-executor");
+    let executor = troupe_executor::Executor::new(data);
+    f.phase_task("IMPL-801", &[], &[], "a.txt");
+    f.phase_task("IMPL-802", &[], &["--fail"], "b.txt");
+    f.phase_task("IMPL-803", &["IMPL-801", "IMPL-802"], &[], "c.txt");
+    let notes = std::sync::Mutex::new(Vec::<String>::new());
+    let progress = |note: String| notes.lock().expect("notes").push(note);
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let spec = json!({"id": "EXEC-8", "phase": 1});
+
+    let failed = executor
+        .execute(session_job(&f, spec.clone(), 1), &cancel, &progress)
+        .await
+        .expect_err("IMPL-802 fails");
+    assert!(
+        failed.error.message.contains("IMPL-802"),
+        "{}",
+        failed.error.message
+    );
+    assert!(
+        failed.error.retryable,
+        "a crash may pass on another attempt"
+    );
+    let partial = failed.partial.expect("partial result");
+    let states: Vec<(&str, &str)> = report(&partial)
+        .phase_tasks
+        .iter()
+        .map(|o| (o.task_id.as_str(), o.state.as_str()))
+        .collect();
+    assert_eq!(
+        states,
+        [
+            ("IMPL-801", "completed"),
+            ("IMPL-802", "failed"),
+            ("IMPL-803", "skipped")
+        ]
+    );
+    {
+        let notes = notes.lock().expect("notes");
+        assert!(
+            notes
+                .iter()
+                .any(|n| n.starts_with("wave 1/2: ") && n.contains("running")),
+            "{notes:?}"
+        );
+        assert!(
+            notes.contains(&"wave 1/2: IMPL-801 done, IMPL-802 failed".to_owned()),
+            "{notes:?}"
+        );
+        assert_eq!(
+            notes.last().map(String::as_str),
+            Some("wave 2/2: IMPL-803 skipped")
+        );
+    }
+
+    // The plan is fixed; the EXEC task's next attempt redoes only what did not complete.
+    f.phase_task("IMPL-802", &[], &[], "b.txt");
+    notes.lock().expect("notes").clear();
+    let result = executor
+        .execute(session_job(&f, spec, 2), &cancel, &progress)
+        .await
+        .expect("second attempt");
+    assert_eq!(f.runs("IMPL-801"), 1, "completed by the first attempt");
+    assert_eq!(f.runs("IMPL-803"), 1);
+    let outcomes = &report(&result).phase_tasks;
+    assert!(
+        outcomes[0]
+            .summary
+            .ends_with("(completed by an earlier attempt)"),
+        "{:?}",
+        outcomes[0]
+    );
+    assert!(
+        outcomes.iter().all(|o| o.state == "completed"),
+        "{outcomes:?}"
+    );
+    for file in ["a.txt", "b.txt", "c.txt"] {
+        assert!(show(&f.repo, "troupe/s1", file).is_some(), "{file}");
+    }
+    assert_eq!(
+        notes.lock().expect("notes").last().map(String::as_str),
+        Some("wave 2/2: IMPL-803 done")
+    );
+}
