@@ -568,6 +568,26 @@ mod tests {
         }
         let ok = parse(json!({"id": "x", "agent": {"command": "python3 agent.py '{worktree}'"}}))
             .expect("splits");
+        // convergence.verification: argv as is, a plain string split, shell syntax verbatim.
+        let verification = |v: Value| {
+            parse(json!({"id": "x", "convergence": {"criteria": ["c"], "verification": v}}))
+                .expect("valid")
+                .verification
+        };
+        assert_eq!(verification(json!(["make", "test"])), ["make", "test"]);
+        assert_eq!(
+            verification(json!("pytest -q 'a b'")),
+            ["pytest", "-q", "a b"]
+        );
+        assert_eq!(
+            verification(json!("make && make test")),
+            ["sh", "-c", "make && make test"]
+        );
+        assert!(
+            parse(json!({"id": "x", "pre_analysis": [{"step": "s"}]}))
+                .expect_err("no command")
+                .contains("pre_analysis step `s` has no command")
+        );
         assert_eq!(
             ok.agent.command.expect("argv"),
             ["python3", "agent.py", "{worktree}"]
