@@ -23,7 +23,8 @@ use crate::{show, to_struct};
 /// `<LOG>/<TASK>.runs`. Flags: `--barrier N` waits until N agents of the same wave started
 /// (`<LOG>/barrier-<N>-<wave>`, wave from `--wave W`); `--fail-once` exits 3 on its first run;
 /// `--fail` always exits 3; `--broken-until-feedback` writes `broken.py` with a syntax error
-/// unless the prompt reports a failed self-validation; `--always-broken` always does.
+/// unless the prompt reports a failed self-validation; `--always-broken` always does;
+/// `--sleep S` works for S seconds.
 const AGENT: &str = r#"
 import os, sys, time
 args = sys.argv[1:]
@@ -47,6 +48,7 @@ open(runs_file, "w").write(str(runs))
 open(os.path.join(log, task + ".start"), "w").write(repr(time.time()))
 open(os.path.join(log, task + ".prompt"), "w").write(prompt)
 barrier, wave = value("--barrier"), value("--wave")
+pause = float(value("--sleep") or 0.05)
 if barrier:
     d = os.path.join(log, "barrier-" + wave)
     os.makedirs(d, exist_ok=True)
@@ -71,7 +73,7 @@ for edit in args:
     os.makedirs(os.path.dirname(full) or ".", exist_ok=True)
     with open(full, "w") as f:
         f.write(content + "\n")
-time.sleep(0.05)
+time.sleep(pause)
 open(os.path.join(log, task + ".end"), "w").write(repr(time.time()))
 print("edited", len(args), "files")
 "#;
@@ -731,4 +733,110 @@ async fn phase_progress_names_the_wave_and_retries_redo_only_what_failed() {
         notes.lock().expect("notes").last().map(String::as_str),
         Some("wave 2/2: IMPL-803 done")
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claimed_exec_task_reports_wave_progress_to_the_coordinator() {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use troupe_grpc::worker::{WorkerConfig, run_worker};
+    use troupe_proto::v1::{
+        CreateSessionRequest, GetSessionRequest, Role, TaskState, WatchSessionRequest,
+        session_event,
+    };
+
+    let f = fixture(false).await;
+    let coordinator_dir = f.log.parent().expect("root").join("coordinator");
+    let coordinator = TestService::spawn(move |listener, shutdown| {
+        troupe_coordinator::run(
+            troupe_coordinator::Config::new(coordinator_dir),
+            listener,
+            shutdown,
+        )
+    })
+    .await;
+    // Short leases so heartbeats (a third of the lease) carry the notes of each wave.
+    let mut worker = WorkerConfig::new(coordinator.url(), "executor-it", vec![Role::Executor]);
+    worker.lease = Duration::from_millis(1500);
+    worker.poll_wait = Duration::from_millis(200);
+    let executor = Arc::new(troupe_executor::Executor::new(
+        f.log.parent().expect("root").join("worker"),
+    ));
+    let stop = tokio_util::sync::CancellationToken::new();
+    let worker_task = tokio::spawn(run_worker(
+        worker,
+        Arc::new(troupe_executor::ExecuteHandler::new(executor)),
+        stop.clone(),
+    ));
+
+    f.phase_task("IMPL-901", &[], &["--sleep", "1.5"], "a.txt");
+    f.phase_task("IMPL-902", &["IMPL-901"], &["--sleep", "1.5"], "b.txt");
+    f.phase_task("IMPL-903", &["IMPL-902"], &["--sleep", "1.5"], "c.txt");
+    let plan = json!({
+        "name": "phase-progress",
+        "repos": {"app": {"path": f.repo.display().to_string()}},
+        "tasks": [{"id": "EXEC-9", "title": "phase 1", "description": "run phase 1", "depends_on": [], "phase": 1}],
+    });
+    let mut client = troupe_grpc::coordinator_client(&coordinator.url()).expect("client");
+    let session_id = client
+        .create_session(CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: f.plan.display().to_string(),
+            ..Default::default()
+        })
+        .await
+        .expect("session")
+        .into_inner()
+        .session
+        .expect("session")
+        .id;
+    let mut events = client
+        .watch_session(WatchSessionRequest {
+            session_id: session_id.clone(),
+            after_sequence: 0,
+            follow: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let mut notes = Vec::new();
+    let drain = async {
+        use futures::StreamExt as _;
+        while let Some(event) = events.next().await {
+            if let Some(session_event::Kind::Progress(progress)) = event.expect("event").kind {
+                notes.push(progress.note);
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), drain)
+        .await
+        .expect("the session ends");
+    let session = client
+        .get_session(GetSessionRequest { session_id })
+        .await
+        .expect("get")
+        .into_inner();
+    let exec = &session.tasks[0];
+    assert_eq!(exec.state, TaskState::Completed as i32, "{exec:?}");
+    // Each wave's note reached the coordinator, in order.
+    let firsts: Vec<usize> = [
+        "wave 1/3: IMPL-901 running",
+        "wave 2/3: IMPL-902 running",
+        "wave 3/3: IMPL-903 running",
+    ]
+    .iter()
+    .map(|note| {
+        notes
+            .iter()
+            .position(|n| n == note)
+            .unwrap_or_else(|| panic!("{note:?} not in {notes:?}"))
+    })
+    .collect();
+    assert!(firsts.windows(2).all(|w| w[0] < w[1]), "{notes:?}");
+    let result = exec.result.as_ref().expect("result");
+    assert_eq!(report(result).waves, 3);
+    assert_eq!(result.files_modified, ["a.txt", "b.txt", "c.txt"]);
+    stop.cancel();
+    worker_task.await.expect("join").expect("worker");
 }
