@@ -18,8 +18,10 @@ use troupe_workspace::{Oid, Repo, Worktree};
 
 use crate::Error;
 use crate::mode::{self, CliExecution, Resolved};
+use crate::pre_analysis::PreAnalysis;
 use crate::prompt::{UpstreamNote, handoff_prompt};
 use crate::spec::{DEFAULT_AGENT_TIMEOUT, ScopePolicy, TaskSpec};
+use crate::validation;
 
 /// Where an attempt's commit goes.
 #[derive(Debug, Clone)]
@@ -67,6 +69,33 @@ pub struct Job {
 pub struct Executor {
     data_dir: PathBuf,
     config: Arc<BackendsConfig>,
+    options: Arc<Options>,
+}
+
+/// Executor settings beyond the backends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Options {
+    /// Validator service for self-validation; `None` skips it (and says so in the result).
+    pub validator_url: Option<String>,
+    /// Tasks of one EXEC phase wave run at once.
+    pub phase_concurrency: usize,
+    /// Repository directory that receives `summary-<ID>.md` on the task branch; `None`
+    /// writes no summaries.
+    pub summary_dir: Option<String>,
+}
+
+/// Where summaries go by default: a directory of the repository, so they travel with the
+/// session branch.
+pub const DEFAULT_SUMMARY_DIR: &str = ".troupe-summaries";
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            validator_url: None,
+            phase_concurrency: 4,
+            summary_dir: Some(DEFAULT_SUMMARY_DIR.to_owned()),
+        }
+    }
 }
 
 /// What `<data_dir>/sessions/<session>/<task>/session.json` remembers of a task's last
@@ -142,7 +171,7 @@ fn backend_kind(kind: troupe_backends::ErrorKind) -> ErrorKind {
 }
 
 /// Keeps a path component to `[A-Za-z0-9._-]`.
-fn path_component(text: &str) -> String {
+pub(crate) fn path_component(text: &str) -> String {
     let cleaned: String = text
         .chars()
         .map(|c| {
@@ -205,10 +234,43 @@ impl Executor {
 
     /// An executor whose backends are configured by `config`.
     pub fn with_config(data_dir: impl Into<PathBuf>, config: BackendsConfig) -> Self {
+        Self::with_options(data_dir, config, Options::default())
+    }
+
+    /// An executor with backends configured by `config` and the given [`Options`].
+    pub fn with_options(
+        data_dir: impl Into<PathBuf>,
+        config: BackendsConfig,
+        options: Options,
+    ) -> Self {
         Self {
             data_dir: data_dir.into(),
             config: Arc::new(config),
+            options: Arc::new(options),
         }
+    }
+
+    /// The executor's options.
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+
+    /// The data directory (worktrees, attempts, sessions, phases).
+    pub(crate) fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// The phase directory when `job` is an EXEC task naming a `phase`.
+    fn phase_of(job: &Job) -> Option<Result<PathBuf, String>> {
+        let id = job
+            .task_id
+            .as_deref()
+            .filter(|id| !id.is_empty())
+            .or_else(|| job.spec.get("id").and_then(Value::as_str))?;
+        if !id.starts_with("EXEC-") {
+            return None;
+        }
+        crate::phase::phase_dir(&job.spec, job.plan_dir.as_deref())
     }
 
     /// The backend configuration.
@@ -240,6 +302,15 @@ impl Executor {
                 false,
             ));
         };
+        match Self::phase_of(&job) {
+            Some(Ok(dir)) => {
+                return self
+                    .execute_phase(job, dir, session_branch, cancel, progress)
+                    .await;
+            }
+            Some(Err(message)) => return Err(failure(ErrorKind::InvalidTask, message, false)),
+            None => {}
+        }
         let repo = Repo::open(&job.repo_path)
             .await
             .map_err(workspace_failure)?;
@@ -341,6 +412,24 @@ impl Executor {
                 branch,
                 current: current.to_string(),
             });
+        }
+        match Self::phase_of(&job) {
+            Some(Ok(dir)) => {
+                // The new branch plays the session branch: every phase task integrates into it.
+                repo.create_branch(&branch, &base).await?;
+                let result = self
+                    .execute_phase(job, dir, branch.clone(), cancel, &|_| {})
+                    .await;
+                if result.is_err()
+                    && let Ok(Some(current)) = repo.branch_head(&branch).await
+                    && let Err(err) = repo.delete_branch(&branch, &current).await
+                {
+                    warn!(branch = %branch, error = %err, "could not delete the branch of a failed phase");
+                }
+                return result.map_err(|f| Error::Task(Box::new(f)));
+            }
+            Some(Err(message)) => return Err(Error::InvalidArgument(message)),
+            None => {}
         }
         let prepared = self
             .prepare(job, repo, base, move |_, _, _| branch.clone())
@@ -475,23 +564,6 @@ impl Executor {
                 .await
                 .map_err(|err| io_failure(parent, &err))?;
         }
-        let mut prompt = handoff_prompt(&p.spec, &p.upstream);
-        if p.read_only {
-            prompt = prompt.replace(
-                "\nMODE: write\n",
-                "\nMODE: analysis (read only: change nothing)\n",
-            );
-        }
-        // Agents that need absolute paths (claude, qwen, opencode) take them from here.
-        prompt.push_str(&format!(
-            "\nWorking directory: {}\n",
-            worktree_path.display()
-        ));
-        let prompt_file = attempt_dir.join("prompt.md");
-        tokio::fs::write(&prompt_file, &prompt)
-            .await
-            .map_err(|err| io_failure(&prompt_file, &err))?;
-
         // A crashed earlier run may have left this exact worktree behind.
         p.repo
             .remove_worktree(&worktree_path)
@@ -503,9 +575,35 @@ impl Executor {
             .add_worktree(&worktree_path, &p.branch, &p.base)
             .await
             .map_err(workspace_failure)?;
-        let result = self
-            .run_in(p, &worktree, prompt, prompt_file, cancel, progress)
-            .await;
+        let result = async {
+            let pre = if p.spec.pre_analysis.is_some() {
+                progress("running pre_analysis".to_owned());
+                crate::pre_analysis::run(p.spec.pre_analysis.as_ref(), worktree.path(), cancel)
+                    .await
+                    .map_err(|message| failure(ErrorKind::CheckFailed, message, false))?
+            } else {
+                PreAnalysis::default()
+            };
+            let mut prompt = handoff_prompt(&p.spec, &p.upstream, &pre);
+            if p.read_only {
+                prompt = prompt.replace(
+                    "\nMODE: write\n",
+                    "\nMODE: analysis (read only: change nothing)\n",
+                );
+            }
+            // Agents that need absolute paths (claude, qwen, opencode) take them from here.
+            prompt.push_str(&format!(
+                "\nWorking directory: {}\n",
+                worktree_path.display()
+            ));
+            let prompt_file = attempt_dir.join("prompt.md");
+            tokio::fs::write(&prompt_file, &prompt)
+                .await
+                .map_err(|err| io_failure(&prompt_file, &err))?;
+            self.run_in(p, &worktree, prompt, prompt_file, cancel, progress)
+                .await
+        }
+        .await;
         if let Err(err) = p.repo.remove_worktree(&worktree_path).await {
             warn!(path = %worktree_path.display(), error = %err, "could not remove worktree");
         }
@@ -800,94 +898,212 @@ impl Executor {
         progress: Progress<'_>,
     ) -> Result<Produced, TaskFailure> {
         let spec = &p.spec;
+        let started = std::time::Instant::now();
         let (outcome, mut report) = self
-            .run_backends(p, worktree, prompt, prompt_file, cancel, progress)
+            .run_backends(
+                p,
+                worktree,
+                prompt.clone(),
+                prompt_file.clone(),
+                cancel,
+                progress,
+            )
             .await?;
-        report.exit_code = outcome.exit_code;
-        report.output_tail = outcome.output_tail();
-        report.native_session_id = outcome.native_session_id.clone().unwrap_or_default();
-        if let Some(usage) = outcome.usage {
-            report.usage = Some(troupe_proto::v1::Usage {
-                input_tokens: usage.input_tokens,
-                output_tokens: usage.output_tokens,
-                cached_input_tokens: usage.cached_input_tokens,
-            });
-        }
+        absorb(&mut report, &outcome);
 
         let title = if spec.title.is_empty() {
             p.task_id.clone()
         } else {
             spec.title.clone()
         };
-        let commit = worktree
-            .commit_all(&format!("{}: {title}", p.task_id))
-            .await
-            .map_err(workspace_failure)?;
-        let Some(commit) = commit else {
-            if spec.allow_empty || p.read_only {
-                return Ok(Produced {
-                    commit: None,
-                    files: Vec::new(),
-                    warnings: Vec::new(),
-                    report,
-                });
-            }
-            return Err(failure(ErrorKind::BadOutput, "agent made no changes", true)
-                .with_details(
-                    [report.output_tail.clone()]
-                        .into_iter()
-                        .filter(|t| !t.is_empty()),
+        let mut warnings = Vec::new();
+        let mut commit: Option<Oid> = None;
+        let mut round = 0u32;
+        let (commit, files, validation) = loop {
+            let made = worktree
+                .commit_all(&format!("{}: {title}", p.task_id))
+                .await
+                .map_err(workspace_failure)?;
+            // A feedback round that changed nothing keeps the previous commit.
+            let Some(current) = made.or_else(|| commit.clone()) else {
+                if spec.allow_empty || p.read_only {
+                    return Ok(Produced {
+                        commit: None,
+                        files: Vec::new(),
+                        warnings,
+                        report,
+                    });
+                }
+                return Err(failure(ErrorKind::BadOutput, "agent made no changes", true)
+                    .with_details(
+                        [report.output_tail.clone()]
+                            .into_iter()
+                            .filter(|t| !t.is_empty()),
+                    )
+                    .with_partial(partial(
+                        &report,
+                        format!("{}: the agent exited 0 but changed nothing", p.task_id),
+                    )));
+            };
+            commit = Some(current.clone());
+            let files = p
+                .repo
+                .changed_paths(&p.base, &current)
+                .await
+                .map_err(workspace_failure)?;
+            if p.read_only {
+                // An analysis run that changed files broke its contract: keep nothing of it.
+                return Err(failure(
+                    ErrorKind::OutOfScope,
+                    format!(
+                        "analysis (read-only) run changed files: {}",
+                        files.join(", ")
+                    ),
+                    false,
                 )
+                .with_details(files)
                 .with_partial(partial(
                     &report,
-                    format!("{}: the agent exited 0 but changed nothing", p.task_id),
+                    format!("{}: read-only run wrote files", p.task_id),
                 )));
-        };
-        let files = p
-            .repo
-            .changed_paths(&p.base, &commit)
-            .await
-            .map_err(workspace_failure)?;
-        if p.read_only {
-            // An analysis run that changed files broke its contract: keep nothing of it.
-            return Err(failure(
-                ErrorKind::OutOfScope,
-                format!(
-                    "analysis (read-only) run changed files: {}",
-                    files.join(", ")
-                ),
-                false,
-            )
-            .with_details(files)
-            .with_partial(partial(
-                &report,
-                format!("{}: read-only run wrote files", p.task_id),
-            )));
-        }
-
-        let mut warnings = Vec::new();
-        match spec.out_of_scope(&files) {
-            None => {
-                warnings.push("task lists no files or focus_paths; scope not checked".to_owned())
             }
-            Some(outside) if outside.is_empty() => {}
-            Some(outside) => match spec.scope_policy {
+            self.check_scope(p, &files, &report, &mut warnings)?;
+
+            let Some(url) = &self.options.validator_url else {
+                warnings.push(
+                    "self-validation skipped: no validator configured (--validator-url / TROUPE_VALIDATOR_URL)"
+                        .to_owned(),
+                );
+                break (current, files, None);
+            };
+            progress("self-validating through the validator".to_owned());
+            let checked = validation::validate(
+                url,
+                &p.repo.path().display().to_string(),
+                current.as_str(),
+                p.base.as_str(),
+                spec,
+            )
+            .await;
+            let checked = match checked {
+                Ok(checked) => checked,
+                Err(err) => {
+                    warn!(task_id = %p.task_id, error = %err, "self-validation could not run");
+                    warnings.push(format!("self-validation could not run: {err}"));
+                    break (current, files, None);
+                }
+            };
+            let syntax = validation::syntax_failures(&checked);
+            if syntax.is_empty() {
+                break (current, files, Some(checked));
+            }
+            if round >= validation::MAX_SYNTAX_RETRIES {
+                let message = format!(
+                    "syntax check still failing after {round} retr{} with the errors as context: {}",
+                    if round == 1 { "y" } else { "ies" },
+                    syntax.join("; ")
+                );
+                report.self_validation = Some(checked);
+                let result = TaskResult {
+                    task_branch: p.branch.clone(),
+                    files_modified: files,
+                    warnings,
+                    ..partial(&report, format!("{}: {message}", p.task_id))
+                };
+                return Err(failure(ErrorKind::CheckFailed, message, true)
+                    .with_details(syntax)
+                    .with_partial(result));
+            }
+            round += 1;
+            progress(format!(
+                "syntax check failed; retry {round}/{} with the errors as context",
+                validation::MAX_SYNTAX_RETRIES
+            ));
+            let retry_prompt = validation::feedback_prompt(&prompt, round, &syntax);
+            tokio::fs::write(&prompt_file, &retry_prompt)
+                .await
+                .map_err(|err| io_failure(&prompt_file, &err))?;
+            let (outcome, again) = self
+                .run_backends(
+                    p,
+                    worktree,
+                    retry_prompt,
+                    prompt_file.clone(),
+                    cancel,
+                    progress,
+                )
+                .await?;
+            let usage = add_usage(report.usage.take(), outcome.usage);
+            report.backend = again.backend;
+            report.backend_reason = again.backend_reason;
+            for fallback in again.fallbacks {
+                if !report.fallbacks.contains(&fallback) {
+                    report.fallbacks.push(fallback);
+                }
+            }
+            absorb(&mut report, &outcome);
+            report.usage = usage;
+        };
+        if round > 0 {
+            warnings.push(format!(
+                "syntax check failed {round} time(s); the agent fixed it with the errors as context"
+            ));
+        }
+        report.duration_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+        report.self_validation = validation;
+        let commit = self
+            .write_summary(p, worktree, &commit, &files, &report)
+            .await
+            .unwrap_or_else(|err| {
+                warnings.push(format!("summary not written: {err}"));
+                commit
+            });
+        Ok(Produced {
+            commit: Some(commit),
+            files,
+            warnings,
+            report,
+        })
+    }
+
+    /// Applies the scope policy to the changed files.
+    fn check_scope(
+        &self,
+        p: &Prepared,
+        files: &[String],
+        report: &ImplementationReport,
+        warnings: &mut Vec<String>,
+    ) -> Result<(), TaskFailure> {
+        match p.spec.out_of_scope(files) {
+            None => {
+                let note = "task lists no files or focus_paths; scope not checked".to_owned();
+                if !warnings.contains(&note) {
+                    warnings.push(note);
+                }
+                Ok(())
+            }
+            Some(outside) if outside.is_empty() => Ok(()),
+            Some(outside) => match p.spec.scope_policy {
                 ScopePolicy::Warn => {
-                    warnings.push(format!(
+                    let note = format!(
                         "changed outside the task's files/focus_paths: {}",
                         outside.join(", ")
-                    ));
+                    );
+                    if !warnings.contains(&note) {
+                        warnings.push(note);
+                    }
+                    Ok(())
                 }
                 ScopePolicy::Refuse => {
                     let result = TaskResult {
                         task_branch: p.branch.clone(),
-                        files_modified: files.clone(),
+                        files_modified: files.to_vec(),
                         ..partial(
-                            &report,
+                            report,
                             format!("{}: refused, changes outside the task's scope", p.task_id),
                         )
                     };
-                    return Err(failure(
+                    Err(failure(
                         ErrorKind::OutOfScope,
                         format!(
                             "agent changed files outside the task's scope: {}",
@@ -896,16 +1112,112 @@ impl Executor {
                         false,
                     )
                     .with_details(outside)
-                    .with_partial(result));
+                    .with_partial(result))
                 }
             },
         }
-        Ok(Produced {
-            commit: Some(commit),
-            files,
-            warnings,
-            report,
-        })
+    }
+
+    /// Adds `<summary_dir>/summary-<ID>.md` (ccw-reference §2.5) to the task's commit, with
+    /// `convergence-met` from the self-validation. Returns the amended commit.
+    async fn write_summary(
+        &self,
+        p: &Prepared,
+        worktree: &Worktree,
+        commit: &Oid,
+        files: &[String],
+        report: &ImplementationReport,
+    ) -> Result<Oid, String> {
+        let Some(dir) = self.options.summary_dir.as_deref() else {
+            return Ok(commit.clone());
+        };
+        let relative =
+            PathBuf::from(dir).join(format!("summary-{}.md", path_component(&p.task_id)));
+        let path = troupe_backends::confine(worktree.path(), &relative.display().to_string())?;
+        let validation = report.self_validation.as_ref();
+        let criteria = p
+            .spec
+            .criteria
+            .iter()
+            .enumerate()
+            .map(|(i, criterion)| {
+                let verified = validation
+                    .and_then(|v| v.convergence_verified.get(i).copied())
+                    .unwrap_or(false);
+                (criterion.clone(), verified)
+            })
+            .collect();
+        let text = troupe_plan::ccw::summary::TaskSummary {
+            phase: p.spec.phase.clone(),
+            task: p.task_id.clone(),
+            title: if p.spec.title.is_empty() {
+                p.task_id.clone()
+            } else {
+                p.spec.title.clone()
+            },
+            requires: p.spec.depends_on.clone(),
+            affects: files.to_vec(),
+            key_files: p.spec.files.iter().map(|f| f.path.clone()).collect(),
+            // The summary goes into that very commit, which therefore cannot name itself.
+            commit: String::new(),
+            convergence_met: validation::convergence_met(validation),
+            duration_ms: Some(report.duration_ms),
+            completed: Some(chrono::Utc::now().format("%Y-%m-%dT%H:%M:%S").to_string()),
+            result: format!(
+                "{} file(s) changed by `{}` ({}).",
+                files.len(),
+                report.backend,
+                report.backend_reason
+            ),
+            backend: Some((report.backend.clone(), report.exit_code)),
+            output_tail: report.output_tail.clone(),
+            criteria,
+        }
+        .render();
+        if let Some(parent) = path.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|err| err.to_string())?;
+        }
+        tokio::fs::write(&path, text)
+            .await
+            .map_err(|err| err.to_string())?;
+        // Folded into the task's commit: checks that measure a task by its commit's first
+        // parent (VALIDATE-* `modify` checks) must still see the agent's whole change.
+        worktree.amend_all().await.map_err(|err| err.to_string())
+    }
+}
+
+/// Copies a run's exit code, output, session id and usage into the report.
+fn absorb(report: &mut ImplementationReport, outcome: &RunOutcome) {
+    report.exit_code = outcome.exit_code;
+    report.output_tail = outcome.output_tail();
+    report.native_session_id = outcome.native_session_id.clone().unwrap_or_default();
+    if let Some(usage) = outcome.usage {
+        report.usage = Some(troupe_proto::v1::Usage {
+            input_tokens: usage.input_tokens,
+            output_tokens: usage.output_tokens,
+            cached_input_tokens: usage.cached_input_tokens,
+        });
+    }
+}
+
+/// Sums the usage of two runs (either may be unknown).
+fn add_usage(
+    before: Option<troupe_proto::v1::Usage>,
+    run: Option<troupe_backends::Usage>,
+) -> Option<troupe_proto::v1::Usage> {
+    match (before, run) {
+        (None, None) => None,
+        (before, run) => {
+            let before = before.unwrap_or_default();
+            let run = run.unwrap_or_default();
+            Some(troupe_proto::v1::Usage {
+                input_tokens: before.input_tokens + run.input_tokens,
+                output_tokens: before.output_tokens + run.output_tokens,
+                cached_input_tokens: before.cached_input_tokens + run.cached_input_tokens,
+            })
+        }
     }
 }
 

@@ -12,8 +12,11 @@
 mod execute;
 mod grpc;
 mod mode;
+mod phase;
+mod pre_analysis;
 mod prompt;
 mod spec;
+mod validation;
 mod worker;
 
 use std::net::SocketAddr;
@@ -27,8 +30,9 @@ use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::executor_server::ExecutorServer;
 
-pub use execute::{Executor, Job, Progress, Target, task_branch};
+pub use execute::{DEFAULT_SUMMARY_DIR, Executor, Job, Options, Progress, Target, task_branch};
 pub use grpc::TASK_ERROR_METADATA;
+pub use phase::{PhaseTask, load_phase, waves};
 pub use prompt::UpstreamNote;
 pub use spec::{DEFAULT_AGENT_TIMEOUT, ScopePolicy, TaskSpec, struct_to_json};
 pub use worker::ExecuteHandler;
@@ -55,6 +59,17 @@ pub struct Config {
     /// timeouts; fallback chain and retries).
     #[arg(long = "config", env = "TROUPE_EXECUTOR_CONFIG")]
     pub backends_config: Option<PathBuf>,
+    /// Validator to self-validate each task's commit with (`Validate`: files, verification,
+    /// convergence criteria, syntax). Without it results say that self-validation was skipped.
+    #[arg(long, env = "TROUPE_VALIDATOR_URL")]
+    pub validator_url: Option<String>,
+    /// Tasks of one EXEC-* phase wave run at once.
+    #[arg(long, env = "TROUPE_EXECUTOR_PHASE_CONCURRENCY", default_value_t = 4)]
+    pub phase_concurrency: usize,
+    /// Repository directory for `summary-<ID>.md`, committed on each task branch; empty
+    /// writes none.
+    #[arg(long, env = "TROUPE_EXECUTOR_SUMMARY_DIR", default_value = DEFAULT_SUMMARY_DIR)]
+    pub summary_dir: String,
 }
 
 /// Errors of the executor.
@@ -114,7 +129,21 @@ impl App {
             Some(path) => troupe_backends::BackendsConfig::load(path)?,
             None => troupe_backends::BackendsConfig::default(),
         };
-        let executor = Arc::new(Executor::with_config(config.data_dir.clone(), backends));
+        if config.phase_concurrency == 0 {
+            return Err(Error::InvalidArgument(
+                "--phase-concurrency must be at least 1".to_owned(),
+            ));
+        }
+        let options = Options {
+            validator_url: config.validator_url.clone().filter(|url| !url.is_empty()),
+            phase_concurrency: config.phase_concurrency,
+            summary_dir: Some(config.summary_dir.trim().to_owned()).filter(|d| !d.is_empty()),
+        };
+        let executor = Arc::new(Executor::with_options(
+            config.data_dir.clone(),
+            backends,
+            options,
+        ));
         Ok(Self { config, executor })
     }
 

@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use crate::pre_analysis::{PreAnalysis, fill};
 use crate::spec::TaskSpec;
 
 /// What a dependency produced, for the prompt's context section.
@@ -13,8 +14,13 @@ pub struct UpstreamNote {
     pub(crate) files: Vec<String>,
 }
 
-/// Builds the prompt an agent receives on stdin and in `{prompt_file}`.
-pub(crate) fn handoff_prompt(spec: &TaskSpec, upstream: &[UpstreamNote]) -> String {
+/// Builds the prompt an agent receives on stdin and in `{prompt_file}`. `[name]` placeholders
+/// anywhere in the task's text take the pre-analysis output `name`.
+pub(crate) fn handoff_prompt(
+    spec: &TaskSpec,
+    upstream: &[UpstreamNote],
+    pre: &PreAnalysis,
+) -> String {
     let mut out = String::new();
     let title = if spec.title.is_empty() {
         spec.id.as_str()
@@ -51,27 +57,42 @@ pub(crate) fn handoff_prompt(spec: &TaskSpec, upstream: &[UpstreamNote]) -> Stri
             .enumerate()
             .map(|(i, s)| format!("{}. {s}", i + 1)),
     );
+    // Filled before the outputs themselves are added, which stay verbatim.
+    let mut out = fill(&out, &pre.vars);
+    if !pre.steps.is_empty() {
+        let _ = writeln!(out, "\nPRE-ANALYSIS CONTEXT:");
+        for step in &pre.steps {
+            let name = step.output_to.as_deref().unwrap_or(&step.step);
+            let status = if step.status == "ok" {
+                String::new()
+            } else {
+                format!(" ({})", step.status)
+            };
+            let _ = writeln!(out, "[{name}]{status}:\n{}", step.output.trim_end());
+        }
+    }
+    let mut rest = String::new();
     if !upstream.is_empty() {
-        let _ = writeln!(out, "\nCONTEXT FROM COMPLETED DEPENDENCIES:");
+        let _ = writeln!(rest, "\nCONTEXT FROM COMPLETED DEPENDENCIES:");
         for note in upstream {
             let files = if note.files.is_empty() {
                 String::new()
             } else {
                 format!(" (files: {})", note.files.join(", "))
             };
-            let _ = writeln!(out, "- {}: {}{files}", note.task_id, note.summary);
+            let _ = writeln!(rest, "- {}: {}{files}", note.task_id, note.summary);
         }
     }
     section(
-        &mut out,
+        &mut rest,
         "REFERENCE",
         spec.reference.iter().map(|r| format!("- {r}")),
     );
     if let Some(approach) = &spec.approach {
-        let _ = writeln!(out, "\nAPPROACH: {approach}");
+        let _ = writeln!(rest, "\nAPPROACH: {approach}");
     }
     section(
-        &mut out,
+        &mut rest,
         "RISKS",
         spec.risks.iter().map(|r| format!("- {r}")),
     );
@@ -79,28 +100,29 @@ pub(crate) fn handoff_prompt(spec: &TaskSpec, upstream: &[UpstreamNote]) -> Stri
     if let Some(dod) = &spec.definition_of_done {
         done.push(format!("- [ ] {dod}"));
     }
-    section(&mut out, "DONE WHEN", done.into_iter());
+    section(&mut rest, "DONE WHEN", done.into_iter());
 
-    let _ = writeln!(out, "\nMODE: write");
-    let _ = writeln!(out, "\nCONSTRAINTS:");
+    let _ = writeln!(rest, "\nMODE: write");
+    let _ = writeln!(rest, "\nCONSTRAINTS:");
     let allowed = spec.allowed_paths();
     if allowed.is_empty() {
-        let _ = writeln!(out, "- Change only what the task needs");
+        let _ = writeln!(rest, "- Change only what the task needs");
     } else {
         let _ = writeln!(
-            out,
+            rest,
             "- Only change the listed files and paths under: {}",
             allowed.join(", ")
         );
     }
     if !spec.excludes.is_empty() {
-        let _ = writeln!(out, "- Do not touch: {}", spec.excludes.join(", "));
+        let _ = writeln!(rest, "- Do not touch: {}", spec.excludes.join(", "));
     }
-    let _ = writeln!(out, "- Follow the existing patterns of the code base");
+    let _ = writeln!(rest, "- Follow the existing patterns of the code base");
     let _ = writeln!(
-        out,
+        rest,
         "- Do not commit; troupe commits your changes when you exit 0"
     );
+    out.push_str(&fill(&rest, &pre.vars));
     out
 }
 
@@ -140,7 +162,7 @@ mod tests {
             summary: "added mean".into(),
             files: vec!["stats/core.py".into()],
         }];
-        let prompt = handoff_prompt(&spec, &upstream);
+        let prompt = handoff_prompt(&spec, &upstream, &PreAnalysis::default());
         for needle in [
             "PURPOSE: Add median\nSo reports show a robust centre.\nTASK: IMPL-1\n",
             "TARGET FILES:\n- stats/core.py (modify): add median()\n",

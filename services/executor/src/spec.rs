@@ -57,6 +57,14 @@ pub struct TaskSpec {
     pub(crate) timeout: Option<Duration>,
     pub(crate) scope_policy: ScopePolicy,
     pub(crate) allow_empty: bool,
+    /// `convergence.verification` as argv (a string is split without a shell, or runs under
+    /// `sh -c` verbatim when it uses shell syntax).
+    pub(crate) verification: Vec<String>,
+    pub(crate) depends_on: Vec<String>,
+    /// CCW `phase` (number or string), for the summary frontmatter and EXEC phases.
+    pub(crate) phase: Option<Value>,
+    /// The raw `pre_analysis[]` block (validated here, run in the worktree).
+    pub(crate) pre_analysis: Option<Value>,
 }
 
 impl TaskSpec {
@@ -140,6 +148,39 @@ impl TaskSpec {
             .and_then(Value::as_str)
             .map(str::to_owned);
 
+        let verification = match convergence.and_then(|c| c.get("verification")) {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::String(line)) if line.trim().is_empty() => Vec::new(),
+            Some(Value::String(line)) => match troupe_process::command_line_to_argv(line) {
+                Ok(argv) => argv,
+                Err(err) => {
+                    problems.push(format!("`convergence.verification`: {err}"));
+                    Vec::new()
+                }
+            },
+            Some(Value::Array(items)) => {
+                let argv: Option<Vec<String>> = items
+                    .iter()
+                    .map(|v| v.as_str().map(str::to_owned))
+                    .collect();
+                argv.unwrap_or_else(|| {
+                    problems.push("`convergence.verification` must hold only strings".to_owned());
+                    Vec::new()
+                })
+            }
+            Some(_) => {
+                problems.push(
+                    "`convergence.verification` must be a command string or an argv array"
+                        .to_owned(),
+                );
+                Vec::new()
+            }
+        };
+        let pre_analysis = object.get("pre_analysis").filter(|v| !v.is_null()).cloned();
+        if let Err(problem) = crate::pre_analysis::validate(pre_analysis.as_ref()) {
+            problems.push(problem);
+        }
+
         let agent = match object.get("agent") {
             None | Some(Value::Null) => AgentSpec::default(),
             Some(Value::Object(agent)) => parse_agent(agent, &mut problems),
@@ -177,6 +218,13 @@ impl TaskSpec {
                 .get("allow_empty")
                 .and_then(Value::as_bool)
                 .unwrap_or(false),
+            verification,
+            depends_on: string_list(object.get("depends_on")),
+            phase: object
+                .get("phase")
+                .filter(|v| v.is_number() || v.is_string())
+                .cloned(),
+            pre_analysis,
             id,
         };
         if problems.is_empty() {
@@ -520,6 +568,26 @@ mod tests {
         }
         let ok = parse(json!({"id": "x", "agent": {"command": "python3 agent.py '{worktree}'"}}))
             .expect("splits");
+        // convergence.verification: argv as is, a plain string split, shell syntax verbatim.
+        let verification = |v: Value| {
+            parse(json!({"id": "x", "convergence": {"criteria": ["c"], "verification": v}}))
+                .expect("valid")
+                .verification
+        };
+        assert_eq!(verification(json!(["make", "test"])), ["make", "test"]);
+        assert_eq!(
+            verification(json!("pytest -q 'a b'")),
+            ["pytest", "-q", "a b"]
+        );
+        assert_eq!(
+            verification(json!("make && make test")),
+            ["sh", "-c", "make && make test"]
+        );
+        assert!(
+            parse(json!({"id": "x", "pre_analysis": [{"step": "s"}]}))
+                .expect_err("no command")
+                .contains("pre_analysis step `s` has no command")
+        );
         assert_eq!(
             ok.agent.command.expect("argv"),
             ["python3", "agent.py", "{worktree}"]

@@ -768,22 +768,8 @@ fn convergence_met(task: &pb::Task, tasks: &[pb::Task]) -> (&'static str, Vec<pb
     (met, checks)
 }
 
-fn yaml_list(items: &[String]) -> String {
-    serde_json::to_string(items).unwrap_or_else(|_| "[]".into())
-}
-
-fn duration_text(millis: u64) -> String {
-    let seconds = millis / 1000;
-    if seconds == 0 {
-        format!("{millis}ms")
-    } else if seconds >= 60 {
-        format!("{}m{}s", seconds / 60, seconds % 60)
-    } else {
-        format!("{seconds}s")
-    }
-}
-
-/// `summary-<ID>.md` with §2.5 frontmatter.
+/// `summary-<ID>.md` with §2.5 frontmatter (rendered by [`troupe_plan::ccw::summary`], which
+/// the executor uses too).
 fn summary(task: &pb::Task, tasks: &[pb::Task]) -> String {
     let spec = task.spec.as_ref().map(struct_to_object).unwrap_or_default();
     let result = task.result.clone().unwrap_or_default();
@@ -792,20 +778,23 @@ fn summary(task: &pb::Task, tasks: &[pb::Task]) -> String {
         _ => None,
     };
     let (met, checks) = convergence_met(task, tasks);
-    let quote = |text: &str| serde_json::to_string(text).unwrap_or_default();
-    let key_files: Vec<String> = task.files.iter().map(|file| file.path.clone()).collect();
-    let criteria: Vec<String> = spec
+    let criteria = spec
         .get("convergence")
         .and_then(|c| c.get("criteria"))
         .and_then(Value::as_array)
         .map(|list| {
             list.iter()
                 .filter_map(Value::as_str)
-                .map(str::to_owned)
+                .map(|criterion| {
+                    let passed = checks.iter().any(|check| {
+                        check.subject == criterion && check.status == CheckStatus::Pass as i32
+                    });
+                    (criterion.to_owned(), passed)
+                })
                 .collect()
         })
         .unwrap_or_default();
-    let duration = implementation
+    let duration_ms = implementation
         .map(|report| report.duration_ms)
         .filter(|ms| *ms > 0)
         .or_else(|| {
@@ -813,56 +802,26 @@ fn summary(task: &pb::Task, tasks: &[pb::Task]) -> String {
             let finished = to_utc(task.finished_at.as_ref())?;
             u64::try_from((finished - started).num_milliseconds()).ok()
         });
-
-    let mut text = String::from("---\n");
-    if let Some(phase) = spec.get("phase").filter(|v| v.is_number() || v.is_string()) {
-        let _ = writeln!(text, "phase: {phase}");
+    troupe_plan::ccw::summary::TaskSummary {
+        phase: spec.get("phase").cloned(),
+        task: task.id.clone(),
+        title: task.title.clone(),
+        requires: task.depends_on.clone(),
+        affects: result.files_modified.clone(),
+        key_files: task.files.iter().map(|file| file.path.clone()).collect(),
+        commit: result.commit.clone(),
+        convergence_met: met.to_owned(),
+        duration_ms,
+        completed: to_utc(task.finished_at.as_ref())
+            .map(|finished| finished.format("%Y-%m-%dT%H:%M:%S").to_string()),
+        result: result.summary.clone(),
+        backend: implementation.map(|report| (report.backend.clone(), report.exit_code)),
+        output_tail: implementation
+            .map(|report| report.output_tail.clone())
+            .unwrap_or_default(),
+        criteria,
     }
-    let _ = writeln!(text, "task: {}", quote(&task.id));
-    let _ = writeln!(text, "title: {}", quote(&task.title));
-    let _ = writeln!(text, "requires: {}", yaml_list(&task.depends_on));
-    let _ = writeln!(
-        text,
-        "provides: {}",
-        yaml_list(std::slice::from_ref(&task.id))
-    );
-    let _ = writeln!(text, "affects: {}", yaml_list(&result.files_modified));
-    let _ = writeln!(text, "key-files: {}", yaml_list(&key_files));
-    let _ = writeln!(text, "commit: {}", quote(&result.commit));
-    let _ = writeln!(text, "convergence-met: {met}");
-    if let Some(duration) = duration {
-        let _ = writeln!(text, "duration: {}", duration_text(duration));
-    }
-    if let Some(finished) = to_utc(task.finished_at.as_ref()) {
-        let _ = writeln!(text, "completed: {}", finished.format("%Y-%m-%dT%H:%M:%S"));
-    }
-    let _ = writeln!(text, "---\n");
-    let _ = writeln!(text, "# Summary: {} - {}\n", task.id, task.title);
-    let _ = writeln!(text, "## Implementation Result\n");
-    let _ = writeln!(text, "{}", result.summary.trim());
-    if let Some(report) = implementation {
-        let _ = writeln!(
-            text,
-            "\nbackend {} (exit {})",
-            report.backend, report.exit_code
-        );
-        if !report.output_tail.trim().is_empty() {
-            let _ = writeln!(text, "\n```\n{}\n```", report.output_tail.trim_end());
-        }
-    }
-    let _ = writeln!(text, "\n## Files Affected\n");
-    for file in &result.files_modified {
-        let _ = writeln!(text, "- {file}");
-    }
-    let _ = writeln!(text, "\n## Convergence Criteria\n");
-    for criterion in &criteria {
-        let passed = checks
-            .iter()
-            .any(|check| check.subject == *criterion && check.status == CheckStatus::Pass as i32);
-        let mark = if passed { "x" } else { " " };
-        let _ = writeln!(text, "- [{mark}] {criterion}");
-    }
-    text
+    .render()
 }
 
 fn enum_name(name: &str, prefix: &str) -> String {

@@ -491,6 +491,9 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
                 concurrency: 1,
                 worker_id: None,
                 backends_config: args.config,
+                validator_url: None,
+                phase_concurrency: 1,
+                summary_dir: String::new(),
             };
             let url = troupe_grpc::url_for(config.listen);
             let stop = shutdown.clone();

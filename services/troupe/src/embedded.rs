@@ -60,6 +60,14 @@ impl Embedded {
             concurrency: config.executor_concurrency,
             worker_id: None,
             backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
+            // The validator is mounted on this same server.
+            validator_url: Some(url.clone()),
+            phase_concurrency: std::env::var("TROUPE_EXECUTOR_PHASE_CONCURRENCY")
+                .ok()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(4),
+            summary_dir: std::env::var("TROUPE_EXECUTOR_SUMMARY_DIR")
+                .unwrap_or_else(|_| troupe_executor::DEFAULT_SUMMARY_DIR.to_owned()),
         })
         .await
         .context("opening the executor")?;

@@ -153,8 +153,9 @@ fn tools(read_only: bool, allow: &[String]) -> Vec<Value> {
     tools
 }
 
-/// Resolves `path` inside `root` (canonical), refusing anything that escapes it.
-pub(crate) fn confine(root: &Path, path: &str) -> Result<PathBuf, String> {
+/// Resolves `path` inside `root` (canonical), refusing anything that escapes it (`..`, an
+/// absolute path elsewhere, a symlink leading out) and the `.git` entry.
+pub fn confine(root: &Path, path: &str) -> Result<PathBuf, String> {
     let relative = match Path::new(path).strip_prefix(root) {
         Ok(rest) => rest.to_path_buf(),
         Err(_) if Path::new(path).is_absolute() => {

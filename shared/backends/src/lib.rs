@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-pub use agent::AgentLoopBackend;
+pub use agent::{AgentLoopBackend, confine};
 pub use cli::CliBackend;
 pub use command::CommandBackend;
 pub use config::{BackendConfig, BackendsConfig, ConfigError};

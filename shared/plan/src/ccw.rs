@@ -25,6 +25,8 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value, json};
 
+pub mod summary;
+
 use crate::validate::Problems;
 use crate::{Plan, PlanError, ProblemKind, Role};
 

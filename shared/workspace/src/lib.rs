@@ -631,6 +631,16 @@ impl Worktree {
             .await?;
         self.head().await.map(Some)
     }
+
+    /// Stages everything and folds it into the checked-out commit (same message and parent),
+    /// so additions such as a task's summary travel in the task's one commit.
+    pub async fn amend_all(&self) -> Result<Oid, Error> {
+        self.git.ok(&["add", "-A"]).await?;
+        self.git
+            .ok(&["commit", "-q", "--no-verify", "--amend", "--no-edit"])
+            .await?;
+        self.head().await
+    }
 }
 
 #[cfg(test)]

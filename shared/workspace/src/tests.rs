@@ -362,6 +362,20 @@ async fn worktrees_reset_existing_branches_and_detach() {
         repo.changed_paths(&base, &deleted).await.expect("diff"),
         ["a.txt"]
     );
+    // Amending folds more into the same commit: one commit on top of the base.
+    fs::write(wt.path().join("notes.md"), "summary\n").expect("write");
+    let amended = wt.amend_all().await.expect("amend");
+    assert_ne!(amended, deleted);
+    assert_eq!(
+        repo.changed_paths(&base, &amended).await.expect("diff"),
+        ["a.txt", "notes.md"]
+    );
+    assert_eq!(
+        repo.resolve(&format!("{}^", amended.as_str()))
+            .await
+            .expect("parent"),
+        base
+    );
     repo.remove_worktree(&path).await.expect("remove");
     assert!(!path.exists());
     repo.remove_worktree(&path)

@@ -85,6 +85,9 @@ pub(crate) async fn fixture(config: BackendsConfig) -> Fixture {
         concurrency: 1,
         worker_id: None,
         backends_config: Some(config_file),
+        validator_url: None,
+        phase_concurrency: 4,
+        summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
     };
     let data = data_dir.path().join("data");
     let service =
@@ -103,7 +106,7 @@ pub(crate) async fn fixture(config: BackendsConfig) -> Fixture {
 }
 
 /// The config as the TOML file the executor reads (so `--config` is what gets tested).
-fn to_toml(config: &BackendsConfig) -> String {
+pub(crate) fn to_toml(config: &BackendsConfig) -> String {
     let mut out = format!(
         "fallback = {}\nretries = {}\nretry_backoff_ms = {}\nauto_backend = \"{}\"\n",
         json!(config.fallback),

@@ -38,6 +38,9 @@ async fn fixture() -> Fixture {
         concurrency: 1,
         worker_id: None,
         backends_config: None,
+        validator_url: None,
+        phase_concurrency: 4,
+        summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
     };
     let service =
         TestService::spawn(|listener, shutdown| troupe_executor::run(config, listener, shutdown))
@@ -104,9 +107,34 @@ async fn execute_task_commits_the_agent_change_on_a_new_branch() {
         show(&f.repo, &head, "src/app.py").as_deref(),
         Some("print('v2')")
     );
+    // One commit: the agent's change with its summary.
     assert_eq!(
         git(&f.repo, &["log", "-1", "--format=%s", &head]).expect("log"),
         "IMPL-001: Bump the version"
+    );
+    assert_eq!(
+        git(&f.repo, &["rev-parse", &format!("{head}~1")]).expect("parent"),
+        git(&f.repo, &["rev-parse", "main"]).expect("main")
+    );
+    let summary =
+        show(&f.repo, &head, ".troupe-summaries/summary-IMPL-001.md").expect("summary committed");
+    for needle in [
+        "task: \"IMPL-001\"",
+        "title: \"Bump the version\"",
+        "affects: [\".prompt-seen\",\"src/app.py\"]",
+        "convergence-met: pending",
+        "- [ ] prints v2",
+    ] {
+        assert!(summary.contains(needle), "missing {needle:?} in\n{summary}");
+    }
+    // No validator is configured here, and the result says so.
+    assert!(
+        result
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("self-validation skipped: no validator configured")),
+        "{:?}",
+        result.warnings
     );
     // The agent also left its prompt copy, so two files changed; the scope check flags it.
     assert_eq!(result.files_modified, [".prompt-seen", "src/app.py"]);

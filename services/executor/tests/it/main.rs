@@ -2,6 +2,7 @@
 
 mod clis;
 mod direct;
+mod phase;
 mod session;
 
 use std::path::Path;

@@ -1,6 +1,7 @@
 //! End-to-end tests: real services, real git, real SQLite, real pytest, real grpcurl.
 
 mod bad_plan;
+mod exec_phase;
 mod grpcurl;
 mod otlp;
 mod quickstart;

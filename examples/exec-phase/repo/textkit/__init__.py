@@ -1,0 +1,1 @@
+"""A small text toolkit, built by the exec-phase example's agents."""

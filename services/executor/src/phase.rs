@@ -1,0 +1,624 @@
+//! EXEC-* phases (CCW roadmap mode, ccw-reference §1.B.2, 11–16): an EXEC task with a `phase`
+//! runs the phase's task files `<plan_dir>/phase-<N>/.task/IMPL-*.json` in waves.
+//!
+//! Waves come from the tasks' `depends_on` (wave 1: no dependency inside the phase; wave N:
+//! every dependency in an earlier wave; dependencies outside the phase are earlier phases' and
+//! count as met). Unlike CCW, which force-assigns a task of a cycle to a wave, a cycle is an
+//! error and nothing runs. Waves run one after another; a wave's tasks run at once up to the
+//! phase concurrency, each exactly like an IMPL task (own worktree, self-validation, summary,
+//! integration into the session branch), with the summaries of every earlier task of the
+//! phase (and the EXEC task's own upstream) as context. Failed runs are retried as for any
+//! task (backend retries and fallbacks, CCW §1.B.16 "retry once"); a task whose integration
+//! conflicts with a task of the same wave is run once more from the new session head. A
+//! failed task does not stop its wave or later waves,
+//! but every task depending on it (directly or not) is skipped; the phase then fails, naming
+//! the failed and skipped tasks. Completed tasks are remembered under
+//! `<data_dir>/phases/<session>/<EXEC id>/`, so a retry of the EXEC task does not redo them.
+
+// `TaskFailure` is the worker protocol's error; see execute.rs.
+#![allow(clippy::result_large_err)]
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Component, Path, PathBuf};
+use std::sync::Mutex;
+
+use futures::StreamExt;
+use prost::Message;
+use serde_json::{Map, Value};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+use troupe_grpc::worker::TaskFailure;
+use troupe_proto::v1::{
+    ErrorKind, ImplementationReport, PhaseTaskOutcome, TaskError, TaskResult, Usage, task_result,
+};
+use troupe_workspace::{Oid, Repo};
+
+use crate::execute::path_component;
+use crate::{Executor, Job, Progress, Target, UpstreamNote};
+
+/// One task file of a phase.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PhaseTask {
+    /// Its `id`.
+    pub id: String,
+    /// Its `depends_on`.
+    pub depends_on: Vec<String>,
+    /// The whole task object.
+    pub spec: Map<String, Value>,
+}
+
+/// The phase directory an EXEC task names: `phase: N` → `<plan_dir>/phase-N`, `phase: "dir"`
+/// → `<plan_dir>/dir` (inside the plan directory). `None` when the task names no phase.
+pub(crate) fn phase_dir(
+    spec: &Map<String, Value>,
+    plan_dir: Option<&Path>,
+) -> Option<Result<PathBuf, String>> {
+    let phase = spec.get("phase").filter(|v| !v.is_null())?;
+    let relative = match phase {
+        Value::Number(n) if n.as_u64().is_some() => format!("phase-{n}"),
+        Value::String(s) if s.chars().all(|c| c.is_ascii_digit()) && !s.is_empty() => {
+            format!("phase-{s}")
+        }
+        Value::String(s) if !s.trim().is_empty() => s.trim().to_owned(),
+        _ => {
+            return Some(Err(
+                "`phase` must be a phase number or a directory".to_owned()
+            ));
+        }
+    };
+    let Some(plan_dir) = plan_dir else {
+        return Some(Err(
+            "an EXEC phase needs the plan directory its task files live in".to_owned(),
+        ));
+    };
+    let relative = Path::new(&relative);
+    if !relative
+        .components()
+        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+    {
+        return Some(Err(format!(
+            "phase directory `{}` must stay inside the plan directory",
+            relative.display()
+        )));
+    }
+    Some(Ok(plan_dir.join(relative)))
+}
+
+/// Loads `<dir>/.task/IMPL-*.json`, sorted by file name.
+pub fn load_phase(dir: &Path) -> Result<Vec<PhaseTask>, String> {
+    let task_dir = dir.join(".task");
+    let entries = std::fs::read_dir(&task_dir)
+        .map_err(|err| format!("cannot read {}: {err}", task_dir.display()))?;
+    let mut paths: Vec<PathBuf> = entries
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("IMPL-") && n.ends_with(".json"))
+        })
+        .collect();
+    paths.sort();
+    if paths.is_empty() {
+        return Err(format!(
+            "{} holds no IMPL-*.json task files",
+            task_dir.display()
+        ));
+    }
+    let mut tasks = Vec::new();
+    let mut seen = BTreeSet::new();
+    for path in paths {
+        let text = std::fs::read_to_string(&path)
+            .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
+        let Value::Object(spec) = serde_json::from_str::<Value>(&text)
+            .map_err(|err| format!("{} is not valid JSON: {err}", path.display()))?
+        else {
+            return Err(format!("{} is not a JSON object", path.display()));
+        };
+        let id = spec
+            .get("id")
+            .and_then(Value::as_str)
+            .filter(|id| !id.trim().is_empty())
+            .ok_or_else(|| format!("{} has no `id`", path.display()))?
+            .to_owned();
+        if id.starts_with("EXEC-") {
+            return Err(format!(
+                "{} is an EXEC task; a phase cannot hold another phase",
+                path.display()
+            ));
+        }
+        if !seen.insert(id.clone()) {
+            return Err(format!("task id {id} appears twice in the phase"));
+        }
+        let depends_on = spec
+            .get("depends_on")
+            .and_then(Value::as_array)
+            .map(|list| {
+                list.iter()
+                    .filter_map(Value::as_str)
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default();
+        tasks.push(PhaseTask {
+            id,
+            depends_on,
+            spec,
+        });
+    }
+    Ok(tasks)
+}
+
+/// Groups task indices into waves; a dependency cycle is an error naming its tasks.
+pub fn waves(tasks: &[PhaseTask]) -> Result<Vec<Vec<usize>>, String> {
+    let index: HashMap<&str, usize> = tasks
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.id.as_str(), i))
+        .collect();
+    let mut wave_of: Vec<Option<usize>> = vec![None; tasks.len()];
+    let mut waves: Vec<Vec<usize>> = Vec::new();
+    loop {
+        let ready: Vec<usize> = (0..tasks.len())
+            .filter(|&i| wave_of[i].is_none())
+            .filter(|&i| {
+                tasks[i]
+                    .depends_on
+                    .iter()
+                    .all(|dep| match index.get(dep.as_str()) {
+                        // Outside the phase: an earlier phase's task.
+                        None => true,
+                        Some(&j) => wave_of[j].is_some_and(|w| w < waves.len()),
+                    })
+            })
+            .collect();
+        if ready.is_empty() {
+            break;
+        }
+        for &i in &ready {
+            wave_of[i] = Some(waves.len());
+        }
+        waves.push(ready);
+    }
+    let stuck: Vec<&str> = (0..tasks.len())
+        .filter(|&i| wave_of[i].is_none())
+        .map(|i| tasks[i].id.as_str())
+        .collect();
+    if stuck.is_empty() {
+        Ok(waves)
+    } else {
+        Err(format!(
+            "the phase's depends_on has a cycle among {}; nothing was run",
+            stuck.join(", ")
+        ))
+    }
+}
+
+fn invalid(message: String) -> TaskFailure {
+    TaskFailure::new(ErrorKind::InvalidTask, message, false)
+}
+
+fn report_of(result: &TaskResult) -> Option<&ImplementationReport> {
+    match &result.detail {
+        Some(task_result::Detail::Implementation(report)) => Some(report),
+        _ => None,
+    }
+}
+
+fn add(total: &mut Usage, usage: Option<&Usage>) {
+    if let Some(usage) = usage {
+        total.input_tokens += usage.input_tokens;
+        total.output_tokens += usage.output_tokens;
+        total.cached_input_tokens += usage.cached_input_tokens;
+    }
+}
+
+/// Status of each task of the phase, for the progress note.
+struct Board {
+    status: BTreeMap<String, &'static str>,
+}
+
+impl Board {
+    fn note(&self, wave: usize, total: usize, ids: &[&str]) -> String {
+        let parts: Vec<String> = ids
+            .iter()
+            .map(|id| {
+                format!(
+                    "{id} {}",
+                    self.status.get(*id).copied().unwrap_or("pending")
+                )
+            })
+            .collect();
+        format!("wave {}/{total}: {}", wave + 1, parts.join(", "))
+    }
+}
+
+impl Executor {
+    fn phase_state_dir(&self, session_id: &str, exec_id: &str) -> PathBuf {
+        self.data_dir()
+            .join("phases")
+            .join(path_component(session_id))
+            .join(path_component(exec_id))
+    }
+
+    /// A sub-task completed by an earlier attempt of this EXEC task, still in the branch.
+    async fn earlier_result(
+        &self,
+        dir: &Path,
+        task_id: &str,
+        repo: &Repo,
+        branch: &str,
+    ) -> Option<TaskResult> {
+        let bytes = tokio::fs::read(dir.join(format!("{}.pb", path_component(task_id))))
+            .await
+            .ok()?;
+        let result = TaskResult::decode(bytes.as_slice()).ok()?;
+        let commit = Oid::parse(&result.commit)?;
+        let head = repo.branch_head(branch).await.ok()??;
+        repo.is_ancestor(&commit, &head)
+            .await
+            .ok()?
+            .then_some(result)
+    }
+
+    /// Runs an EXEC phase into the session branch `branch`.
+    #[tracing::instrument(skip_all, fields(session_id = %job.session_id, task_id = job.task_id.as_deref().unwrap_or_default(), phase = %dir.display()))]
+    pub(crate) async fn execute_phase(
+        &self,
+        job: Job,
+        dir: PathBuf,
+        branch: String,
+        cancel: &CancellationToken,
+        progress: Progress<'_>,
+    ) -> Result<TaskResult, TaskFailure> {
+        let started = std::time::Instant::now();
+        let exec_id = job
+            .task_id
+            .clone()
+            .filter(|id| !id.is_empty())
+            .or_else(|| {
+                job.spec
+                    .get("id")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned)
+            })
+            .unwrap_or_default();
+        let tasks = load_phase(&dir).map_err(invalid)?;
+        let waves = waves(&tasks).map_err(invalid)?;
+        let repo = Repo::open(&job.repo_path)
+            .await
+            .map_err(|err| invalid(err.to_string()))?;
+        let state_dir = self.phase_state_dir(&job.session_id, &exec_id);
+        let phase_value = job.spec.get("phase").cloned();
+        let concurrency = self.options().phase_concurrency.max(1);
+        let total = waves.len();
+        info!(
+            tasks = tasks.len(),
+            waves = total,
+            concurrency,
+            "running phase"
+        );
+
+        let board = Mutex::new(Board {
+            status: BTreeMap::new(),
+        });
+        let mut notes: Vec<UpstreamNote> = job.upstream.clone();
+        let mut outcomes: Vec<PhaseTaskOutcome> = Vec::new();
+        let mut failed: BTreeSet<String> = BTreeSet::new();
+        let mut blocked: BTreeSet<String> = BTreeSet::new();
+        let mut failures: Vec<(String, TaskError)> = Vec::new();
+        let mut files: Vec<String> = Vec::new();
+        let mut warnings: Vec<String> = Vec::new();
+        let mut usage = Usage::default();
+        let mut backends: Vec<String> = Vec::new();
+        let mut fallbacks: Vec<String> = Vec::new();
+
+        for (w, wave) in waves.iter().enumerate() {
+            let ids: Vec<&str> = wave.iter().map(|&i| tasks[i].id.as_str()).collect();
+            let mut runnable = Vec::new();
+            for &i in wave {
+                let task = &tasks[i];
+                let bad: Vec<&String> = task
+                    .depends_on
+                    .iter()
+                    .filter(|dep| failed.contains(*dep) || blocked.contains(*dep))
+                    .collect();
+                if bad.is_empty() {
+                    runnable.push(i);
+                } else {
+                    blocked.insert(task.id.clone());
+                    if let Ok(mut board) = board.lock() {
+                        board.status.insert(task.id.clone(), "skipped");
+                    }
+                    outcomes.push(PhaseTaskOutcome {
+                        task_id: task.id.clone(),
+                        wave: u32::try_from(w + 1).unwrap_or(u32::MAX),
+                        state: "skipped".to_owned(),
+                        summary: format!(
+                            "skipped: depends on {}, which did not complete",
+                            bad.iter()
+                                .map(|s| s.as_str())
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
+                        ..PhaseTaskOutcome::default()
+                    });
+                }
+            }
+            if let Ok(board) = board.lock() {
+                progress(board.note(w, total, &ids));
+            }
+            let context = notes.clone();
+            let runs = futures::stream::iter(runnable.into_iter().map(|i| {
+                let task = &tasks[i];
+                let mut spec = task.spec.clone();
+                if let Some(phase) = &phase_value {
+                    spec.entry("phase").or_insert_with(|| phase.clone());
+                }
+                let job = Job {
+                    spec,
+                    repo_path: job.repo_path.clone(),
+                    repo_name: job.repo_name.clone(),
+                    session_id: job.session_id.clone(),
+                    task_id: Some(task.id.clone()),
+                    attempt: job.attempt.max(1) * 2 - 1,
+                    plan_dir: job.plan_dir.clone(),
+                    upstream: context.clone(),
+                    target: Target::Session {
+                        branch: branch.clone(),
+                    },
+                };
+                let board = &board;
+                let ids = &ids;
+                let repo = &repo;
+                let state_dir = &state_dir;
+                let branch = &branch;
+                async move {
+                    let id = task.id.clone();
+                    let set = |status: &'static str| {
+                        if let Ok(mut b) = board.lock() {
+                            b.status.insert(id.clone(), status);
+                            progress(b.note(w, total, ids));
+                        }
+                    };
+                    if let Some(result) = self.earlier_result(state_dir, &id, repo, branch).await {
+                        set("done");
+                        return (i, Ok(result), true);
+                    }
+                    set("running");
+                    let mut result = self.execute(job.clone(), cancel, &|_| {}).await;
+                    // Crashes, timeouts and rate limits were already retried by the backend
+                    // loop; a merge conflict with a task of the same wave is what a fresh
+                    // attempt from the new session head fixes.
+                    if let Err(err) = &result
+                        && err.error.kind() == ErrorKind::MergeConflict
+                        && !cancel.is_cancelled()
+                    {
+                        warn!(task_id = %id, error = %err.error.message, "phase task conflicted; retrying once from the new head");
+                        set("retrying");
+                        let retry = Job {
+                            attempt: job.attempt + 1,
+                            ..job
+                        };
+                        result = self.execute(retry, cancel, &|_| {}).await;
+                    }
+                    set(if result.is_ok() { "done" } else { "failed" });
+                    (i, result, false)
+                }
+            }))
+            .buffer_unordered(concurrency)
+            .collect::<Vec<_>>()
+            .await;
+            let mut runs = runs;
+            runs.sort_by_key(|(i, _, _)| *i);
+            for (i, result, earlier) in runs {
+                let task = &tasks[i];
+                let wave_number = u32::try_from(w + 1).unwrap_or(u32::MAX);
+                match result {
+                    Ok(result) => {
+                        if !earlier {
+                            let saved = async {
+                                tokio::fs::create_dir_all(&state_dir).await?;
+                                tokio::fs::write(
+                                    state_dir.join(format!("{}.pb", path_component(&task.id))),
+                                    result.encode_to_vec(),
+                                )
+                                .await
+                            }
+                            .await;
+                            if let Err(err) = saved {
+                                warn!(task_id = %task.id, error = %err, "could not remember a completed phase task");
+                            }
+                        }
+                        let report = report_of(&result);
+                        add(&mut usage, report.and_then(|r| r.usage.as_ref()));
+                        if let Some(report) = report {
+                            if !report.backend.is_empty() && !backends.contains(&report.backend) {
+                                backends.push(report.backend.clone());
+                            }
+                            for fallback in &report.fallbacks {
+                                if !fallbacks.contains(fallback) {
+                                    fallbacks.push(fallback.clone());
+                                }
+                            }
+                        }
+                        for file in &result.files_modified {
+                            if !files.contains(file) {
+                                files.push(file.clone());
+                            }
+                        }
+                        warnings
+                            .extend(result.warnings.iter().map(|w| format!("{}: {w}", task.id)));
+                        let convergence_met = report
+                            .and_then(|r| r.self_validation.as_ref())
+                            .map(|v| v.convergence_met.clone())
+                            .unwrap_or_default();
+                        let summary = if earlier {
+                            format!("{} (completed by an earlier attempt)", result.summary)
+                        } else {
+                            result.summary.clone()
+                        };
+                        notes.push(UpstreamNote {
+                            task_id: task.id.clone(),
+                            summary: if convergence_met.is_empty() {
+                                summary.clone()
+                            } else {
+                                format!("{summary}; convergence-met: {convergence_met}")
+                            },
+                            files: result.files_modified.clone(),
+                        });
+                        outcomes.push(PhaseTaskOutcome {
+                            task_id: task.id.clone(),
+                            wave: wave_number,
+                            state: "completed".to_owned(),
+                            summary,
+                            commit: result.commit.clone(),
+                            files_modified: result.files_modified.clone(),
+                            backend: report.map(|r| r.backend.clone()).unwrap_or_default(),
+                            usage: report.and_then(|r| r.usage),
+                            convergence_met,
+                            error: None,
+                        });
+                    }
+                    Err(failure) => {
+                        failed.insert(task.id.clone());
+                        let partial = failure.partial.clone().unwrap_or_default();
+                        let report = report_of(&partial);
+                        add(&mut usage, report.and_then(|r| r.usage.as_ref()));
+                        outcomes.push(PhaseTaskOutcome {
+                            task_id: task.id.clone(),
+                            wave: wave_number,
+                            state: "failed".to_owned(),
+                            summary: failure.error.message.clone(),
+                            files_modified: partial.files_modified.clone(),
+                            backend: report.map(|r| r.backend.clone()).unwrap_or_default(),
+                            usage: report.and_then(|r| r.usage),
+                            error: Some(failure.error.clone()),
+                            ..PhaseTaskOutcome::default()
+                        });
+                        failures.push((task.id.clone(), failure.error));
+                    }
+                }
+            }
+        }
+
+        let head = repo.branch_head(&branch).await.ok().flatten();
+        let completed = outcomes.iter().filter(|o| o.state == "completed").count();
+        let lines: Vec<String> = outcomes
+            .iter()
+            .map(|o| format!("wave {} {} {}: {}", o.wave, o.task_id, o.state, o.summary))
+            .collect();
+        let report = ImplementationReport {
+            backend: backends.join(","),
+            backend_reason: format!(
+                "EXEC phase {}: {} task(s) in {total} wave(s), up to {concurrency} at once",
+                dir.display(),
+                tasks.len()
+            ),
+            fallbacks,
+            usage: Some(usage),
+            output_tail: lines.join("\n"),
+            duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            phase_tasks: outcomes,
+            waves: u32::try_from(total).unwrap_or(u32::MAX),
+            ..ImplementationReport::default()
+        };
+        let mut result = TaskResult {
+            summary: format!(
+                "{exec_id}: phase {} ran {} task(s) in {total} wave(s): {completed} completed, {} failed, {} skipped",
+                dir.file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default(),
+                tasks.len(),
+                failed.len(),
+                blocked.len()
+            ),
+            commit: head.map(|h| h.to_string()).unwrap_or_default(),
+            task_branch: String::new(),
+            files_modified: files,
+            warnings,
+            detail: Some(task_result::Detail::Implementation(report)),
+        };
+        if failures.is_empty() {
+            return Ok(result);
+        }
+        let (first_id, first) = &failures[0];
+        let names: Vec<String> = failures
+            .iter()
+            .map(|(id, err)| format!("{id} ({})", err.message))
+            .collect();
+        let mut message = format!("phase task(s) failed: {}", names.join("; "));
+        if !blocked.is_empty() {
+            message.push_str(&format!(
+                "; skipped because a dependency failed: {}",
+                blocked.iter().cloned().collect::<Vec<_>>().join(", ")
+            ));
+        }
+        result.summary = format!("{}; {first_id} failed first", result.summary);
+        let kind = ErrorKind::try_from(first.kind).unwrap_or(ErrorKind::Internal);
+        // Completed tasks are remembered, so another attempt only redoes what failed.
+        let retryable = failures.iter().any(|(_, e)| e.retryable);
+        Err(TaskFailure::new(kind, message, retryable)
+            .with_details(
+                failures
+                    .iter()
+                    .flat_map(|(id, e)| e.details.iter().map(move |d| format!("{id}: {d}"))),
+            )
+            .with_partial(result))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn task(id: &str, deps: &[&str]) -> PhaseTask {
+        PhaseTask {
+            id: id.to_owned(),
+            depends_on: deps.iter().map(|d| (*d).to_owned()).collect(),
+            spec: Map::new(),
+        }
+    }
+
+    #[test]
+    fn waves_follow_depends_on() {
+        let tasks = [
+            task("IMPL-101", &[]),
+            task("IMPL-102", &[]),
+            task("IMPL-103", &["IMPL-101"]),
+            task("IMPL-104", &["IMPL-101", "IMPL-102"]),
+            task("IMPL-105", &["IMPL-103", "IMPL-004"]),
+        ];
+        assert_eq!(
+            waves(&tasks).expect("acyclic"),
+            vec![vec![0, 1], vec![2, 3], vec![4]]
+        );
+        let cyclic = [
+            task("IMPL-1", &[]),
+            task("IMPL-2", &["IMPL-3"]),
+            task("IMPL-3", &["IMPL-2"]),
+        ];
+        let err = waves(&cyclic).expect_err("cycle");
+        assert!(err.contains("cycle among IMPL-2, IMPL-3"), "{err}");
+    }
+
+    #[test]
+    fn phase_dirs_stay_in_the_plan() {
+        let plan = Path::new("/plans/p");
+        let dir = |v: Value| {
+            let spec = json!({"phase": v});
+            phase_dir(spec.as_object().expect("object"), Some(plan))
+        };
+        assert_eq!(dir(json!(2)), Some(Ok(plan.join("phase-2"))));
+        assert_eq!(dir(json!("3")), Some(Ok(plan.join("phase-3"))));
+        assert_eq!(
+            dir(json!("phases/auth")),
+            Some(Ok(plan.join("phases/auth")))
+        );
+        assert!(matches!(dir(json!("../x")), Some(Err(_))));
+        assert!(matches!(dir(json!("/etc")), Some(Err(_))));
+        assert_eq!(phase_dir(&Map::new(), Some(plan)), None);
+    }
+}

@@ -1,0 +1,127 @@
+//! Self-validation (ccw-reference §1.B.9–10): after the agent's change is committed, the
+//! validator service checks the task's own commit with its files, verification command and
+//! convergence criteria, plus a syntax check of the changed files.
+
+use std::time::Duration;
+
+use troupe_proto::v1::validator_client::ValidatorClient;
+use troupe_proto::v1::{CheckStatus, FileAction, FileChange, ValidateRequest, ValidationReport};
+
+use crate::spec::TaskSpec;
+
+/// Syntax failures fed back to the agent before the task fails (CCW: at most 3 retries).
+pub(crate) const MAX_SYNTAX_RETRIES: u32 = 3;
+
+/// How long one `Validate` call may take: the verification command alone may use 300 s.
+const VALIDATE_DEADLINE: Duration = Duration::from_secs(900);
+
+/// Calls `Validate` on `url` for `commit` measured against `base`.
+pub(crate) async fn validate(
+    url: &str,
+    repo_path: &str,
+    commit: &str,
+    base: &str,
+    spec: &TaskSpec,
+) -> Result<ValidationReport, String> {
+    let channel = troupe_grpc::channel(url).map_err(|err| err.to_string())?;
+    let mut client = ValidatorClient::new(channel);
+    let files = spec
+        .files
+        .iter()
+        .map(|file| FileChange {
+            path: file.path.clone(),
+            action: match file.action.to_ascii_lowercase().as_str() {
+                "create" => FileAction::Create,
+                "delete" => FileAction::Delete,
+                _ => FileAction::Modify,
+            } as i32,
+            change: file.change.clone(),
+        })
+        .collect();
+    let mut request = tonic::Request::new(ValidateRequest {
+        repo_path: repo_path.to_owned(),
+        r#ref: commit.to_owned(),
+        files,
+        base_ref: base.to_owned(),
+        verification: spec.verification.clone(),
+        criteria: spec.criteria.clone(),
+        syntax: true,
+        ..ValidateRequest::default()
+    });
+    request.set_timeout(VALIDATE_DEADLINE);
+    let response = client
+        .validate(request)
+        .await
+        .map_err(|status| format!("{:?}: {}", status.code(), status.message()))?;
+    response
+        .into_inner()
+        .report
+        .ok_or_else(|| "the validator returned no report".to_owned())
+}
+
+/// The syntax checks that failed, as `name: evidence` lines for the agent.
+pub(crate) fn syntax_failures(report: &ValidationReport) -> Vec<String> {
+    report
+        .checks
+        .iter()
+        .filter(|check| {
+            check.kind == "syntax"
+                && (check.status == CheckStatus::Fail as i32
+                    || check.status == CheckStatus::Error as i32)
+        })
+        .map(|check| format!("{}: {}", check.name, check.evidence.trim()))
+        .collect()
+}
+
+/// The prompt of a retry after a failed syntax check.
+pub(crate) fn feedback_prompt(prompt: &str, round: u32, failures: &[String]) -> String {
+    format!(
+        "{prompt}\nSELF-VALIDATION FAILED (retry {round} of {MAX_SYNTAX_RETRIES}): the syntax check \
+         rejected your change. Fix these errors and keep the rest of the work:\n{}\n",
+        failures
+            .iter()
+            .map(|f| format!("- {f}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    )
+}
+
+/// `convergence-met` of a report (empty without criteria, as the validator says).
+pub(crate) fn convergence_met(report: Option<&ValidationReport>) -> String {
+    match report {
+        Some(report) if !report.convergence_met.is_empty() => report.convergence_met.clone(),
+        _ => "pending".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use troupe_proto::v1::CheckResult;
+
+    use super::*;
+
+    #[test]
+    fn only_failed_syntax_checks_are_fed_back() {
+        let check = |kind: &str, status: CheckStatus| CheckResult {
+            name: format!("{kind}:a.py"),
+            kind: kind.into(),
+            status: status as i32,
+            evidence: " line 2: invalid syntax \n".into(),
+            ..CheckResult::default()
+        };
+        let report = ValidationReport {
+            checks: vec![
+                check("syntax", CheckStatus::Fail),
+                check("syntax", CheckStatus::Pass),
+                check("file", CheckStatus::Fail),
+            ],
+            ..ValidationReport::default()
+        };
+        let failures = syntax_failures(&report);
+        assert_eq!(failures, ["syntax:a.py: line 2: invalid syntax"]);
+        let prompt = feedback_prompt("PURPOSE: x\n", 2, &failures);
+        assert!(prompt.contains("retry 2 of 3"), "{prompt}");
+        assert!(prompt.ends_with("- syntax:a.py: line 2: invalid syntax\n"));
+        assert_eq!(convergence_met(None), "pending");
+    }
+}
