@@ -150,6 +150,20 @@ pub fn final_report(response: &GetSessionResponse) -> String {
         if let Some(result) = &task.result {
             render_result(&mut text, result);
         }
+        if let Some(convergence) = &task.convergence {
+            let verified: Vec<&str> = convergence
+                .verified
+                .iter()
+                .map(|ok| if *ok { "yes" } else { "no" })
+                .collect();
+            let _ = writeln!(
+                text,
+                "      convergence {} (criteria verified: {}; checked by {})",
+                convergence.met,
+                verified.join(", "),
+                convergence.checked_by
+            );
+        }
         if let Some(error) = task
             .last_error
             .as_ref()
@@ -207,6 +221,22 @@ fn render_result(text: &mut String, result: &TaskResult) {
                 "      backend {} (exit {}, {} ms)",
                 implementation.backend, implementation.exit_code, implementation.duration_ms
             );
+            // An EXEC phase: one line per sub-task, by wave.
+            for phase_task in &implementation.phase_tasks {
+                let met = if phase_task.convergence_met.is_empty() {
+                    String::new()
+                } else {
+                    format!(", convergence {}", phase_task.convergence_met)
+                };
+                let _ = writeln!(
+                    text,
+                    "        wave {} {:<12} {:<9} {}{met}",
+                    phase_task.wave,
+                    phase_task.task_id,
+                    phase_task.state,
+                    first_line(&phase_task.summary)
+                );
+            }
         }
         Some(task_result::Detail::Validation(validation)) => {
             let verdict = Verdict::try_from(validation.verdict)
@@ -354,5 +384,71 @@ mod tests {
         );
         assert!(text.contains("error: agent exited with code 3"), "{text}");
         assert!(text.contains("session failed"), "{text}");
+    }
+
+    #[test]
+    fn a_phase_lists_its_tasks_and_a_task_its_written_back_convergence() {
+        use troupe_proto::v1::{ImplementationReport, PhaseTaskOutcome, TaskConvergence};
+        let phase_task = |id: &str, wave: u32, state: &str| PhaseTaskOutcome {
+            task_id: id.into(),
+            wave,
+            state: state.into(),
+            summary: format!("{id} {state}"),
+            convergence_met: if state == "completed" {
+                "pass".into()
+            } else {
+                String::new()
+            },
+            ..Default::default()
+        };
+        let response = GetSessionResponse {
+            session: Some(Session {
+                id: "s".into(),
+                state: SessionState::Completed as i32,
+                ..Default::default()
+            }),
+            tasks: vec![
+                Task {
+                    id: "EXEC-001".into(),
+                    state: TaskState::Completed as i32,
+                    result: Some(TaskResult {
+                        detail: Some(task_result::Detail::Implementation(ImplementationReport {
+                            backend: "command".into(),
+                            phase_tasks: vec![
+                                phase_task("IMPL-101", 1, "completed"),
+                                phase_task("IMPL-103", 2, "skipped"),
+                            ],
+                            ..Default::default()
+                        })),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                },
+                Task {
+                    id: "IMPL-001".into(),
+                    state: TaskState::Completed as i32,
+                    convergence: Some(TaskConvergence {
+                        verified: vec![true, false],
+                        met: "fail".into(),
+                        checked_by: "VALIDATE-001".into(),
+                        commit: "abc".into(),
+                    }),
+                    ..Default::default()
+                },
+            ],
+        };
+        let text = final_report(&response);
+        assert!(
+            text.contains("wave 1 IMPL-101     completed IMPL-101 completed, convergence pass"),
+            "{text}"
+        );
+        assert!(
+            text.contains("wave 2 IMPL-103     skipped   IMPL-103 skipped\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("convergence fail (criteria verified: yes, no; checked by VALIDATE-001)"),
+            "{text}"
+        );
     }
 }
