@@ -228,13 +228,16 @@ fn render_result(text: &mut String, result: &TaskResult) {
                 } else {
                     format!(", convergence {}", phase_task.convergence_met)
                 };
+                // A completed task's summary repeats its commit; otherwise it says why.
+                let what = if phase_task.state == "completed" && !phase_task.commit.is_empty() {
+                    format!("commit {}", short(&phase_task.commit))
+                } else {
+                    first_line(&phase_task.summary).to_owned()
+                };
                 let _ = writeln!(
                     text,
-                    "        wave {} {:<12} {:<9} {}{met}",
-                    phase_task.wave,
-                    phase_task.task_id,
-                    phase_task.state,
-                    first_line(&phase_task.summary)
+                    "        wave {} {:<12} {:<9} {what}{met}",
+                    phase_task.wave, phase_task.task_id, phase_task.state,
                 );
             }
         }
@@ -394,6 +397,7 @@ mod tests {
             wave,
             state: state.into(),
             summary: format!("{id} {state}"),
+            commit: "0123456789abcdef".into(),
             convergence_met: if state == "completed" {
                 "pass".into()
             } else {
@@ -439,7 +443,7 @@ mod tests {
         };
         let text = final_report(&response);
         assert!(
-            text.contains("wave 1 IMPL-101     completed IMPL-101 completed, convergence pass"),
+            text.contains("wave 1 IMPL-101     completed commit 0123456789, convergence pass"),
             "{text}"
         );
         assert!(
