@@ -1,6 +1,7 @@
 //! Integration tests: the real coordinator (`run()` on a port-0 listener), real SQLite in a
 //! temporary directory, real git repositories, spoken to over gRPC.
 
+mod bases;
 mod bus;
 mod plans;
 mod processes;
