@@ -857,6 +857,32 @@ impl Coordinator {
         })
     }
 
+    /// Pauses a session: no new claims until resumed; running tasks finish and are recorded.
+    #[tracing::instrument(skip_all, fields(session_id = %request.session_id))]
+    pub(crate) async fn pause_session(
+        &self,
+        request: pb::PauseSessionRequest,
+    ) -> Result<pb::PauseSessionResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        let paused = self
+            .store
+            .pause_session(&request.session_id, &request.reason, now_ms())
+            .await?;
+        if paused.changed {
+            self.notify();
+            tracing::info!(running = paused.running.len(), "session paused");
+        }
+        let summary = paused.summary;
+        Ok(pb::PauseSessionResponse {
+            session: Some(session_proto(
+                &summary.session,
+                summary.repos,
+                summary.counts,
+            )),
+            running_task_ids: paused.running,
+        })
+    }
+
     // ----- bus ------------------------------------------------------------------------------
 
     pub(crate) async fn log_message(

@@ -3,6 +3,7 @@
 
 mod bases;
 mod bus;
+mod pause;
 mod plans;
 mod processes;
 mod restart;

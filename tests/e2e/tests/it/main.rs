@@ -3,6 +3,7 @@
 mod bad_plan;
 mod grpcurl;
 mod otlp;
+mod pause;
 mod quickstart;
 mod shutdown;
 mod support;
