@@ -85,6 +85,7 @@ async function latency(pool) {
 (async () => {
   const pool = new Pool({ connectionString: url, max: concurrency + 4 });
   pool.on("error", (err) => console.error("pool error:", err.message));
+  pool.on("connect", (client) => client.on("error", (err) => console.error("client error:", err.message)));
   await runMigrations({ pgPool: pool, logger });
   await burnDown(pool);
   await latency(pool);
