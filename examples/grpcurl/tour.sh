@@ -77,10 +77,15 @@ grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"role\": \"executor\", \"d
   "$COORD" troupe.v1.Coordinator/UpdateState
 grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"role\": \"executor\"}" "$COORD" troupe.v1.Coordinator/GetState
 
-# Session commands: a read-only status graph, then reconcile-and-advance.
+# Session commands: pause (running tasks finish, nothing new is claimed), a read-only status
+# graph, then reconcile-and-advance, which makes the session active again.
+grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"reason\": \"waiting for review\"}" "$COORD" troupe.v1.Coordinator/PauseSession > "$WORK/pause.json"
+grep -q SESSION_STATE_PAUSED "$WORK/pause.json"
 grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\"}" "$COORD" troupe.v1.Coordinator/CheckSession > "$WORK/check.json"
 grep -q IMPL-002 "$WORK/check.json"
-grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\"}" "$COORD" troupe.v1.Coordinator/ResumeSession > /dev/null
+grep -q SESSION_STATE_PAUSED "$WORK/check.json"
+grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\"}" "$COORD" troupe.v1.Coordinator/ResumeSession > "$WORK/resume.json"
+grep -q SESSION_STATE_ACTIVE "$WORK/resume.json"
 
 # Cancel the rest; the watch then replays every event and ends.
 grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"reason\": \"tour over\"}" "$COORD" troupe.v1.Coordinator/CancelSession

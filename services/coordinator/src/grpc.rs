@@ -204,4 +204,13 @@ impl coordinator_server::Coordinator for Adapter {
             events.map(|event| event.map_err(Status::from)),
         )))
     }
+
+    async fn pause_session(
+        &self,
+        request: Request<pb::PauseSessionRequest>,
+    ) -> Result<Response<pb::PauseSessionResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator.pause_session(request.into_inner()).await?,
+        ))
+    }
 }

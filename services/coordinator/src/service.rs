@@ -333,7 +333,7 @@ impl Coordinator {
                     })?,
             )
         };
-        let repos = self
+        let mut repos = self
             .resolve_repos(
                 &plan,
                 base_dir.as_deref(),
@@ -341,6 +341,7 @@ impl Coordinator {
                 request.dry_run,
             )
             .await?;
+        apply_bases(&plan, &mut repos).await?;
         let now = now_ms();
         let plan_dir = base_dir
             .as_ref()
@@ -894,6 +895,32 @@ impl Coordinator {
         })
     }
 
+    /// Pauses a session: no new claims until resumed; running tasks finish and are recorded.
+    #[tracing::instrument(skip_all, fields(session_id = %request.session_id))]
+    pub(crate) async fn pause_session(
+        &self,
+        request: pb::PauseSessionRequest,
+    ) -> Result<pb::PauseSessionResponse, Error> {
+        require(&request.session_id, "session_id")?;
+        let paused = self
+            .store
+            .pause_session(&request.session_id, &request.reason, now_ms())
+            .await?;
+        if paused.changed {
+            self.notify();
+            tracing::info!(running = paused.running.len(), "session paused");
+        }
+        let summary = paused.summary;
+        Ok(pb::PauseSessionResponse {
+            session: Some(session_proto(
+                &summary.session,
+                summary.repos,
+                summary.counts,
+            )),
+            running_task_ids: paused.running,
+        })
+    }
+
     // ----- bus ------------------------------------------------------------------------------
 
     pub(crate) async fn log_message(
@@ -1149,6 +1176,42 @@ fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
             convergence: None,
         })
         .collect()
+}
+
+/// Moves each repository's start from HEAD to the plan's `base` revision, when it names one
+/// (an imported session continues from the exported session's branch). Every revision that
+/// does not name a commit is reported at once.
+async fn apply_bases(plan: &Plan, repos: &mut [ResolvedRepo]) -> Result<(), Error> {
+    let mut problems = Vec::new();
+    for resolved in repos.iter_mut() {
+        let Some(base) = plan
+            .repo(&resolved.name)
+            .and_then(|spec| spec.base.as_deref())
+        else {
+            continue;
+        };
+        let Some(repo) = &resolved.repo else {
+            continue;
+        };
+        match repo.resolve(base).await {
+            Ok(commit) => resolved.base_commit = Some(commit),
+            Err(err) => problems.push(format!(
+                "repo `{}`: base `{base}` does not name a commit in {}: {err} (an imported session \
+                 starts from the exported session's branch: fetch it into this repository, or \
+                 remove `base` to start at HEAD)",
+                resolved.name,
+                resolved.path.display()
+            )),
+        }
+    }
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "invalid repositories:\n{}",
+            problems.join("\n")
+        )))
+    }
 }
 
 async fn open_repo(name: &str, path: &Path) -> Result<ResolvedRepo, String> {

@@ -27,6 +27,8 @@ use crate::convert::{json_to_struct, rfc3339, timestamp};
 use crate::rounds;
 use crate::sched::{self, TaskRow};
 
+mod lifecycle;
+
 /// Schema migrations, applied in order and recorded in `schema_migrations`.
 const MIGRATIONS: &[(i64, &str, &str)] = &[
     (1, "init", include_str!("migrations/0001_init.sql")),

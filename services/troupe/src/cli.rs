@@ -54,6 +54,8 @@ enum Command {
     Check(SessionArgs),
     /// Reconciles a session (orphaned, failed, blocked tasks back in play), then prints `check`.
     Resume(SessionArgs),
+    /// Pauses a session: running tasks finish, nothing new starts until `resume`.
+    Pause(PauseArgs),
     /// Lists the agent backends (installed or not, versions) via `Executor.ListBackends`.
     Doctor(DoctorArgs),
 }
@@ -158,6 +160,15 @@ struct ImportArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct PauseArgs {
+    #[command(flatten)]
+    session: SessionArgs,
+    /// Why, recorded in the event log and the `session_paused` message.
+    #[arg(long, default_value = "")]
+    reason: String,
+}
+
+#[derive(Debug, clap::Args)]
 struct ExportArgs {
     #[command(flatten)]
     session: SessionArgs,
@@ -176,6 +187,7 @@ pub async fn main(cli: Cli) -> ExitCode {
         Command::Export(args) => export(args).await,
         Command::Check(args) => check(args).await,
         Command::Resume(args) => resume(args).await,
+        Command::Pause(args) => pause(args).await,
         Command::Doctor(args) => doctor(args).await,
     };
     match result {
@@ -471,6 +483,36 @@ async fn resume(args: SessionArgs) -> anyhow::Result<ExitCode> {
     if let Some(status) = &resumed.status {
         print!("{}", status_report(status));
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `troupe pause`: `PauseSession`, then what still runs.
+async fn pause(args: PauseArgs) -> anyhow::Result<ExitCode> {
+    let mut client = troupe_grpc::coordinator_client(&args.session.connect)?;
+    let paused = client
+        .pause_session(troupe_proto::v1::PauseSessionRequest {
+            session_id: args.session.session,
+            reason: args.reason,
+        })
+        .await
+        .context("pausing the session")?
+        .into_inner();
+    if let Some(session) = &paused.session {
+        println!(
+            "session {} is {}",
+            session.id,
+            report::session_state_name(session.state)
+        );
+    }
+    if paused.running_task_ids.is_empty() {
+        println!("nothing is running");
+    } else {
+        println!(
+            "still running (their results will be recorded): {}",
+            paused.running_task_ids.join(", ")
+        );
+    }
+    println!("`troupe resume` continues it");
     Ok(ExitCode::SUCCESS)
 }
 

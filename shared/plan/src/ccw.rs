@@ -568,8 +568,14 @@ fn string_set(value: Option<&Value>) -> Vec<String> {
 ///
 /// A JSON object forgets key order and the plan's first repository is its default, so tasks
 /// that name no repository get the default written out when it would not sort first.
+///
+/// A repository whose export recorded the session branch (`troupe.commits[].branch`) gets it
+/// as `base`, so the new session branch starts where the exported session had got to (with the
+/// work of its completed tasks), not at the repository's HEAD. The coordinator refuses the plan
+/// when that branch is not in the repository.
 fn import_repos(
     repos: &[Value],
+    commits: &[Value],
     document: &mut Map<String, Value>,
     tasks: &mut [Map<String, Value>],
     problems: &mut Problems,
@@ -587,7 +593,17 @@ fn import_repos(
             continue;
         };
         default.get_or_insert_with(|| name.to_owned());
-        declared.insert(name.to_owned(), json!({"path": path}));
+        let mut entry = Map::new();
+        entry.insert("path".into(), json!(path));
+        let branch = commits
+            .iter()
+            .filter(|commit| commit.get("repo").and_then(Value::as_str) == Some(name))
+            .find_map(|commit| commit.get("branch").and_then(Value::as_str))
+            .filter(|branch| !branch.is_empty());
+        if let Some(branch) = branch {
+            entry.insert("base".into(), json!(branch));
+        }
+        declared.insert(name.to_owned(), Value::Object(entry));
     }
     let Some(default) = default else {
         return;
@@ -856,7 +872,11 @@ pub fn import_session(dir: &Path) -> Result<Value, PlanError> {
         }
     }
     if let Some(Value::Array(repos)) = troupe.get("repos") {
-        import_repos(repos, &mut document, &mut tasks, &mut problems);
+        let commits = match troupe.get("commits") {
+            Some(Value::Array(commits)) => commits.as_slice(),
+            _ => &[],
+        };
+        import_repos(repos, commits, &mut document, &mut tasks, &mut problems);
     }
 
     let mut ccw = Map::new();

@@ -299,6 +299,10 @@ pub struct RepoSpec {
     pub name: String,
     /// Where it comes from.
     pub source: RepoSource,
+    /// The git revision (commit, branch, tag) the session branch starts at, for a `path`
+    /// repository; `None` starts at HEAD. `troupe import` sets it to the commit an exported
+    /// session's branch had reached.
+    pub base: Option<String>,
 }
 
 /// One validated task.

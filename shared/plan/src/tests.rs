@@ -234,6 +234,31 @@ fn bad_repo_specs() {
 }
 
 #[test]
+fn repo_base_is_parsed_and_checked() {
+    let plan = plan(json!({"name": "p", "repos": {"app": {"path": "r", "base": "troupe/old"}, "lib": {"path": "l"}},
+        "tasks": [task("IMPL-1", &[])]}))
+    .expect("valid");
+    assert_eq!(
+        plan.repo("app").and_then(|r| r.base.as_deref()),
+        Some("troupe/old")
+    );
+    assert_eq!(plan.repo("lib").and_then(|r| r.base.as_deref()), None);
+    let err = problems_of(
+        json!({"name": "p", "repos": {"a": {"template": "t", "base": "main"}, "b": {"path": "x", "base": 3}},
+        "tasks": [task("IMPL-1", &[])]}),
+    );
+    let text = messages(&err).join("\n");
+    assert!(
+        text.contains("repo `a`: `base` applies to `path` repositories"),
+        "{text}"
+    );
+    assert!(
+        text.contains("repo `b`: `base` must be a non-empty string"),
+        "{text}"
+    );
+}
+
+#[test]
 fn paths_escaping_the_repo() {
     let err = problems_of(json!({"name": "p", "tasks": [{
         "id": "IMPL-1", "title": "t",

@@ -284,6 +284,7 @@ fn repos(root: &Map<String, Value>, order: &[String], problems: &mut Problems) -
             return vec![RepoSpec {
                 name: IMPLICIT_REPO.to_owned(),
                 source: RepoSource::Path(".".to_owned()),
+                base: None,
             }];
         }
         Some(Value::Object(map)) => map,
@@ -359,9 +360,29 @@ fn repos(root: &Map<String, Value>, order: &[String], problems: &mut Problems) -
                 continue;
             }
         };
+        let base = match spec.get("base") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(base)) if !base.is_empty() => {
+                if matches!(source, RepoSource::Template(_)) {
+                    problems.push(
+                        ProblemKind::InvalidValue,
+                        format!("{owner}: `base` applies to `path` repositories, not templates"),
+                    );
+                }
+                Some(base.clone())
+            }
+            Some(_) => {
+                problems.push(
+                    ProblemKind::InvalidValue,
+                    format!("{owner}: `base` must be a non-empty string (a commit, branch or tag)"),
+                );
+                None
+            }
+        };
         repos.push(RepoSpec {
             name: name.clone(),
             source,
+            base,
         });
     }
     repos

@@ -283,7 +283,7 @@ async fn a_session_survives_export_and_import() {
     }
     assert_eq!(
         replayed.session.unwrap().repos[0].path,
-        finished.session.unwrap().repos[0].path
+        finished.session.as_ref().unwrap().repos[0].path
     );
 
     // Submitted for real, the imported session is already complete: nothing runs twice.
@@ -296,7 +296,38 @@ async fn a_session_survives_export_and_import() {
         .await
         .unwrap()
         .into_inner();
-    let resumed_id = resumed.session.unwrap().id;
+    let resumed_session = resumed.session.unwrap();
+    // Its branch starts where the exported session's branch is, with the completed work, not
+    // at the repository's HEAD.
+    let exported = finished.session.as_ref().unwrap().repos[0].clone();
+    assert_eq!(document["repos"].as_object().unwrap().len(), 1);
+    let (_, imported_repo) = document["repos"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .next()
+        .unwrap();
+    assert_eq!(imported_repo["base"], exported.branch.as_str());
+    let rev_parse = |rev: &str| {
+        let output = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&exported.path)
+            .args(["rev-parse", "--verify", rev])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "rev-parse {rev}");
+        String::from_utf8(output.stdout).unwrap().trim().to_owned()
+    };
+    let exported_tip = rev_parse(&exported.branch);
+    assert_ne!(
+        exported_tip,
+        rev_parse("HEAD"),
+        "the exported branch has commits"
+    );
+    let new_repo = &resumed_session.repos[0];
+    assert_eq!(new_repo.base_commit, exported_tip);
+    assert_eq!(rev_parse(&new_repo.branch), exported_tip);
+    let resumed_id = resumed_session.id;
     let resumed = troupe_testkit::eventually("the imported session settles", || {
         let mut client = client.clone();
         let session_id = resumed_id.clone();

@@ -323,6 +323,31 @@ fn troupe_repos_keep_their_default() {
 }
 
 #[test]
+fn exported_session_branches_become_repo_bases() {
+    let dir = copy_of("roadmap");
+    edit(&dir.path().join("team-session.json"), |session| {
+        session["troupe"] = json!({
+            "repos": [{"name": "web", "path": "/srv/web"}, {"name": "api", "path": "/srv/api"}],
+            "commits": [
+                {"repo": "web", "branch": "troupe/auth-20261121-abcdef", "base_commit": "1234"},
+                {"repo": "api", "branch": "", "base_commit": "5678"},
+            ],
+        });
+    });
+    let document = import_session(dir.path()).expect("imports");
+    assert_eq!(
+        document["repos"]["web"],
+        json!({"path": "/srv/web", "base": "troupe/auth-20261121-abcdef"})
+    );
+    assert_eq!(document["repos"]["api"], json!({"path": "/srv/api"}));
+    let plan = Plan::from_json(&document.to_string()).expect("a valid plan");
+    assert_eq!(
+        plan.repo("web").and_then(|repo| repo.base.as_deref()),
+        Some("troupe/auth-20261121-abcdef")
+    );
+}
+
+#[test]
 fn the_project_of_a_ccw_session_folder_is_found() {
     assert_eq!(
         project_root(Path::new("/src/app/.workflow/.team/TC-x-2026-03-01")),

@@ -4,6 +4,7 @@ mod bad_plan;
 mod exec_phase;
 mod grpcurl;
 mod otlp;
+mod pause;
 mod quickstart;
 mod shutdown;
 mod support;
