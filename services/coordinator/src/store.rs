@@ -1520,8 +1520,10 @@ async fn finish(
         set_session_state(tx, &mut session, outcome, reason, now).await?;
         state = outcome;
     }
-    // A change that leaves nothing able to move is reported once, as it happens.
+    // A change that leaves nothing able to move is reported once, as it happens (a paused
+    // session is still on purpose; `check` says why its tasks wait).
     if count > 0
+        && state != SessionState::Paused
         && let Some(stuck) = sched::stall(tasks, state, now)
     {
         tracing::warn!(session_id = %session.id, stuck = stuck.len(), "session stalled");

@@ -516,7 +516,6 @@ async fn pause(args: PauseArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Renders a `CheckSession` answer: progress, tasks by wave, workers, blockers, gaps, stall.
 /// `troupe doctor`: one line per backend from `Executor.ListBackends`.
 async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     use troupe_proto::v1::{ListBackendsRequest, executor_client::ExecutorClient};
@@ -569,6 +568,7 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Renders a `CheckSession` answer: progress, tasks by wave, workers, blockers, gaps, stall.
 fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();

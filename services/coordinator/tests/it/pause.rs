@@ -214,7 +214,37 @@ async fn a_paused_session_can_still_be_cancelled(db: Db) {
     harness.stop().await;
 }
 
+async fn a_paused_session_is_not_reported_as_stalled(db: Db) {
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(json!({"name": "pause", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"])]}))
+        .await;
+    let session = session_id(&created);
+    let running = harness.claim(&[Role::Executor], 1).await;
+    pause(&harness, &session, "lunch").await;
+    // Its last running task finishes: nothing is ready or running, but on purpose.
+    harness
+        .complete(&running[0], "done")
+        .await
+        .expect("complete while paused");
+    assert!(harness.messages(&session, "warning").await.is_empty());
+    // `check` still says why the rest waits.
+    let stall = harness
+        .check(&session)
+        .await
+        .stall
+        .expect("why IMPL-2 waits");
+    assert!(
+        stall
+            .tasks
+            .iter()
+            .all(|task| task.reason.contains("paused")),
+        "{stall:?}"
+    );
+}
+
 db_tests!(
+    a_paused_session_is_not_reported_as_stalled,
     running_task_finishes_nothing_new_is_claimed_and_resume_runs_the_rest,
     pausing_an_ended_or_unknown_session_is_refused,
     a_paused_session_can_still_be_cancelled,
