@@ -403,6 +403,8 @@ impl CliBackend {
                 let dir = home.join(".qwen");
                 let mut settings = json!({"memory": {"enableManagedAutoMemory": false}});
                 if fast {
+                    // Covers the SDK's and the rate-limit retries. Its inner backoff on 5xx and
+                    // network errors (7 attempts, ~70 s) has no setting or env var in 0.24.4.
                     settings["model"] = json!({"generationConfig": {"maxRetries": 0}});
                 }
                 write(dir.join("settings.json"), settings.to_string()).await?;
@@ -436,6 +438,8 @@ impl CliBackend {
                 }
             }
             CliKind::Opencode => {
+                // No fast_fail here: opencode 1.18.33 retries retryable errors 5 times (2 s
+                // doubling, ~70–90 s) with no config key or env var to change that.
                 let model_name = model.clone().unwrap_or_else(|| "default".to_owned());
                 let mut config = json!({
                     "$schema": "https://opencode.ai/config.json",

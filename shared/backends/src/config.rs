@@ -48,7 +48,12 @@ pub struct BackendConfig {
     pub timeout_seconds: Option<u64>,
     /// Limit on time without output.
     pub idle_timeout_seconds: Option<u64>,
-    /// Turn the CLI's own retries off (tests; troupe retries and falls back itself).
+    /// Turn the CLI's own retries off where the CLI lets us (tests; troupe retries and falls
+    /// back itself): codex provider retries 0 (its unbounded reconnects are always off),
+    /// `CLAUDE_CODE_MAX_RETRIES=0`, gemini `general.maxAttempts: 1`, qwen
+    /// `model.generationConfig.maxRetries: 0`. Not switchable (read in their sources): qwen's
+    /// inner 7-attempt backoff on 5xx and network errors and opencode's 5 session retries
+    /// (about 70–90 s each before the CLI gives up).
     #[serde(default)]
     pub fast_fail: bool,
     /// `agent` loop: most model calls per run.

@@ -373,12 +373,17 @@ impl TapFiles for Value {
 }
 
 /// Runs one backend against a faulty endpoint and returns the classified error.
-async fn fault(backend: &str, base: &str, idle: Option<u64>) -> (TaskError, Code, Duration) {
+async fn fault(
+    backend: &str,
+    base: &str,
+    idle: Option<u64>,
+    timeout_seconds: u64,
+) -> (TaskError, Code, Duration) {
     let mut config = config_for(&[(backend, base)]);
     config.fallback.clear();
     if let Some(b) = config.backends.get_mut(backend) {
         b.idle_timeout_seconds = idle;
-        b.timeout_seconds = Some(90);
+        b.timeout_seconds = Some(timeout_seconds);
     }
     let mut f = fixture(config).await;
     let started = Instant::now();
@@ -391,6 +396,36 @@ async fn fault(backend: &str, base: &str, idle: Option<u64>) -> (TaskError, Code
     (task_error(&status), status.code(), elapsed)
 }
 
+/// One fault against one backend: the class is right and names the backend. Returns how long
+/// the attempt took.
+async fn classifies_one(
+    backend: &str,
+    url: &str,
+    prefix: &str,
+    want: ErrorKind,
+    timeout_seconds: u64,
+) -> Duration {
+    let base = if prefix == "refused" {
+        troupe_modelserver::refused_url().await.expect("port")
+    } else {
+        format!("{url}/{prefix}")
+    };
+    let (error, code, elapsed) = fault(backend, &base, None, timeout_seconds).await;
+    assert_eq!(error.kind(), want, "{backend} {prefix}: {error:?}");
+    assert!(
+        error.message.contains(&format!("`{backend}`")),
+        "{}",
+        error.message
+    );
+    assert_ne!(code, Code::Ok);
+    eprintln!(
+        "{backend} {prefix}: {:?} in {elapsed:?}: {}",
+        error.kind(),
+        error.message
+    );
+    elapsed
+}
+
 async fn classifies(backend: &str, cases: &[(&str, ErrorKind)]) {
     let (url, _server) = ModelServer::start(Script::write_file(
         "notes/hello.txt",
@@ -400,23 +435,39 @@ async fn classifies(backend: &str, cases: &[(&str, ErrorKind)]) {
     .await
     .expect("model server");
     for (prefix, want) in cases {
-        let base = if *prefix == "refused" {
-            troupe_modelserver::refused_url().await.expect("port")
-        } else {
-            format!("{url}/{prefix}")
-        };
-        let (error, code, elapsed) = fault(backend, &base, None).await;
-        assert_eq!(error.kind(), *want, "{backend} {prefix}: {error:?}");
+        classifies_one(backend, &url, prefix, *want, 90).await;
+    }
+}
+
+/// A fault the CLI retries internally for 70–90 s with no switch to turn that off (qwen's
+/// inner 7-attempt backoff, opencode's 5 session retries; services/executor/README.md). Each
+/// is its own test so nextest can overlap them, and `.config/nextest.toml` gives them a longer
+/// slow-timeout. The CLI must give up by itself, classified, well before the backend timeout
+/// (which would make it TIMEOUT instead).
+async fn classifies_slowly(backend: &str, prefix: &str, want: ErrorKind) {
+    let (url, server) = ModelServer::start(Script::write_file(
+        "notes/hello.txt",
+        "notes/hello.txt",
+        "x",
+    ))
+    .await
+    .expect("model server");
+    let elapsed = classifies_one(backend, &url, prefix, want, 150).await;
+    assert!(
+        elapsed < Duration::from_secs(120),
+        "{backend} {prefix} took {elapsed:?}"
+    );
+    if prefix != "refused" {
+        // Why this test is slow: the CLI retried on its own, fast_fail notwithstanding.
+        let hits = server
+            .requests()
+            .iter()
+            .filter(|r| r.path.starts_with(&format!("/{prefix}/")))
+            .count();
+        eprintln!("{backend} {prefix}: {hits} requests");
         assert!(
-            error.message.contains(&format!("`{backend}`")),
-            "{}",
-            error.message
-        );
-        assert_ne!(code, Code::Ok);
-        eprintln!(
-            "{backend} {prefix}: {:?} in {elapsed:?}: {}",
-            error.kind(),
-            error.message
+            hits > 1,
+            "{backend} {prefix}: {hits} request(s), no retries"
         );
     }
 }
@@ -437,12 +488,12 @@ async fn codex_errors_classify() {
 
 #[tokio::test]
 async fn claude_errors_classify() {
-    // Claude's 500 path keeps an inner backoff of about a minute even with retries off.
     classifies(
         "claude",
         &[
             ("__401", ErrorKind::Auth),
             ("__429", ErrorKind::RateLimited),
+            ("__500", ErrorKind::Crash),
             ("refused", ErrorKind::Crash),
         ],
     )
@@ -477,7 +528,7 @@ async fn qwen_errors_classify() {
 
 #[tokio::test]
 async fn opencode_errors_classify() {
-    // opencode has no knob for its retries; 401 is not retried, 429 honours retry-after.
+    // 401 is not retried, 429 honours retry-after; 500 and refused are the slow tests below.
     classifies(
         "opencode",
         &[
@@ -486,6 +537,26 @@ async fn opencode_errors_classify() {
         ],
     )
     .await;
+}
+
+#[tokio::test]
+async fn slow_errors_classify_qwen_500() {
+    classifies_slowly("qwen", "__500", ErrorKind::Crash).await;
+}
+
+#[tokio::test]
+async fn slow_errors_classify_qwen_refused() {
+    classifies_slowly("qwen", "refused", ErrorKind::Crash).await;
+}
+
+#[tokio::test]
+async fn slow_errors_classify_opencode_500() {
+    classifies_slowly("opencode", "__500", ErrorKind::Crash).await;
+}
+
+#[tokio::test]
+async fn slow_errors_classify_opencode_refused() {
+    classifies_slowly("opencode", "refused", ErrorKind::Crash).await;
 }
 
 #[tokio::test]
