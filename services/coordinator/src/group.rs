@@ -20,6 +20,7 @@
 //! (cheaper than a `SAVEPOINT` per operation in the common case, where nothing fails).
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::oneshot;
@@ -27,7 +28,7 @@ use troupe_proto::v1 as pb;
 
 use crate::Error;
 use crate::sched::TaskRow;
-use crate::store::{self, Claimed, Dialect, Store};
+use crate::store::{self, Claimed, Dialect, SessionRow, Store};
 
 /// One queued write and where its answer goes.
 #[derive(Debug)]
@@ -272,10 +273,14 @@ impl GroupCommit {
 
     async fn run_together(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
         let mut tx = self.store.begin().await.map_err(|_| GroupError::Op)?;
+        let mut sessions = HashMap::new();
         let mut outcomes = Vec::with_capacity(ops.len());
         for op in ops {
             // Dropping `tx` on an error rolls the whole group back.
-            let outcome = self.run_in(&mut tx, op).await.map_err(|_| GroupError::Op)?;
+            let outcome = self
+                .run_in(&mut tx, &mut sessions, op)
+                .await
+                .map_err(|_| GroupError::Op)?;
             outcomes.push(outcome);
         }
         tx.commit()
@@ -286,13 +291,20 @@ impl GroupCommit {
 
     async fn run_alone(&self, op: &Op) -> Result<Outcome, Error> {
         let mut tx = self.store.begin().await?;
-        let outcome = self.run_in(&mut tx, op).await?;
+        let outcome = self.run_in(&mut tx, &mut HashMap::new(), op).await?;
         tx.commit().await?;
         Ok(outcome)
     }
 
-    /// One operation inside a transaction, exactly as it runs alone.
-    async fn run_in(&self, tx: &mut store::Tx, op: &Op) -> Result<Outcome, Error> {
+    /// One operation inside a transaction, exactly as it runs alone. `sessions` holds the
+    /// sessions this transaction already locked and loaded (kept current by the operations:
+    /// only a completion can change a session row, through `finish`).
+    async fn run_in(
+        &self,
+        tx: &mut store::Tx,
+        sessions: &mut HashMap<String, SessionRow>,
+        op: &Op,
+    ) -> Result<Outcome, Error> {
         let lock = self.store.for_update();
         Ok(match op {
             Op::Claim {
@@ -316,7 +328,9 @@ impl GroupCommit {
                 now,
                 ..
             } => {
-                store::lock_session(tx, session_id, lock).await?;
+                if !sessions.contains_key(session_id) {
+                    store::lock_session(tx, session_id, lock).await?;
+                }
                 Outcome::Heartbeat(
                     store::heartbeat_in(tx, session_id, task_id, *token, progress, *lease_ms, *now)
                         .await?,
@@ -330,9 +344,14 @@ impl GroupCommit {
                 now,
                 ..
             } => {
-                let session = store::lock_and_load_session(tx, session_id, lock).await?;
+                let session = match sessions.entry(session_id.clone()) {
+                    Entry::Occupied(entry) => entry.into_mut(),
+                    Entry::Vacant(entry) => {
+                        entry.insert(store::lock_and_load_session(tx, session_id, lock).await?)
+                    }
+                };
                 Outcome::Complete(
-                    store::complete_in(tx, &session, task_id, *token, result.clone(), *now).await?,
+                    store::complete_in(tx, session, task_id, *token, result.clone(), *now).await?,
                 )
             }
         })

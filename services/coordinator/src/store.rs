@@ -431,7 +431,7 @@ impl Store {
         active.state = SessionState::Active;
         let before = new.tasks.clone();
         let mut tasks = new.tasks;
-        save(&mut tx, &active, &before, &mut tasks, transitions, now).await?;
+        save(&mut tx, &mut active, &before, &mut tasks, transitions, now).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -526,7 +526,7 @@ impl Store {
                 }
                 set_session_state(&mut tx, &mut session, SessionState::Cancelled, reason, now)
                     .await?;
-                save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+                save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
             }
         }
         let session = load_session(&mut tx, session_id).await?;
@@ -706,7 +706,7 @@ impl Store {
         now: i64,
     ) -> Result<(TaskRow, Option<i64>), Error> {
         let mut tx = self.begin().await?;
-        let session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
+        let mut session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
         let before = load_tasks_lite(&mut tx, session_id).await?;
         let mut tasks = before.clone();
         let task = find_task_mut(&mut tasks, task_id, session_id)?;
@@ -770,7 +770,7 @@ impl Store {
                 .await?,
             );
         }
-        save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+        save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
         let task = load_task(&mut tx, session_id, task_id).await?;
         tx.commit().await?;
         Ok((task, retry_at))
@@ -796,7 +796,7 @@ impl Store {
             let mut tx = self.begin().await?;
             lock_session(&mut tx, &session_id, self.for_update()).await?;
             let before = load_tasks_lite(&mut tx, &session_id).await?;
-            let session = load_session(&mut tx, &session_id).await?;
+            let mut session = load_session(&mut tx, &session_id).await?;
             let mut tasks = before.clone();
             let mut transitions = Vec::new();
             for task in tasks.iter_mut() {
@@ -833,7 +833,7 @@ impl Store {
                 task.worker_id.clear();
             }
             let before_len = transitions.len();
-            let total = save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+            let total = save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
             tx.commit().await?;
             if total > 0 || before_len > 0 {
                 changed += 1;
@@ -900,7 +900,7 @@ impl Store {
             set_session_state(&mut tx, &mut session, SessionState::Active, "resumed", now).await?;
         }
         let reconciled = transitions.clone();
-        save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+        save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
         tx.commit().await?;
         Ok(reconciled)
     }
@@ -1227,13 +1227,15 @@ pub(crate) async fn heartbeat_in(
 /// loaded, inside a transaction the caller commits (see [`crate::group`]).
 pub(crate) async fn complete_in(
     tx: &mut Tx,
-    session: &SessionRow,
+    session: &mut SessionRow,
     task_id: &str,
     token: u64,
     result: pb::TaskResult,
     now: i64,
 ) -> Result<TaskRow, Error> {
-    let session_id = session.id.as_str();
+    // Owned: `session` is passed on mutably (see [`finish`]).
+    let session_id = session.id.clone();
+    let session_id = session_id.as_str();
     if session.mode == Mode::Eager && session.state == SessionState::Active {
         return complete_eager(tx, session, task_id, token, result, now).await;
     }
@@ -1257,13 +1259,15 @@ pub(crate) async fn complete_in(
 /// or stalled (nothing left open, or nothing ready or running).
 async fn complete_eager(
     tx: &mut Tx,
-    session: &SessionRow,
+    session: &mut SessionRow,
     task_id: &str,
     token: u64,
     result: pb::TaskResult,
     now: i64,
 ) -> Result<TaskRow, Error> {
-    let session_id = session.id.as_str();
+    // Owned: `session` is passed on mutably (see [`finish`]).
+    let session_id = session.id.clone();
+    let session_id = session_id.as_str();
     let original = load_task(tx, session_id, task_id).await?;
     if original.state != TaskState::Running || original.fencing_token != token {
         return Err(stale(&original, token));
@@ -1323,7 +1327,7 @@ async fn complete_eager(
         session.on_failure,
         now,
     ));
-    let count = write_changes(tx, &session.id, &before, &subset, transitions, now).await?;
+    let count = write_changes(tx, session_id, &before, &subset, transitions, now).await?;
     // While some task is ready or running the session can neither end nor stall; only
     // when none is (rare) is the whole graph read to decide.
     let readied = subset.iter().any(|task| task.state == TaskState::Ready);
@@ -1339,7 +1343,7 @@ async fn complete_eager(
 /// tasks and appends every transition as an event. Returns the number of task transitions.
 async fn save(
     tx: &mut Tx,
-    session: &SessionRow,
+    session: &mut SessionRow,
     before: &[TaskRow],
     tasks: &mut [TaskRow],
     mut transitions: Vec<pb::TaskTransition>,
@@ -1494,10 +1498,11 @@ async fn any_task_in(tx: &mut Tx, session_id: &str, states: &[TaskState]) -> Res
 }
 
 /// After `count` transitions on the whole graph `tasks`: ends the session when every task is
-/// terminal, and reports a stall once, as it happens.
+/// terminal (updating `session` too: a group commit runs the next operation with it), and
+/// reports a stall once, as it happens.
 async fn finish(
     tx: &mut Tx,
-    session: &SessionRow,
+    session: &mut SessionRow,
     tasks: &[TaskRow],
     count: usize,
     now: i64,
@@ -1511,8 +1516,7 @@ async fn finish(
         } else {
             "every task is terminal and some did not complete"
         };
-        let mut session = session.clone();
-        set_session_state(tx, &mut session, outcome, reason, now).await?;
+        set_session_state(tx, session, outcome, reason, now).await?;
         state = outcome;
     }
     // A change that leaves nothing able to move is reported once, as it happens.
