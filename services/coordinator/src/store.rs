@@ -615,34 +615,39 @@ impl Store {
                 )),
             }
         }
-        let mut locked: Vec<&str> = Vec::new();
+        // The locked sessions with their state as of the lock.
+        let mut locked: Vec<(&str, SessionState)> = Vec::new();
         match self.dialect {
-            Dialect::Sqlite => locked.extend(by_session.iter().map(|(id, _, _)| id.as_str())),
+            Dialect::Sqlite => locked.extend(
+                by_session
+                    .iter()
+                    .map(|(id, _, _)| (id.as_str(), SessionState::Active)),
+            ),
             Dialect::Postgres => {
                 for (session_id, _, _) in &by_session {
-                    if try_lock_session(tx, session_id, " FOR UPDATE SKIP LOCKED").await? {
-                        locked.push(session_id);
+                    if let Some(state) = try_lock_session(tx, session_id).await? {
+                        locked.push((session_id, state));
                     }
                 }
                 if locked.is_empty() {
                     let first = &by_session[0].0;
-                    lock_session(tx, first, " FOR UPDATE").await?;
-                    locked.push(first);
+                    let session = lock_and_load_session(tx, first, " FOR UPDATE").await?;
+                    locked.push((first, session.state));
                 }
             }
         }
         let mut out = Vec::new();
-        for (session_id, plan_dir, candidates) in by_session
-            .iter()
-            .filter(|(id, _, _)| locked.contains(&id.as_str()))
-        {
+        for (session_id, plan_dir, candidates) in &by_session {
+            let Some((_, state)) = locked.iter().find(|(id, _)| id == session_id) else {
+                continue;
+            };
             let before = match self.dialect {
                 // The candidates were read holding the database's write lock: still current.
                 Dialect::Sqlite => candidates.clone(),
                 // Now that the session is locked: its best claimable tasks, the candidates
                 // while still ready, else (another claimer took some first) the next ones.
                 Dialect::Postgres => {
-                    if load_session(tx, session_id).await?.state != SessionState::Active {
+                    if *state != SessionState::Active {
                         continue;
                     }
                     load_claimable(tx, session_id, roles, candidates.len()).await?
@@ -1823,15 +1828,15 @@ pub(crate) async fn lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> R
 }
 
 /// Locks a session's row unless another transaction holds it (PostgreSQL `SKIP LOCKED`);
-/// returns whether this transaction now holds it.
-async fn try_lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> Result<bool, Error> {
-    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT id FROM sessions WHERE id = $1{lock}"
-    )))
-    .bind(session_id)
-    .fetch_optional(&mut **tx)
-    .await?;
-    Ok(row.is_some())
+/// returns the session's state when this transaction now holds it (read with the lock, so a
+/// claim needs no second statement to check it).
+async fn try_lock_session(tx: &mut Tx, session_id: &str) -> Result<Option<SessionState>, Error> {
+    let row = sqlx::query("SELECT state FROM sessions WHERE id = $1 FOR UPDATE SKIP LOCKED")
+        .bind(session_id)
+        .fetch_optional(&mut **tx)
+        .await?;
+    row.map(|row| SessionState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt))
+        .transpose()
 }
 
 fn session_from_row(row: &AnyRow) -> Result<SessionRow, Error> {
