@@ -54,7 +54,8 @@ enum Op {
         session_id: String,
         task_id: String,
         token: u64,
-        result: pb::TaskResult,
+        // Boxed: the largest variant by far.
+        result: Box<pb::TaskResult>,
         now: i64,
         reply: oneshot::Sender<Result<TaskRow, Error>>,
     },
@@ -64,7 +65,7 @@ enum Op {
 enum Outcome {
     Claim(Vec<Claimed>),
     Heartbeat((i64, bool)),
-    Complete(TaskRow),
+    Complete(Box<TaskRow>),
 }
 
 /// Why a group did not commit.
@@ -183,7 +184,7 @@ impl GroupCommit {
             session_id: session_id.to_owned(),
             task_id: task_id.to_owned(),
             token,
-            result,
+            result: Box::new(result),
             now,
             reply,
         };
@@ -350,9 +351,10 @@ impl GroupCommit {
                         entry.insert(store::lock_and_load_session(tx, session_id, lock).await?)
                     }
                 };
-                Outcome::Complete(
-                    store::complete_in(tx, session, task_id, *token, result.clone(), *now).await?,
-                )
+                let result = pb::TaskResult::clone(result);
+                Outcome::Complete(Box::new(
+                    store::complete_in(tx, session, task_id, *token, result, *now).await?,
+                ))
             }
         })
     }
@@ -375,7 +377,7 @@ fn answer(op: Op, outcome: Result<Outcome, Error>) {
         }
         Op::Complete { reply, .. } => {
             let _ = reply.send(outcome.and_then(|outcome| match outcome {
-                Outcome::Complete(task) => Ok(task),
+                Outcome::Complete(task) => Ok(*task),
                 _ => Err(mismatch()),
             }));
         }
