@@ -11,6 +11,7 @@
 mod check;
 mod convert;
 mod error;
+mod group;
 mod grpc;
 mod rounds;
 mod sched;

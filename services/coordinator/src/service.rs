@@ -17,6 +17,7 @@ use troupe_workspace::{Oid, Repo};
 use crate::Error;
 use crate::check;
 use crate::convert::{json_to_struct, now_ms, opt_timestamp, struct_to_json, timestamp};
+use crate::group::GroupCommit;
 use crate::rounds;
 use crate::sched::{self, TaskRow};
 use crate::store::{
@@ -36,6 +37,8 @@ const EVENT_PAGE: u32 = 256;
 #[derive(Debug)]
 pub(crate) struct Coordinator {
     store: Store,
+    /// The worker protocol's writes (claim, heartbeat, complete), group-committed.
+    group: GroupCommit,
     data_dir: PathBuf,
     /// Bumped after every committed change; claim long-polls and watchers wait on it. A watch
     /// channel (not `Notify`) so that a change between "look" and "wait" is never missed.
@@ -172,6 +175,7 @@ impl Coordinator {
         let (changes, _) = watch::channel(0);
         let (claimable, _) = watch::channel(0);
         Self {
+            group: GroupCommit::new(store.clone()),
             store,
             data_dir,
             changes,
@@ -607,7 +611,7 @@ impl Coordinator {
         loop {
             changes.borrow_and_update();
             let claimed = self
-                .store
+                .group
                 .claim(&request.worker_id, &roles, max, lease_ms, now_ms())
                 .await?;
             if !claimed.is_empty() {
@@ -660,7 +664,7 @@ impl Coordinator {
         };
         let progress: String = request.progress.chars().take(MAX_PROGRESS_CHARS).collect();
         let (expires_at, cancel_requested) = self
-            .store
+            .group
             .heartbeat(
                 &request.session_id,
                 &request.task_id,
@@ -688,7 +692,7 @@ impl Coordinator {
         require(&request.task_id, "task_id")?;
         let result = request.result.unwrap_or_default();
         let task = self
-            .store
+            .group
             .complete(
                 &request.session_id,
                 &request.task_id,

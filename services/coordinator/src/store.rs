@@ -58,7 +58,7 @@ const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, 
 const SESSION_COLUMNS: &str =
     "id, name, description, state, mode, on_failure, plan_dir, last_seq, created_at, updated_at";
 
-type Tx = Transaction<'static, Any>;
+pub(crate) type Tx = Transaction<'static, Any>;
 
 /// A session row.
 #[derive(Debug, Clone, PartialEq)]
@@ -315,7 +315,7 @@ impl Store {
 
     /// Row-lock suffix of a `SELECT` inside a write transaction: PostgreSQL locks the rows,
     /// SQLite already holds the database's write lock (`BEGIN IMMEDIATE`).
-    fn for_update(&self) -> &'static str {
+    pub(crate) fn for_update(&self) -> &'static str {
         match self.dialect {
             Dialect::Sqlite => "",
             Dialect::Postgres => " FOR UPDATE",
@@ -361,7 +361,7 @@ impl Store {
         Ok(())
     }
 
-    async fn begin(&self) -> Result<Tx, Error> {
+    pub(crate) async fn begin(&self) -> Result<Tx, Error> {
         Ok(match self.dialect {
             Dialect::Sqlite => self.writer.begin_with("BEGIN IMMEDIATE").await?,
             Dialect::Postgres => self.writer.begin().await?,
@@ -433,7 +433,7 @@ impl Store {
         active.state = SessionState::Active;
         let before = new.tasks.clone();
         let mut tasks = new.tasks;
-        save(&mut tx, &active, &before, &mut tasks, transitions, now).await?;
+        save(&mut tx, &mut active, &before, &mut tasks, transitions, now).await?;
         tx.commit().await?;
         Ok(())
     }
@@ -528,7 +528,7 @@ impl Store {
                 }
                 set_session_state(&mut tx, &mut session, SessionState::Cancelled, reason, now)
                     .await?;
-                save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+                save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
             }
         }
         let session = load_session(&mut tx, session_id).await?;
@@ -561,6 +561,23 @@ impl Store {
         now: i64,
     ) -> Result<Vec<Claimed>, Error> {
         let mut tx = self.begin().await?;
+        let claimed = self
+            .claim_in(&mut tx, worker_id, roles, max, lease_ms, now)
+            .await?;
+        tx.commit().await?;
+        Ok(claimed)
+    }
+
+    /// [`Store::claim`] inside a transaction the caller commits (see [`crate::group`]).
+    pub(crate) async fn claim_in(
+        &self,
+        tx: &mut Tx,
+        worker_id: &str,
+        roles: &[pb::Role],
+        max: u32,
+        lease_ms: i64,
+        now: i64,
+    ) -> Result<Vec<Claimed>, Error> {
         let role_filter = role_filter("t.role", roles, 4);
         // The order of the `tasks_claim` index, so the best candidates are its first entries.
         let columns = TASK_COLUMNS
@@ -580,9 +597,8 @@ impl Store {
         for role in roles {
             query = query.bind(*role as i32);
         }
-        let picked = query.fetch_all(&mut *tx).await?;
+        let picked = query.fetch_all(&mut **tx).await?;
         if picked.is_empty() {
-            tx.rollback().await?;
             return Ok(Vec::new());
         }
         // Keep the claim order while grouping the work per session.
@@ -601,40 +617,45 @@ impl Store {
                 )),
             }
         }
-        let mut locked: Vec<&str> = Vec::new();
+        // The locked sessions with their state as of the lock.
+        let mut locked: Vec<(&str, SessionState)> = Vec::new();
         match self.dialect {
-            Dialect::Sqlite => locked.extend(by_session.iter().map(|(id, _, _)| id.as_str())),
+            Dialect::Sqlite => locked.extend(
+                by_session
+                    .iter()
+                    .map(|(id, _, _)| (id.as_str(), SessionState::Active)),
+            ),
             Dialect::Postgres => {
                 for (session_id, _, _) in &by_session {
-                    if try_lock_session(&mut tx, session_id, " FOR UPDATE SKIP LOCKED").await? {
-                        locked.push(session_id);
+                    if let Some(state) = try_lock_session(tx, session_id).await? {
+                        locked.push((session_id, state));
                     }
                 }
                 if locked.is_empty() {
                     let first = &by_session[0].0;
-                    lock_session(&mut tx, first, " FOR UPDATE").await?;
-                    locked.push(first);
+                    let session = lock_and_load_session(tx, first, " FOR UPDATE").await?;
+                    locked.push((first, session.state));
                 }
             }
         }
         let mut out = Vec::new();
-        for (session_id, plan_dir, candidates) in by_session
-            .iter()
-            .filter(|(id, _, _)| locked.contains(&id.as_str()))
-        {
+        for (session_id, plan_dir, candidates) in &by_session {
+            let Some((_, state)) = locked.iter().find(|(id, _)| id == session_id) else {
+                continue;
+            };
             let before = match self.dialect {
                 // The candidates were read holding the database's write lock: still current.
                 Dialect::Sqlite => candidates.clone(),
                 // Now that the session is locked: its best claimable tasks, the candidates
                 // while still ready, else (another claimer took some first) the next ones.
                 Dialect::Postgres => {
-                    if load_session(&mut tx, session_id).await?.state != SessionState::Active {
+                    if *state != SessionState::Active {
                         continue;
                     }
-                    load_claimable(&mut tx, session_id, roles, candidates.len()).await?
+                    load_claimable(tx, session_id, roles, candidates.len()).await?
                 }
             };
-            let repos = self.repos(&mut tx, session_id).await?;
+            let repos = self.repos(tx, session_id).await?;
             let taken: Vec<String> = before.iter().map(|task| task.id.clone()).collect();
             if taken.is_empty() {
                 continue;
@@ -653,10 +674,10 @@ impl Store {
                 task.lease_expires_at = Some(now + lease_ms);
             }
             // A claim changes nothing else in the graph: no settling needed.
-            write_changes(&mut tx, session_id, &before, &tasks, transitions, now).await?;
+            write_changes(tx, session_id, &before, &tasks, transitions, now).await?;
             // Upstream results need the whole graph, but only for tasks with dependencies.
             let graph = if tasks.iter().any(|task| !task.depends_on.is_empty()) {
-                load_tasks_lite(&mut tx, session_id).await?
+                load_tasks_lite(tx, session_id).await?
             } else {
                 Vec::new()
             };
@@ -675,184 +696,7 @@ impl Store {
                 });
             }
         }
-        tx.commit().await?;
         Ok(out)
-    }
-
-    /// Extends a lease and records progress; returns the new expiry and whether the task was
-    /// cancelled.
-    pub(crate) async fn heartbeat(
-        &self,
-        session_id: &str,
-        task_id: &str,
-        token: u64,
-        progress: &str,
-        lease_ms: Option<i64>,
-        now: i64,
-    ) -> Result<(i64, bool), Error> {
-        let mut tx = self.begin().await?;
-        lock_session(&mut tx, session_id, self.for_update()).await?;
-        let before = load_task(&mut tx, session_id, task_id).await?;
-        if before.fencing_token != token {
-            return Err(stale(&before, token));
-        }
-        if before.state == TaskState::Cancelled {
-            return Ok((now, true));
-        }
-        if before.state != TaskState::Running {
-            return Err(stale(&before, token));
-        }
-        let mut task = before.clone();
-        if let Some(lease_ms) = lease_ms {
-            task.lease_ms = lease_ms;
-        }
-        let expires_at = now + task.lease_ms;
-        task.lease_expires_at = Some(expires_at);
-        if !progress.is_empty() && progress != task.progress {
-            task.progress = progress.to_owned();
-            append_event(
-                &mut tx,
-                session_id,
-                now,
-                Kind::Progress(pb::TaskProgress {
-                    task_id: task_id.to_owned(),
-                    note: progress.to_owned(),
-                    worker_id: task.worker_id.clone(),
-                }),
-            )
-            .await?;
-        }
-        update_task(&mut tx, &task).await?;
-        tx.commit().await?;
-        Ok((expires_at, false))
-    }
-
-    /// Completes a running task under its current fencing token.
-    pub(crate) async fn complete(
-        &self,
-        session_id: &str,
-        task_id: &str,
-        token: u64,
-        result: pb::TaskResult,
-        now: i64,
-    ) -> Result<TaskRow, Error> {
-        let mut tx = self.begin().await?;
-        let session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
-        if session.mode == Mode::Eager && session.state == SessionState::Active {
-            return self
-                .complete_eager(tx, &session, task_id, token, result, now)
-                .await;
-        }
-        let before = load_tasks_lite(&mut tx, session_id).await?;
-        let mut tasks = before.clone();
-        let task = find_task_mut(&mut tasks, task_id, session_id)?;
-        if task.state != TaskState::Running || task.fencing_token != token {
-            return Err(stale(task, token));
-        }
-        write_back_convergence(&mut tx, session_id, task_id, &result).await?;
-        task.result = Some(result);
-        let transition = sched::transition(task, TaskState::Completed, "completed", now);
-        save(
-            &mut tx,
-            &session,
-            &before,
-            &mut tasks,
-            vec![transition],
-            now,
-        )
-        .await?;
-        let task = load_task(&mut tx, session_id, task_id).await?;
-        tx.commit().await?;
-        Ok(task)
-    }
-
-    /// [`Store::complete`] in an active eager session without reading the whole graph: a
-    /// completion can only make its own pending dependents ready, so only they and their
-    /// dependencies are loaded. The whole graph is read only when the session may have ended
-    /// or stalled (nothing left open, or nothing ready or running).
-    async fn complete_eager(
-        &self,
-        mut tx: Tx,
-        session: &SessionRow,
-        task_id: &str,
-        token: u64,
-        result: pb::TaskResult,
-        now: i64,
-    ) -> Result<TaskRow, Error> {
-        let session_id = session.id.as_str();
-        let original = load_task(&mut tx, session_id, task_id).await?;
-        if original.state != TaskState::Running || original.fencing_token != token {
-            return Err(stale(&original, token));
-        }
-        let mut task = original.clone();
-        write_back_convergence(&mut tx, session_id, task_id, &result).await?;
-        task.result = Some(result);
-        let transition = sched::transition(&mut task, TaskState::Completed, "completed", now);
-        // Pending tasks that name this one among their dependencies (the LIKE is a coarse
-        // filter on the JSON text; the parsed list decides).
-        let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
-        let pattern = format!("%{}%", Value::String(task_id.to_owned()));
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {columns} FROM tasks WHERE session_id = $1 AND state = $2 AND depends_on LIKE $3 ORDER BY position"
-        )))
-        .bind(session_id)
-        .bind(TaskState::Pending as i32)
-        .bind(pattern)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut subset = vec![original];
-        for row in &rows {
-            let dependent = task_from_row(row)?;
-            if dependent.depends_on.iter().any(|dep| dep == task_id) {
-                subset.push(dependent);
-            }
-        }
-        let mut wanted: Vec<String> = Vec::new();
-        for dependent in &subset[1..] {
-            for dep in &dependent.depends_on {
-                if !subset.iter().any(|known| &known.id == dep) && !wanted.contains(dep) {
-                    wanted.push(dep.clone());
-                }
-            }
-        }
-        // The dependents' other dependencies, in one query (chunked under the bind limits).
-        for chunk in wanted.chunks(256) {
-            let placeholders: Vec<String> =
-                (0..chunk.len()).map(|i| format!("${}", i + 2)).collect();
-            let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-                "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
-                placeholders.join(", ")
-            )))
-            .bind(session_id);
-            for dep in chunk {
-                query = query.bind(dep);
-            }
-            for row in query.fetch_all(&mut *tx).await? {
-                subset.push(task_from_row(&row)?);
-            }
-        }
-        let before = subset.clone();
-        subset[0] = task;
-        let mut transitions = vec![transition];
-        transitions.extend(sched::settle(
-            &mut subset,
-            session.mode,
-            session.on_failure,
-            now,
-        ));
-        let count = write_changes(&mut tx, &session.id, &before, &subset, transitions, now).await?;
-        // While some task is ready or running the session can neither end nor stall; only
-        // when none is (rare) is the whole graph read to decide.
-        let readied = subset.iter().any(|task| task.state == TaskState::Ready);
-        if !readied
-            && !any_task_in(&mut tx, session_id, &[TaskState::Ready, TaskState::Running]).await?
-        {
-            let tasks = load_tasks_lite(&mut tx, session_id).await?;
-            finish(&mut tx, session, &tasks, count, now).await?;
-        }
-        tx.commit().await?;
-        // Settling changes only pending dependents, never the completed task itself.
-        Ok(subset.swap_remove(0))
     }
 
     /// Fails an attempt: back to pending with a retry time while attempts remain and the error
@@ -869,7 +713,7 @@ impl Store {
         now: i64,
     ) -> Result<(TaskRow, Option<i64>), Error> {
         let mut tx = self.begin().await?;
-        let session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
+        let mut session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
         let before = load_tasks_lite(&mut tx, session_id).await?;
         let mut tasks = before.clone();
         let task = find_task_mut(&mut tasks, task_id, session_id)?;
@@ -933,7 +777,7 @@ impl Store {
                 .await?,
             );
         }
-        save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+        save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
         let task = load_task(&mut tx, session_id, task_id).await?;
         tx.commit().await?;
         Ok((task, retry_at))
@@ -959,7 +803,7 @@ impl Store {
             let mut tx = self.begin().await?;
             lock_session(&mut tx, &session_id, self.for_update()).await?;
             let before = load_tasks_lite(&mut tx, &session_id).await?;
-            let session = load_session(&mut tx, &session_id).await?;
+            let mut session = load_session(&mut tx, &session_id).await?;
             let mut tasks = before.clone();
             let mut transitions = Vec::new();
             for task in tasks.iter_mut() {
@@ -996,7 +840,7 @@ impl Store {
                 task.worker_id.clear();
             }
             let before_len = transitions.len();
-            let total = save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+            let total = save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
             tx.commit().await?;
             if total > 0 || before_len > 0 {
                 changed += 1;
@@ -1063,7 +907,7 @@ impl Store {
             set_session_state(&mut tx, &mut session, SessionState::Active, "resumed", now).await?;
         }
         let reconciled = transitions.clone();
-        save(&mut tx, &session, &before, &mut tasks, transitions, now).await?;
+        save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
         tx.commit().await?;
         Ok(reconciled)
     }
@@ -1340,11 +1184,173 @@ impl Store {
 
 // ----- transaction helpers -------------------------------------------------------------------
 
+/// Extends a lease and records progress under the session lock, inside a transaction the
+/// caller commits (see [`crate::group`]); returns the new expiry and whether the task was
+/// cancelled.
+pub(crate) async fn heartbeat_in(
+    tx: &mut Tx,
+    session_id: &str,
+    task_id: &str,
+    token: u64,
+    progress: &str,
+    lease_ms: Option<i64>,
+    now: i64,
+) -> Result<(i64, bool), Error> {
+    let before = load_task(tx, session_id, task_id).await?;
+    if before.fencing_token != token {
+        return Err(stale(&before, token));
+    }
+    if before.state == TaskState::Cancelled {
+        return Ok((now, true));
+    }
+    if before.state != TaskState::Running {
+        return Err(stale(&before, token));
+    }
+    let mut task = before.clone();
+    if let Some(lease_ms) = lease_ms {
+        task.lease_ms = lease_ms;
+    }
+    let expires_at = now + task.lease_ms;
+    task.lease_expires_at = Some(expires_at);
+    if !progress.is_empty() && progress != task.progress {
+        task.progress = progress.to_owned();
+        append_event(
+            tx,
+            session_id,
+            now,
+            Kind::Progress(pb::TaskProgress {
+                task_id: task_id.to_owned(),
+                note: progress.to_owned(),
+                worker_id: task.worker_id.clone(),
+            }),
+        )
+        .await?;
+    }
+    update_task(tx, &task).await?;
+    Ok((expires_at, false))
+}
+
+/// Completes a running task under its current fencing token, with the session locked and
+/// loaded, inside a transaction the caller commits (see [`crate::group`]).
+pub(crate) async fn complete_in(
+    tx: &mut Tx,
+    session: &mut SessionRow,
+    task_id: &str,
+    token: u64,
+    result: pb::TaskResult,
+    now: i64,
+) -> Result<TaskRow, Error> {
+    // Owned: `session` is passed on mutably (see [`finish`]).
+    let session_id = session.id.clone();
+    let session_id = session_id.as_str();
+    if session.mode == Mode::Eager && session.state == SessionState::Active {
+        return complete_eager(tx, session, task_id, token, result, now).await;
+    }
+    let before = load_tasks_lite(tx, session_id).await?;
+    let mut tasks = before.clone();
+    let task = find_task_mut(&mut tasks, task_id, session_id)?;
+    if task.state != TaskState::Running || task.fencing_token != token {
+        return Err(stale(task, token));
+    }
+    write_back_convergence(tx, session_id, task_id, &result).await?;
+    task.result = Some(result);
+    let transition = sched::transition(task, TaskState::Completed, "completed", now);
+    save(tx, session, &before, &mut tasks, vec![transition], now).await?;
+    let task = load_task(tx, session_id, task_id).await?;
+    Ok(task)
+}
+
+/// [`Store::complete`] in an active eager session without reading the whole graph: a
+/// completion can only make its own pending dependents ready, so only they and their
+/// dependencies are loaded. The whole graph is read only when the session may have ended
+/// or stalled (nothing left open, or nothing ready or running).
+async fn complete_eager(
+    tx: &mut Tx,
+    session: &mut SessionRow,
+    task_id: &str,
+    token: u64,
+    result: pb::TaskResult,
+    now: i64,
+) -> Result<TaskRow, Error> {
+    // Owned: `session` is passed on mutably (see [`finish`]).
+    let session_id = session.id.clone();
+    let session_id = session_id.as_str();
+    let original = load_task(tx, session_id, task_id).await?;
+    if original.state != TaskState::Running || original.fencing_token != token {
+        return Err(stale(&original, token));
+    }
+    let mut task = original.clone();
+    write_back_convergence(tx, session_id, task_id, &result).await?;
+    task.result = Some(result);
+    let transition = sched::transition(&mut task, TaskState::Completed, "completed", now);
+    // Pending tasks that name this one among their dependencies (the LIKE is a coarse
+    // filter on the JSON text; the parsed list decides).
+    let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
+    let pattern = format!("%{}%", Value::String(task_id.to_owned()));
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {columns} FROM tasks WHERE session_id = $1 AND state = $2 AND depends_on LIKE $3 ORDER BY position"
+    )))
+    .bind(session_id)
+    .bind(TaskState::Pending as i32)
+    .bind(pattern)
+    .fetch_all(&mut **tx)
+    .await?;
+    let mut subset = vec![original];
+    for row in &rows {
+        let dependent = task_from_row(row)?;
+        if dependent.depends_on.iter().any(|dep| dep == task_id) {
+            subset.push(dependent);
+        }
+    }
+    let mut wanted: Vec<String> = Vec::new();
+    for dependent in &subset[1..] {
+        for dep in &dependent.depends_on {
+            if !subset.iter().any(|known| &known.id == dep) && !wanted.contains(dep) {
+                wanted.push(dep.clone());
+            }
+        }
+    }
+    // The dependents' other dependencies, in one query (chunked under the bind limits).
+    for chunk in wanted.chunks(256) {
+        let placeholders: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 2)).collect();
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
+            placeholders.join(", ")
+        )))
+        .bind(session_id);
+        for dep in chunk {
+            query = query.bind(dep);
+        }
+        for row in query.fetch_all(&mut **tx).await? {
+            subset.push(task_from_row(&row)?);
+        }
+    }
+    let before = subset.clone();
+    subset[0] = task;
+    let mut transitions = vec![transition];
+    transitions.extend(sched::settle(
+        &mut subset,
+        session.mode,
+        session.on_failure,
+        now,
+    ));
+    let count = write_changes(tx, session_id, &before, &subset, transitions, now).await?;
+    // While some task is ready or running the session can neither end nor stall; only
+    // when none is (rare) is the whole graph read to decide.
+    let readied = subset.iter().any(|task| task.state == TaskState::Ready);
+    if !readied && !any_task_in(tx, session_id, &[TaskState::Ready, TaskState::Running]).await? {
+        let tasks = load_tasks_lite(tx, session_id).await?;
+        finish(tx, session, &tasks, count, now).await?;
+    }
+    // Settling changes only pending dependents, never the completed task itself.
+    Ok(subset.swap_remove(0))
+}
+
 /// Applies the graph's consequences of a change (settle, session outcome), writes the changed
 /// tasks and appends every transition as an event. Returns the number of task transitions.
 async fn save(
     tx: &mut Tx,
-    session: &SessionRow,
+    session: &mut SessionRow,
     before: &[TaskRow],
     tasks: &mut [TaskRow],
     mut transitions: Vec<pb::TaskTransition>,
@@ -1499,10 +1505,11 @@ async fn any_task_in(tx: &mut Tx, session_id: &str, states: &[TaskState]) -> Res
 }
 
 /// After `count` transitions on the whole graph `tasks`: ends the session when every task is
-/// terminal, and reports a stall once, as it happens.
+/// terminal (updating `session` too: a group commit runs the next operation with it), and
+/// reports a stall once, as it happens.
 async fn finish(
     tx: &mut Tx,
-    session: &SessionRow,
+    session: &mut SessionRow,
     tasks: &[TaskRow],
     count: usize,
     now: i64,
@@ -1516,8 +1523,7 @@ async fn finish(
         } else {
             "every task is terminal and some did not complete"
         };
-        let mut session = session.clone();
-        set_session_state(tx, &mut session, outcome, reason, now).await?;
+        set_session_state(tx, session, outcome, reason, now).await?;
         state = outcome;
     }
     // A change that leaves nothing able to move is reported once, as it happens (a paused
@@ -1796,7 +1802,7 @@ async fn load_session(tx: &mut Tx, session_id: &str) -> Result<SessionRow, Error
 }
 
 /// [`lock_session`] and [`load_session`] in one statement.
-async fn lock_and_load_session(
+pub(crate) async fn lock_and_load_session(
     tx: &mut Tx,
     session_id: &str,
     lock: &str,
@@ -1814,7 +1820,7 @@ async fn lock_and_load_session(
 /// Checks a session exists and, in write transactions on PostgreSQL, locks its row: every
 /// writer of a session takes this lock first (claims take several in id order), so writers
 /// of one session are serialised and never wait on each other crosswise.
-async fn lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> Result<(), Error> {
+pub(crate) async fn lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> Result<(), Error> {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT id FROM sessions WHERE id = $1{lock}"
     )))
@@ -1826,15 +1832,15 @@ async fn lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> Result<(), E
 }
 
 /// Locks a session's row unless another transaction holds it (PostgreSQL `SKIP LOCKED`);
-/// returns whether this transaction now holds it.
-async fn try_lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> Result<bool, Error> {
-    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT id FROM sessions WHERE id = $1{lock}"
-    )))
-    .bind(session_id)
-    .fetch_optional(&mut **tx)
-    .await?;
-    Ok(row.is_some())
+/// returns the session's state when this transaction now holds it (read with the lock, so a
+/// claim needs no second statement to check it).
+async fn try_lock_session(tx: &mut Tx, session_id: &str) -> Result<Option<SessionState>, Error> {
+    let row = sqlx::query("SELECT state FROM sessions WHERE id = $1 FOR UPDATE SKIP LOCKED")
+        .bind(session_id)
+        .fetch_optional(&mut **tx)
+        .await?;
+    row.map(|row| SessionState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt))
+        .transpose()
 }
 
 fn session_from_row(row: &AnyRow) -> Result<SessionRow, Error> {

@@ -485,6 +485,96 @@ async fn long_poll_claim_wakes_when_work_appears(db: Db) {
     harness.stop().await;
 }
 
+/// Many concurrent worker calls (group commit runs those that queue behind a transaction in
+/// one transaction): every valid completion and heartbeat commits, every stale one (mixed
+/// into the same groups) is refused alone, and the event sequence stays gap-free.
+async fn concurrent_worker_calls_commit_together_and_stale_ones_fail_alone(db: Db) {
+    let harness = Harness::start(db).await;
+    let tasks: Vec<_> = (1..=40).map(|i| t(&format!("IMPL-{i}"), &[])).collect();
+    let created = harness
+        .create(json!({"name": "group", "tasks": tasks}))
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 40).await;
+    assert_eq!(claimed.len(), 40);
+    let calls = claimed.iter().enumerate().map(|(i, claimed)| {
+        let harness = &harness;
+        let session = session.clone();
+        async move {
+            // Every fourth task also gets a stale completion and a stale heartbeat.
+            let stale = i % 4 == 0;
+            let late = async {
+                if stale {
+                    let completion = harness
+                        .complete_with_token(claimed, token(claimed) + 1, "stale")
+                        .await;
+                    let heartbeat = harness
+                        .client()
+                        .heartbeat(pb::HeartbeatRequest {
+                            session_id: session.clone(),
+                            task_id: id_of(claimed).to_owned(),
+                            fencing_token: token(claimed) + 1,
+                            ..Default::default()
+                        })
+                        .await;
+                    Some((completion, heartbeat))
+                } else {
+                    None
+                }
+            };
+            let mut client = harness.client();
+            let beat = client.heartbeat(pb::HeartbeatRequest {
+                session_id: session.clone(),
+                task_id: id_of(claimed).to_owned(),
+                fencing_token: token(claimed),
+                progress: "working".to_owned(),
+                ..Default::default()
+            });
+            let (late, beat) = tokio::join!(late, beat);
+            assert!(!beat.expect("heartbeat").into_inner().cancel_requested);
+            let done = harness
+                .complete(claimed, &format!("{} done", id_of(claimed)))
+                .await
+                .expect("complete");
+            assert_eq!(done.state(), TaskState::Completed);
+            if let Some((completion, heartbeat)) = late {
+                assert_code(completion, Code::FailedPrecondition, "stale fencing token");
+                assert_code(heartbeat, Code::FailedPrecondition, "stale fencing token");
+            }
+        }
+    });
+    futures::future::join_all(calls).await;
+    let view = harness.session(&session).await;
+    let summary = view.session.expect("session");
+    assert_eq!(summary.state(), SessionState::Completed);
+    for claimed in &claimed {
+        let id = id_of(claimed);
+        let stored = task(&view.tasks, id);
+        assert_eq!(
+            stored.result.as_ref().expect("result").summary,
+            format!("{id} done")
+        );
+        assert_eq!(stored.progress, "working");
+    }
+    let mut events = harness
+        .client()
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.clone(),
+            after_sequence: 0,
+            follow: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let mut sequences = Vec::new();
+    while let Some(event) = events.message().await.expect("event") {
+        sequences.push(event.sequence);
+    }
+    let expected: Vec<u64> = (1..=summary.last_sequence).collect();
+    assert_eq!(sequences, expected, "gap-free event sequence");
+    harness.stop().await;
+}
+
 db_tests!(
     claims_follow_roles_dependencies_and_priority,
     completing_tasks_advances_the_dag_until_the_session_completes,
@@ -498,4 +588,5 @@ db_tests!(
     waves_mode_waits_for_the_whole_wave,
     cancel_stops_everything_and_tells_running_workers,
     long_poll_claim_wakes_when_work_appears,
+    concurrent_worker_calls_commit_together_and_stale_ones_fail_alone,
 );
