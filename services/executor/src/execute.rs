@@ -118,6 +118,23 @@ fn cumulative_usage(backend: &str) -> bool {
     matches!(backend, "codex" | "qwen")
 }
 
+/// CLIs that find a session by the directory it ran in, not by its id alone (measured against
+/// the scripted model server): resumed from another directory, gemini exits 42 ("no previous
+/// sessions found for this project"), qwen exits 1 ("no saved session found"), and opencode
+/// keeps the session bound to the old directory and hangs until the timeout. Codex and claude
+/// resume by id from any directory.
+fn session_bound_to_directory(backend: &str) -> bool {
+    matches!(backend, "gemini" | "qwen" | "opencode")
+}
+
+/// The native session a run continues, the context text of parents it cannot continue, and
+/// why a parent that would have been continued natively was not.
+struct Resumption {
+    native: Option<ResumeFrom>,
+    context: String,
+    warning: Option<String>,
+}
+
 /// The branch a session task commits on. Not `troupe/<session>/<task>`: git cannot hold that
 /// next to the session branch `troupe/<session>` (a ref cannot be both a file and a directory).
 pub fn task_branch(session_id: &str, task_id: &str) -> String {
@@ -546,35 +563,57 @@ impl Executor {
     ) -> Result<Produced, TaskFailure> {
         let attempt_dir = self.data_dir.join("attempts").join(&p.run_key);
         let mut worktree_path = self.data_dir.join("worktrees").join(&p.run_key);
+        tokio::fs::create_dir_all(&attempt_dir)
+            .await
+            .map_err(|err| io_failure(&attempt_dir, &err))?;
         // Resuming: work where the parent worked. Gemini, qwen and opencode find sessions by
-        // directory, and the parent's worktree is gone once its run ended.
+        // directory, and the parent's worktree is gone once its run ended. Creating the
+        // directory claims it: of two children of one parent at once (a fork), only one gets
+        // it; the other works in its own worktree and `resume_for` gives it the parent's
+        // result as context instead of the native session.
+        let mut claimed = false;
         if let Some(cli) = &p.cli
             && let Some(parent) = cli.from.first()
             && let Some((saved, _)) = self.load_session(&p.session_id, parent)
             && saved.cwd.starts_with(self.data_dir.join("worktrees"))
-            && !tokio::fs::try_exists(&saved.cwd).await.unwrap_or(true)
+            && let Some(above) = saved.cwd.parent()
         {
-            worktree_path = saved.cwd;
+            tokio::fs::create_dir_all(above)
+                .await
+                .map_err(|err| io_failure(above, &err))?;
+            if tokio::fs::create_dir(&saved.cwd).await.is_ok() {
+                worktree_path = saved.cwd;
+                claimed = true;
+            }
         }
-        tokio::fs::create_dir_all(&attempt_dir)
-            .await
-            .map_err(|err| io_failure(&attempt_dir, &err))?;
         if let Some(parent) = worktree_path.parent() {
             tokio::fs::create_dir_all(parent)
                 .await
                 .map_err(|err| io_failure(parent, &err))?;
         }
-        // A crashed earlier run may have left this exact worktree behind.
-        p.repo
-            .remove_worktree(&worktree_path)
-            .await
-            .map_err(workspace_failure)?;
+        if !claimed {
+            // A crashed earlier run may have left this exact worktree behind. (A claimed path
+            // is the empty directory just made: removing it would give the claim away.)
+            p.repo
+                .remove_worktree(&worktree_path)
+                .await
+                .map_err(workspace_failure)?;
+        }
         progress(format!("creating worktree on {}", p.branch));
-        let worktree = p
+        let worktree = match p
             .repo
             .add_worktree(&worktree_path, &p.branch, &p.base)
             .await
-            .map_err(workspace_failure)?;
+        {
+            Ok(worktree) => worktree,
+            Err(err) => {
+                // Give a claimed path back, or later resumes would find it taken.
+                if claimed && let Err(err) = tokio::fs::remove_dir(&worktree_path).await {
+                    warn!(path = %worktree_path.display(), error = %err, "could not release the parent's path");
+                }
+                return Err(workspace_failure(err));
+            }
+        };
         let result = async {
             let pre = if p.spec.pre_analysis.is_some() {
                 progress("running pre_analysis".to_owned());
@@ -670,14 +709,20 @@ impl Executor {
         }
     }
 
-    /// The native session to continue with `backend`, and context text from parents that
-    /// cannot be continued natively (other backend, or the 2nd+ parent of a merge).
-    fn resume_for(&self, p: &Prepared, backend: &str) -> (Option<ResumeFrom>, String) {
+    /// The native session to continue with `backend` in `worktree`, and context text from
+    /// parents that cannot be continued natively (other backend, the 2nd+ parent of a merge,
+    /// or a directory-bound session whose directory this run could not have).
+    fn resume_for(&self, p: &Prepared, backend: &str, worktree: &Path) -> Resumption {
         let Some(cli) = &p.cli else {
-            return (None, String::new());
+            return Resumption {
+                native: None,
+                context: String::new(),
+                warning: None,
+            };
         };
         let mut native = None;
         let mut context = String::new();
+        let mut warning = None;
         for parent in &cli.from {
             let Some((saved, home)) = self.load_session(&p.session_id, parent) else {
                 context.push_str(&format!(
@@ -685,19 +730,34 @@ impl Executor {
                 ));
                 continue;
             };
-            if native.is_none() && saved.backend == backend && !saved.native_session_id.is_empty() {
+            let continuable =
+                native.is_none() && saved.backend == backend && !saved.native_session_id.is_empty();
+            let elsewhere = session_bound_to_directory(backend) && saved.cwd != worktree;
+            if continuable && !elsewhere {
                 native = Some(ResumeFrom {
                     native_session_id: saved.native_session_id,
                     home: Some(home),
                     cwd: Some(saved.cwd),
                 });
-            } else {
-                context.push_str(&format!(
-                    "- {parent} ({}): {}\n",
-                    saved.backend,
-                    troupe_process::tail(&saved.final_message, 40, 4096)
+                continue;
+            }
+            if continuable && warning.is_none() {
+                // Passing the resume anyway fails (gemini, qwen) or hangs (opencode).
+                let why = if saved.cwd.starts_with(self.data_dir.join("worktrees")) {
+                    "is in use"
+                } else {
+                    "is outside this executor's worktrees"
+                };
+                warning = Some(format!(
+                    "native resume of {parent} unavailable: its directory {} {why}; resumed from its result as context",
+                    saved.cwd.display()
                 ));
             }
+            context.push_str(&format!(
+                "- {parent} ({}): {}\n",
+                saved.backend,
+                troupe_process::tail(&saved.final_message, 40, 4096)
+            ));
         }
         if !context.is_empty() {
             context = format!(
@@ -705,7 +765,11 @@ impl Executor {
                 cli.strategy
             );
         }
-        (native, context)
+        Resumption {
+            native,
+            context,
+            warning,
+        }
     }
 
     /// Puts the worktree back to its commit after a failed backend (before another one runs).
@@ -725,7 +789,7 @@ impl Executor {
     }
 
     /// Runs the resolved backend, retrying with backoff and falling back along the chain on
-    /// classified failures.
+    /// classified failures. Also returns why a parent's native session was not continued.
     async fn run_backends(
         &self,
         p: &Prepared,
@@ -734,7 +798,7 @@ impl Executor {
         prompt_file: PathBuf,
         cancel: &CancellationToken,
         progress: Progress<'_>,
-    ) -> Result<(RunOutcome, ImplementationReport), TaskFailure> {
+    ) -> Result<(RunOutcome, ImplementationReport, Option<String>), TaskFailure> {
         let spec = &p.spec;
         let started = std::time::Instant::now();
         let attempt_dir = prompt_file
@@ -750,7 +814,14 @@ impl Executor {
                 continue;
             };
             let settings = self.config.backend(name);
-            let (resume, context) = self.resume_for(p, name);
+            let Resumption {
+                native: resume,
+                context,
+                warning,
+            } = self.resume_for(p, name, worktree.path());
+            if let Some(warning) = &warning {
+                warn!(backend = %name, warning = %warning, "continuing without the native session");
+            }
             let prompt = format!("{prompt}{context}");
             let mut attempt = 0u32;
             loop {
@@ -808,7 +879,7 @@ impl Executor {
                                 .unwrap_or(u64::MAX),
                             ..ImplementationReport::default()
                         };
-                        return Ok((outcome, report));
+                        return Ok((outcome, report, warning));
                     }
                     Err(err) => {
                         let kind = err.kind();
@@ -899,7 +970,7 @@ impl Executor {
     ) -> Result<Produced, TaskFailure> {
         let spec = &p.spec;
         let started = std::time::Instant::now();
-        let (outcome, mut report) = self
+        let (outcome, mut report, resume_warning) = self
             .run_backends(
                 p,
                 worktree,
@@ -916,7 +987,7 @@ impl Executor {
         } else {
             spec.title.clone()
         };
-        let mut warnings = Vec::new();
+        let mut warnings: Vec<String> = resume_warning.into_iter().collect();
         let mut commit: Option<Oid> = None;
         let mut round = 0u32;
         let (commit, files, validation) = loop {
@@ -1023,7 +1094,8 @@ impl Executor {
             tokio::fs::write(&prompt_file, &retry_prompt)
                 .await
                 .map_err(|err| io_failure(&prompt_file, &err))?;
-            let (outcome, again) = self
+            // The same worktree and parents as the first run: its warning already says it.
+            let (outcome, again, _) = self
                 .run_backends(
                     p,
                     worktree,

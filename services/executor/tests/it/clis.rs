@@ -887,6 +887,247 @@ async fn opencode_resume_and_fork() {
     resume_and_fork_reuse_the_native_session("opencode").await;
 }
 
+/// The saved session of a direct task (`ExecuteTask` keeps it under `sessions/direct/<id>`).
+fn saved_session(data: &Path, task_id: &str) -> Value {
+    let text = std::fs::read_to_string(
+        data.join("sessions/direct")
+            .join(task_id)
+            .join("session.json"),
+    )
+    .expect("saved session");
+    serde_json::from_str(&text).expect("session json")
+}
+
+/// The backend timeout of the taken-path tests: a resume that hung would fail on it.
+const TAKEN_PATH_TIMEOUT: u64 = 90;
+
+/// A resume whose parent's worktree path is taken (ccw-reference §3.6: a fork's two children at
+/// once, or the parent's worktree still there) works in a new worktree. Returns the result,
+/// how long the resume took, the request bodies the model received for it, and the parent's
+/// native session id.
+async fn resume_at_a_taken_path(backend: &str) -> (TaskResult, Duration, Vec<String>, String) {
+    // `second.txt` first: the resume's prompt also names `first.txt` (first match wins).
+    let script = Script::write_file("second.txt", "second.txt", "two").rule(
+        "first.txt",
+        vec![Action::WriteFile {
+            path: "first.txt".into(),
+            content: "one".into(),
+        }],
+    );
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut config = config_for(&[(backend, &url)]);
+    for settings in config.backends.values_mut() {
+        settings.timeout_seconds = Some(TAKEN_PATH_TIMEOUT);
+    }
+    let mut f = fixture(config).await;
+    let first = f
+        .execute(task("IMPL-1", backend, "first.txt"))
+        .await
+        .unwrap_or_else(|s| panic!("{backend} first run: {s:?}"));
+    let parent_native = report(&first).native_session_id;
+    assert!(!parent_native.is_empty(), "{backend}: no native session id");
+    let parent_cwd = PathBuf::from(
+        saved_session(&f.data, "IMPL-1")["cwd"]
+            .as_str()
+            .expect("cwd")
+            .to_owned(),
+    );
+    // Someone else works at the parent's path now.
+    std::fs::create_dir_all(&parent_cwd).expect("occupy");
+    std::fs::write(parent_cwd.join("occupied.txt"), "mine\n").expect("occupy");
+
+    let before = server.requests().len();
+    let mut resume = task("IMPL-2", backend, "second.txt");
+    resume["cli_execution"] =
+        json!({"id": "s-IMPL-2", "strategy": "resume", "resume_from": "IMPL-1"});
+    let started = Instant::now();
+    let result = f.execute(resume).await;
+    let elapsed = started.elapsed();
+    let bodies: Vec<String> = server.requests()[before..]
+        .iter()
+        .map(|r| r.body_text())
+        .collect();
+    let second = result.unwrap_or_else(|s| panic!("{backend} resume after {elapsed:?}: {s:?}"));
+    assert_eq!(
+        show(&f.repo, &second.commit, "second.txt")
+            .map(|t| t.trim_end().to_owned())
+            .as_deref(),
+        Some("two"),
+        "{backend}: the resume's edit landed in its own worktree"
+    );
+    // The occupant's directory is left as it was.
+    assert_eq!(
+        std::fs::read_to_string(parent_cwd.join("occupied.txt")).expect("still there"),
+        "mine\n"
+    );
+    assert!(
+        !parent_cwd.join("second.txt").exists(),
+        "{backend}: the resume wrote into the occupied parent directory"
+    );
+    f.service.stop().await;
+    (second, elapsed, bodies, parent_native)
+}
+
+/// Gemini, qwen and opencode bind a session to its directory: at a taken path the resume runs
+/// a fresh session with the parent's result as context, says so, and never waits for the
+/// timeout (before: gemini and qwen crashed, opencode hung until `timeout_seconds`).
+async fn directory_bound_resume_at_a_taken_path(backend: &str) {
+    let (result, elapsed, bodies, parent_native) = resume_at_a_taken_path(backend).await;
+    eprintln!("{backend}: resume at a taken path took {elapsed:?}");
+    assert!(
+        elapsed < Duration::from_secs(TAKEN_PATH_TIMEOUT / 3),
+        "{backend}: took {elapsed:?}"
+    );
+    let warning = result
+        .warnings
+        .iter()
+        .find(|w| w.starts_with("native resume of IMPL-1 unavailable: its directory "))
+        .unwrap_or_else(|| panic!("{backend}: no warning in {:?}", result.warnings));
+    assert!(
+        warning.ends_with(" is in use; resumed from its result as context"),
+        "{warning}"
+    );
+    assert_ne!(
+        report(&result).native_session_id,
+        parent_native,
+        "{backend}: a fresh session"
+    );
+    let line = format!("- IMPL-1 ({backend}): done: first.txt");
+    assert!(
+        bodies
+            .iter()
+            .any(|b| b.contains("CONTEXT FROM EARLIER SESSIONS (resume)") && b.contains(&line)),
+        "{backend}: the parent's result is in the prompt: {bodies:?}"
+    );
+    assert!(
+        !bodies
+            .iter()
+            .any(|b| b.contains("Create the file first.txt")),
+        "{backend}: the parent's native history was sent"
+    );
+}
+
+#[tokio::test]
+async fn opencode_resume_at_a_taken_path_runs_fresh_with_the_parent_as_context() {
+    directory_bound_resume_at_a_taken_path("opencode").await;
+}
+
+#[tokio::test]
+async fn gemini_resume_at_a_taken_path_runs_fresh_with_the_parent_as_context() {
+    directory_bound_resume_at_a_taken_path("gemini").await;
+}
+
+#[tokio::test]
+async fn qwen_resume_at_a_taken_path_runs_fresh_with_the_parent_as_context() {
+    directory_bound_resume_at_a_taken_path("qwen").await;
+}
+
+/// Codex resumes by session id: a taken parent path changes nothing.
+#[tokio::test]
+async fn codex_resume_at_a_taken_path_stays_native() {
+    let (result, elapsed, bodies, parent_native) = resume_at_a_taken_path("codex").await;
+    eprintln!("codex: resume at a taken path took {elapsed:?}");
+    assert_eq!(report(&result).native_session_id, parent_native);
+    assert!(
+        bodies
+            .iter()
+            .any(|b| b.contains("Create the file first.txt")
+                && b.contains("Create the file second.txt")),
+        "codex: the resumed conversation carries the first prompt"
+    );
+    assert!(
+        !result.warnings.iter().any(|w| w.contains("native resume")),
+        "{:?}",
+        result.warnings
+    );
+}
+
+/// A fork's two children at once (ccw-reference §3.6): the first to claim the parent's path
+/// continues its opencode session natively; the other gets its own worktree, a fresh session
+/// with the parent's result as context, and the warning. Neither waits for the timeout.
+#[tokio::test]
+async fn opencode_two_forks_at_once_resume_one_natively_and_one_from_context() {
+    let write = |file: &str, content: &str| {
+        vec![Action::WriteFile {
+            path: file.into(),
+            content: content.into(),
+        }]
+    };
+    let script = Script::write_file("second.txt", "second.txt", "two")
+        .rule("third.txt", write("third.txt", "three"))
+        .rule("first.txt", write("first.txt", "one"));
+    let (url, server) = ModelServer::start(script).await.expect("model server");
+    let mut config = config_for(&[("opencode", &url)]);
+    for settings in config.backends.values_mut() {
+        settings.timeout_seconds = Some(TAKEN_PATH_TIMEOUT);
+    }
+    let mut f = fixture(config).await;
+    let first = f
+        .execute(task("IMPL-1", "opencode", "first.txt"))
+        .await
+        .expect("first run");
+    let parent_native = report(&first).native_session_id;
+    let fork = |id: &str, file: &str| {
+        let mut spec = task(id, "opencode", file);
+        spec["cli_execution"] =
+            json!({"id": format!("s-{id}"), "strategy": "fork", "resume_from": "IMPL-1"});
+        f.request(spec)
+    };
+    let (a, b) = (fork("IMPL-2", "second.txt"), fork("IMPL-3", "third.txt"));
+    let (mut ca, mut cb) = (f.client.clone(), f.client.clone());
+    let started = Instant::now();
+    let (ra, rb) = tokio::join!(ca.execute_task(a), cb.execute_task(b));
+    let elapsed = started.elapsed();
+    eprintln!("opencode: two forks at once took {elapsed:?}");
+    assert!(
+        elapsed < Duration::from_secs(TAKEN_PATH_TIMEOUT / 3),
+        "{elapsed:?}"
+    );
+    let results: Vec<TaskResult> = [ra, rb]
+        .into_iter()
+        .map(|r| r.expect("fork").into_inner().result.expect("result"))
+        .collect();
+    let (native, fresh): (Vec<&TaskResult>, Vec<&TaskResult>) = results
+        .iter()
+        .partition(|r| report(r).native_session_id == parent_native);
+    assert_eq!((native.len(), fresh.len()), (1, 1), "{results:?}");
+    assert!(
+        !native[0]
+            .warnings
+            .iter()
+            .any(|w| w.contains("native resume")),
+        "{:?}",
+        native[0].warnings
+    );
+    assert!(
+        fresh[0].warnings.iter().any(|w| w
+            .starts_with("native resume of IMPL-1 unavailable: its directory ")
+            && w.ends_with(" is in use; resumed from its result as context")),
+        "{:?}",
+        fresh[0].warnings
+    );
+    for (result, file, content) in [
+        (&results[0], "second.txt", "two"),
+        (&results[1], "third.txt", "three"),
+    ] {
+        assert_eq!(
+            show(&f.repo, &result.commit, file)
+                .map(|t| t.trim_end().to_owned())
+                .as_deref(),
+            Some(content)
+        );
+    }
+    let bodies: Vec<String> = server.requests().iter().map(|r| r.body_text()).collect();
+    assert!(
+        bodies
+            .iter()
+            .any(|b| b.contains("CONTEXT FROM EARLIER SESSIONS (fork)")
+                && b.contains("- IMPL-1 (opencode): done: first.txt")),
+        "the fresh fork's prompt carries the parent's result"
+    );
+    f.service.stop().await;
+}
+
 /// Analysis mode: the model asks for a write; the file must not appear and the run changes
 /// nothing.
 async fn read_only_writes_nothing(backend: &str) {
