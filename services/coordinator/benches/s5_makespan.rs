@@ -15,6 +15,8 @@
 //! durations the workers observed (claim returned → complete sent), so dispatch overhead
 //! shows up in makespan/LB.
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -23,7 +25,6 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 use troupe_proto::v1::{self as pb, Role, SessionState};
 
 #[derive(Debug, Parser)]
@@ -149,43 +150,8 @@ fn lower_bound(nodes: &[Node], observed: &HashMap<String, f64>, workers: usize) 
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let shapes = parse_shapes(&args.shapes)?;
-    let dir = tempfile::tempdir()?;
-    let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
-    config.database_url = match args.db.as_str() {
-        "sqlite" => None,
-        "postgres" => {
-            let url = std::env::var("TROUPE_BENCH_DATABASE_URL")
-                .or_else(|_| std::env::var("TROUPE_TEST_DATABASE_URL"))
-                .context(
-                    "set TROUPE_BENCH_DATABASE_URL (or source scripts/setup/20-postgres.sh)",
-                )?;
-            Some(fresh_schema(&url).await?)
-        }
-        other => bail!("unknown --db {other}"),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(troupe_coordinator::run(config, listener, shutdown.clone()));
-    let repo = dir.path().join("plan/repo");
-    std::fs::create_dir_all(&repo)?;
-    git(&repo, &["init", "-q"])?;
-    std::fs::write(repo.join("README.md"), "bench\n")?;
-    git(&repo, &["add", "."])?;
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=b",
-            "-c",
-            "user.email=b@b",
-            "commit",
-            "-qm",
-            "init",
-        ],
-    )?;
-    let base_dir = dir.path().join("plan").display().to_string();
-    let client = troupe_grpc::coordinator_client(&url)?;
+    let bench = common::Bench::start(&args.db).await?;
+    let (client, base_dir) = (bench.client.clone(), bench.base_dir.clone());
 
     println!(
         "S5 db={} dist={} mean={}ms seeds={}",
@@ -238,9 +204,7 @@ async fn main() -> anyhow::Result<()> {
             max(|r| r.0)
         );
     }
-    shutdown.cancel();
-    server.await??;
-    Ok(())
+    bench.stop().await
 }
 
 /// What one run measured.
@@ -367,29 +331,4 @@ async fn run(
         .map(|observed| observed.clone())
         .unwrap_or_default();
     Ok(Run { makespan, observed })
-}
-
-fn git(dir: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
-    let status = std::process::Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .status()?;
-    if !status.success() {
-        bail!("git {args:?} failed");
-    }
-    Ok(())
-}
-
-async fn fresh_schema(url: &str) -> anyhow::Result<String> {
-    use sqlx::Connection as _;
-    let schema = format!("bench_{}", uuid::Uuid::new_v4().simple());
-    let mut conn = sqlx::PgConnection::connect(url).await?;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&mut conn)
-        .await?;
-    let separator = if url.contains('?') { '&' } else { '?' };
-    Ok(format!(
-        "{url}{separator}options=-c%20search_path%3D{schema}"
-    ))
 }

@@ -13,6 +13,8 @@
 //! the previous task is completed; the sample is from sending `CompleteTask` to the long-poll
 //! returning the next task (it includes the CompleteTask round trip).
 
+mod common;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -20,7 +22,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use serde_json::json;
-use tokio_util::sync::CancellationToken;
 use troupe_proto::v1::{self as pb, Role, SessionState};
 
 #[derive(Debug, Parser)]
@@ -53,43 +54,8 @@ type Client = troupe_grpc::CoordinatorClient;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let dir = tempfile::tempdir()?;
-    let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
-    config.database_url = match args.db.as_str() {
-        "sqlite" => None,
-        "postgres" => {
-            let url = std::env::var("TROUPE_BENCH_DATABASE_URL")
-                .or_else(|_| std::env::var("TROUPE_TEST_DATABASE_URL"))
-                .context(
-                    "set TROUPE_BENCH_DATABASE_URL (or source scripts/setup/20-postgres.sh)",
-                )?;
-            Some(fresh_schema(&url).await?)
-        }
-        other => bail!("unknown --db {other}"),
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let url = format!("http://{}", listener.local_addr()?);
-    let shutdown = CancellationToken::new();
-    let server = tokio::spawn(troupe_coordinator::run(config, listener, shutdown.clone()));
-    let repo = dir.path().join("plan/repo");
-    std::fs::create_dir_all(&repo)?;
-    git(&repo, &["init", "-q"])?;
-    std::fs::write(repo.join("README.md"), "bench\n")?;
-    git(&repo, &["add", "."])?;
-    git(
-        &repo,
-        &[
-            "-c",
-            "user.name=b",
-            "-c",
-            "user.email=b@b",
-            "commit",
-            "-qm",
-            "init",
-        ],
-    )?;
-    let base_dir = dir.path().join("plan").display().to_string();
-    let client = troupe_grpc::coordinator_client(&url)?;
+    let bench = common::Bench::start(&args.db).await?;
+    let (client, base_dir) = (bench.client.clone(), bench.base_dir.clone());
 
     if args.only.as_deref() != Some("s2") {
         s1(&client, &base_dir, &args).await?;
@@ -97,34 +63,7 @@ async fn main() -> anyhow::Result<()> {
     if args.only.as_deref() != Some("s1") {
         s2(&client, &base_dir, &args).await?;
     }
-    shutdown.cancel();
-    server.await??;
-    Ok(())
-}
-
-fn git(dir: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
-    let status = std::process::Command::new("git")
-        .arg("-C")
-        .arg(dir)
-        .args(args)
-        .status()?;
-    if !status.success() {
-        bail!("git {args:?} failed");
-    }
-    Ok(())
-}
-
-async fn fresh_schema(url: &str) -> anyhow::Result<String> {
-    use sqlx::Connection as _;
-    let schema = format!("bench_{}", uuid::Uuid::new_v4().simple());
-    let mut conn = sqlx::PgConnection::connect(url).await?;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&mut conn)
-        .await?;
-    let separator = if url.contains('?') { '&' } else { '?' };
-    Ok(format!(
-        "{url}{separator}options=-c%20search_path%3D{schema}"
-    ))
+    bench.stop().await
 }
 
 async fn create(

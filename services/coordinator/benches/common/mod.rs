@@ -1,0 +1,97 @@
+//! What every coordinator benchmark starts from: a coordinator on a port-0 listener, on SQLite
+//! or a fresh schema of the PostgreSQL named by TROUPE_BENCH_DATABASE_URL (or
+//! TROUPE_TEST_DATABASE_URL), next to a one-commit git repository under `<dir>/plan/repo`.
+
+use anyhow::{Context, bail};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// A running coordinator and its client.
+pub(crate) struct Bench {
+    pub(crate) client: troupe_grpc::CoordinatorClient,
+    /// The plans' base directory: holds `repo/`.
+    pub(crate) base_dir: String,
+    shutdown: CancellationToken,
+    server: JoinHandle<Result<(), troupe_coordinator::Error>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Bench {
+    /// Starts a coordinator on `db` (`sqlite` or `postgres`).
+    pub(crate) async fn start(db: &str) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
+        config.database_url = match db {
+            "sqlite" => None,
+            "postgres" => {
+                let url = std::env::var("TROUPE_BENCH_DATABASE_URL")
+                    .or_else(|_| std::env::var("TROUPE_TEST_DATABASE_URL"))
+                    .context(
+                        "set TROUPE_BENCH_DATABASE_URL (or source scripts/setup/20-postgres.sh)",
+                    )?;
+                Some(fresh_schema(&url).await?)
+            }
+            other => bail!("unknown --db {other}"),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}", listener.local_addr()?);
+        let shutdown = CancellationToken::new();
+        let server = tokio::spawn(troupe_coordinator::run(config, listener, shutdown.clone()));
+        let repo = dir.path().join("plan/repo");
+        std::fs::create_dir_all(&repo)?;
+        git(&repo, &["init", "-q"])?;
+        std::fs::write(repo.join("README.md"), "bench\n")?;
+        git(&repo, &["add", "."])?;
+        git(
+            &repo,
+            &[
+                "-c",
+                "user.name=b",
+                "-c",
+                "user.email=b@b",
+                "commit",
+                "-qm",
+                "init",
+            ],
+        )?;
+        Ok(Self {
+            client: troupe_grpc::coordinator_client(&url)?,
+            base_dir: dir.path().join("plan").display().to_string(),
+            shutdown,
+            server,
+            _dir: dir,
+        })
+    }
+
+    /// Shuts the coordinator down and waits for it.
+    pub(crate) async fn stop(self) -> anyhow::Result<()> {
+        self.shutdown.cancel();
+        self.server.await??;
+        Ok(())
+    }
+}
+
+fn git(dir: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
+    let status = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .status()?;
+    if !status.success() {
+        bail!("git {args:?} failed");
+    }
+    Ok(())
+}
+
+async fn fresh_schema(url: &str) -> anyhow::Result<String> {
+    use sqlx::Connection as _;
+    let schema = format!("bench_{}", uuid::Uuid::new_v4().simple());
+    let mut conn = sqlx::PgConnection::connect(url).await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+        .execute(&mut conn)
+        .await?;
+    let separator = if url.contains('?') { '&' } else { '?' };
+    Ok(format!(
+        "{url}{separator}options=-c%20search_path%3D{schema}"
+    ))
+}
