@@ -9,9 +9,11 @@
 //!
 //! S1 burn-down: one session of `--tasks` independent no-op tasks drained by `--workers`
 //! concurrent workers claiming up to `--batch` tasks per `ClaimTasks`, completing each with
-//! `CompleteTask`. S2 pickup latency: a chain of tasks; a worker long-polls `ClaimTasks` while
-//! the previous task is completed; the sample is from sending `CompleteTask` to the long-poll
-//! returning the next task (it includes the CompleteTask round trip).
+//! `CompleteTask`. S2 pickup latency: a worker long-polls `ClaimTasks` while a task it waits
+//! for is completed; the sample is from sending `CompleteTask` to the long-poll returning the
+//! task that became ready (it includes the CompleteTask round trip). `--s2-shape pairs` (the
+//! default): each ready task has one dependency; `--s2-shape chain`: one chain, whose n-th
+//! claim also carries the n-1 upstream results (so it grows with `--samples`).
 
 mod common;
 
@@ -41,6 +43,10 @@ struct Args {
     /// S2: latency samples.
     #[arg(long, default_value_t = 300)]
     samples: usize,
+    /// S2: `pairs` (each sample readies a task with one dependency) or `chain` (one chain, so
+    /// the n-th claim also carries the n-1 completed tasks upstream of it).
+    #[arg(long, default_value = "pairs")]
+    s2_shape: String,
     /// Skip S1 or S2.
     #[arg(long)]
     only: Option<String>,
@@ -86,9 +92,13 @@ async fn create(
 }
 
 fn claim_request(worker: &str, max: u32, wait: Duration) -> pb::ClaimTasksRequest {
+    claim_role(worker, Role::Executor, max, wait)
+}
+
+fn claim_role(worker: &str, role: Role, max: u32, wait: Duration) -> pb::ClaimTasksRequest {
     pb::ClaimTasksRequest {
         worker_id: worker.to_owned(),
-        roles: vec![Role::Executor as i32],
+        roles: vec![role as i32],
         max_tasks: max,
         wait: prost_types::Duration::try_from(wait).ok(),
         lease_duration: prost_types::Duration::try_from(Duration::from_secs(60)).ok(),
@@ -169,7 +179,65 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
 }
 
 async fn s2(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
-    let tasks = (0..=args.samples)
+    let samples = match args.s2_shape.as_str() {
+        "pairs" => s2_pairs(client, base_dir, args.samples).await?,
+        "chain" => s2_chain(client, base_dir, args.samples).await?,
+        other => bail!("unknown --s2-shape {other}"),
+    };
+    report_s2(args, samples);
+    Ok(())
+}
+
+/// Executor task `A-i` readies validator task `B-i`: the waiter long-polls as a validator, so
+/// the ready `A-*` tasks never answer it, and each claim carries one upstream result.
+async fn s2_pairs(client: &Client, base_dir: &str, count: usize) -> anyhow::Result<Vec<Duration>> {
+    let tasks = (0..count)
+        .flat_map(|i| {
+            [
+                json!({"id": format!("A-{i}"), "title": "first", "role": "executor"}),
+                json!({"id": format!("B-{i}"), "title": "next", "role": "validator",
+                       "depends_on": [format!("A-{i}")]}),
+            ]
+        })
+        .collect();
+    create(client, base_dir, "s2-pairs", tasks).await?;
+    let mut holder = client.clone();
+    let mut samples = Vec::with_capacity(count);
+    for _ in 0..count {
+        let held = holder
+            .claim_tasks(claim_request("bench-holder", 1, Duration::from_secs(5)))
+            .await?
+            .into_inner()
+            .tasks
+            .pop()
+            .context("an A task")?;
+        let mut waiter = client.clone();
+        let poll = tokio::spawn(async move {
+            let response = waiter
+                .claim_tasks(claim_role(
+                    "bench-waiter",
+                    Role::Validator,
+                    1,
+                    Duration::from_secs(10),
+                ))
+                .await;
+            (Instant::now(), response)
+        });
+        // Let the long poll park before the task becomes ready.
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        let sent = Instant::now();
+        complete(&mut holder, &held).await?;
+        let (claimed_at, response) = poll.await?;
+        let next = response?.into_inner().tasks.pop().context("its B task")?;
+        samples.push(claimed_at - sent);
+        complete(&mut holder, &next).await?;
+    }
+    Ok(samples)
+}
+
+/// One chain `IMPL-0 → IMPL-1 → …`: the n-th claim also carries n-1 upstream results.
+async fn s2_chain(client: &Client, base_dir: &str, count: usize) -> anyhow::Result<Vec<Duration>> {
+    let tasks = (0..=count)
         .map(|i| {
             let deps: Vec<String> = if i == 0 {
                 Vec::new()
@@ -188,8 +256,8 @@ async fn s2(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         .tasks
         .pop()
         .context("first task")?;
-    let mut samples = Vec::with_capacity(args.samples);
-    for _ in 0..args.samples {
+    let mut samples = Vec::with_capacity(count);
+    for _ in 0..count {
         let mut waiter = client.clone();
         let poll = tokio::spawn(async move {
             let response = waiter
@@ -206,16 +274,20 @@ async fn s2(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         samples.push(claimed_at - sent);
     }
     complete(&mut holder, &held).await?;
+    Ok(samples)
+}
+
+fn report_s2(args: &Args, mut samples: Vec<Duration>) {
     samples.sort();
     let pick = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize];
     println!(
-        "S2 db={} samples={}: p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
+        "S2 db={} shape={} samples={}: p50 {:.2} ms, p95 {:.2} ms, p99 {:.2} ms, max {:.2} ms",
         args.db,
+        args.s2_shape,
         samples.len(),
         pick(0.50).as_secs_f64() * 1e3,
         pick(0.95).as_secs_f64() * 1e3,
         pick(0.99).as_secs_f64() * 1e3,
         pick(1.0).as_secs_f64() * 1e3,
     );
-    Ok(())
 }

@@ -1,7 +1,7 @@
 //! The task state machine, free of I/O: the rows a transaction loaded go in, the transitions to
 //! record come out. The store calls these inside its transactions.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use rand::Rng;
@@ -187,33 +187,6 @@ pub(crate) fn backoff(attempt: u32, rng: &mut impl Rng) -> Duration {
     let base = Duration::from_secs(1u64 << exponent).min(BACKOFF_CAP);
     let jitter: f64 = rng.random_range(0.8..=1.2);
     base.mul_f64(jitter).min(BACKOFF_CAP)
-}
-
-/// Returns the transitive dependencies of `task_id` that completed, in topological order.
-pub(crate) fn completed_upstream<'a>(tasks: &'a [TaskRow], task_id: &str) -> Vec<&'a TaskRow> {
-    let index: HashMap<&str, usize> = tasks
-        .iter()
-        .enumerate()
-        .map(|(position, task)| (task.id.as_str(), position))
-        .collect();
-    let mut seen: HashSet<usize> = HashSet::new();
-    let mut stack: Vec<usize> = index.get(task_id).copied().into_iter().collect();
-    while let Some(node) = stack.pop() {
-        for dep in &tasks[node].depends_on {
-            if let Some(&dep_index) = index.get(dep.as_str())
-                && seen.insert(dep_index)
-            {
-                stack.push(dep_index);
-            }
-        }
-    }
-    let mut upstream: Vec<&TaskRow> = seen
-        .into_iter()
-        .map(|position| &tasks[position])
-        .filter(|task| task.state == TaskState::Completed)
-        .collect();
-    upstream.sort_by_key(|task| task.position);
-    upstream
 }
 
 /// A task that cannot make progress, and why.
@@ -488,23 +461,5 @@ mod tests {
             );
             assert!(backoff(30, &mut rng) <= BACKOFF_CAP);
         }
-    }
-
-    #[test]
-    fn upstream_is_transitive_and_completed_only() {
-        let mut tasks = vec![
-            row("A", &[], 1, 0),
-            row("B", &["A"], 2, 1),
-            row("X", &[], 1, 2),
-            row("C", &["B", "X"], 3, 3),
-        ];
-        tasks[0].state = TaskState::Completed;
-        tasks[1].state = TaskState::Completed;
-        tasks[2].state = TaskState::Failed;
-        let ids: Vec<&str> = completed_upstream(&tasks, "C")
-            .iter()
-            .map(|t| t.id.as_str())
-            .collect();
-        assert_eq!(ids, vec!["A", "B"]);
     }
 }

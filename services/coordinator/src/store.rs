@@ -675,18 +675,10 @@ impl Store {
             }
             // A claim changes nothing else in the graph: no settling needed.
             write_changes(tx, session_id, &before, &tasks, transitions, now).await?;
-            // Upstream results need the whole graph, but only for tasks with dependencies.
-            let graph = if tasks.iter().any(|task| !task.depends_on.is_empty()) {
-                load_tasks_lite(tx, session_id).await?
-            } else {
-                Vec::new()
-            };
+            let mut upstream_of = load_upstream(tx, session_id, &tasks).await?;
             for task_id in &taken {
                 let task = find_task_mut(&mut tasks, task_id, session_id)?.clone();
-                let upstream = sched::completed_upstream(&graph, task_id)
-                    .into_iter()
-                    .cloned()
-                    .collect();
+                let upstream = upstream_of.remove(task_id).unwrap_or_default();
                 let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
                 out.push(Claimed {
                     task,
@@ -1442,6 +1434,82 @@ async fn fix_round(
             Ok(transitions)
         }
     }
+}
+
+/// The completed tasks upstream of each of `tasks` (transitively, in plan order). Reads the
+/// session's graph skeleton (ids, dependencies, states), then only the rows handed out, so a
+/// claim costs what it returns rather than the whole session's results.
+async fn load_upstream(
+    tx: &mut Tx,
+    session_id: &str,
+    tasks: &[TaskRow],
+) -> Result<HashMap<String, Vec<TaskRow>>, Error> {
+    let mut out = HashMap::new();
+    if tasks.iter().all(|task| task.depends_on.is_empty()) {
+        return Ok(out);
+    }
+    let rows = sqlx::query("SELECT id, depends_on, state FROM tasks WHERE session_id = $1")
+        .bind(session_id)
+        .fetch_all(&mut **tx)
+        .await?;
+    let mut graph: HashMap<String, (Vec<String>, bool)> = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let depends_on: String = row.try_get("depends_on")?;
+        let depends_on: Vec<String> = serde_json::from_str(&depends_on).map_err(corrupt)?;
+        let completed = row.try_get::<i32, _>("state")? == TaskState::Completed as i32;
+        graph.insert(row.try_get("id")?, (depends_on, completed));
+    }
+    let mut wanted: Vec<String> = Vec::new();
+    let mut per_task: Vec<(String, Vec<String>)> = Vec::new();
+    for task in tasks {
+        let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
+        let mut stack: Vec<&str> = task.depends_on.iter().map(String::as_str).collect();
+        while let Some(dep) = stack.pop() {
+            if seen.insert(dep)
+                && let Some((deps, _)) = graph.get(dep)
+            {
+                stack.extend(deps.iter().map(String::as_str));
+            }
+        }
+        let completed: Vec<String> = seen
+            .into_iter()
+            .filter(|id| graph.get(*id).is_some_and(|(_, completed)| *completed))
+            .map(str::to_owned)
+            .collect();
+        for id in &completed {
+            if !wanted.contains(id) {
+                wanted.push(id.clone());
+            }
+        }
+        per_task.push((task.id.clone(), completed));
+    }
+    let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
+    let mut loaded: HashMap<String, TaskRow> = HashMap::with_capacity(wanted.len());
+    // Chunked under the databases' limits on bound parameters.
+    for chunk in wanted.chunks(256) {
+        let placeholders: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 2)).collect();
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
+            placeholders.join(", ")
+        )))
+        .bind(session_id);
+        for id in chunk {
+            query = query.bind(id);
+        }
+        for row in query.fetch_all(&mut **tx).await? {
+            let task = task_from_row(&row)?;
+            loaded.insert(task.id.clone(), task);
+        }
+    }
+    for (task_id, ids) in per_task {
+        let mut upstream: Vec<TaskRow> = ids
+            .iter()
+            .filter_map(|id| loaded.get(id).cloned())
+            .collect();
+        upstream.sort_by_key(|task| task.position);
+        out.insert(task_id, upstream);
+    }
+    Ok(out)
 }
 
 /// Copies a validator task's per-task criterion results (`upstream_convergence` of its report)
