@@ -118,13 +118,10 @@ fn cumulative_usage(backend: &str) -> bool {
     matches!(backend, "codex" | "qwen")
 }
 
-/// CLIs that find a session by the directory it ran in, not by its id alone (measured against
-/// the scripted model server): resumed from another directory, gemini exits 42 ("no previous
-/// sessions found for this project"), qwen exits 1 ("no saved session found"), and opencode
-/// keeps the session bound to the old directory and hangs until the timeout. Codex and claude
-/// resume by id from any directory.
+/// Whether `backend`'s sessions can only be resumed in the directory they ran in.
 fn session_bound_to_directory(backend: &str) -> bool {
-    matches!(backend, "gemini" | "qwen" | "opencode")
+    troupe_backends::CliKind::from_name(backend)
+        .is_some_and(troupe_backends::CliKind::session_bound_to_directory)
 }
 
 /// The native session a run continues, the context text of parents it cannot continue, and

@@ -186,8 +186,8 @@ fn claude_project_key(cwd: &Path) -> String {
         .collect()
 }
 
-/// Makes a copied CLI home find the parent's session from the new worktree: several CLIs key
-/// their session stores by the working directory, and each attempt has its own worktree.
+/// Makes a copied CLI home find the parent's session from the new worktree: claude keys its
+/// session store by the working directory, and codex's state databases hold the parent's paths.
 fn relocate(kind: CliKind, home: &Path, old_cwd: &Path, new_cwd: &Path) -> std::io::Result<()> {
     let link = |dir: PathBuf| -> std::io::Result<()> {
         let old = dir.join(claude_project_key(old_cwd));
@@ -199,24 +199,6 @@ fn relocate(kind: CliKind, home: &Path, old_cwd: &Path, new_cwd: &Path) -> std::
     };
     match kind {
         CliKind::Claude => link(home.join(".claude/projects")),
-        CliKind::Qwen => link(home.join(".qwen/projects")),
-        CliKind::Gemini => {
-            // projects.json maps a directory to its slug under tmp/<slug>/chats.
-            let path = home.join("gemini/.gemini/projects.json");
-            let Ok(text) = std::fs::read_to_string(&path) else {
-                return Ok(());
-            };
-            let mut map: serde_json::Value =
-                serde_json::from_str(&text).map_err(std::io::Error::other)?;
-            let old = old_cwd.display().to_string();
-            let new = new_cwd.display().to_string();
-            if let Some(projects) = map.get_mut("projects").and_then(|p| p.as_object_mut())
-                && let Some(slug) = projects.get(&old).cloned()
-            {
-                projects.insert(new, slug);
-            }
-            std::fs::write(&path, map.to_string())
-        }
         CliKind::Codex => {
             // Codex's state databases hold absolute paths into the parent's home; without
             // them it finds the thread by its rollout file in the copied `sessions/`.
@@ -228,7 +210,9 @@ fn relocate(kind: CliKind, home: &Path, old_cwd: &Path, new_cwd: &Path) -> std::
             }
             Ok(())
         }
-        CliKind::Opencode => Ok(()),
+        // Sessions bound to their directory (`CliKind::session_bound_to_directory`) are only
+        // resumed there: nothing to move.
+        CliKind::Gemini | CliKind::Qwen | CliKind::Opencode => Ok(()),
     }
 }
 

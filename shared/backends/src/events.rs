@@ -31,6 +31,29 @@ impl CliKind {
             Self::Opencode => "opencode",
         }
     }
+
+    /// The CLI of a backend name (`None` for `command` and `agent`).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [
+            Self::Codex,
+            Self::Claude,
+            Self::Gemini,
+            Self::Qwen,
+            Self::Opencode,
+        ]
+        .into_iter()
+        .find(|kind| kind.name() == name)
+    }
+
+    /// Whether the CLI finds a session by the directory it ran in, not by its id alone
+    /// (measured against the scripted model server): resumed from another directory, gemini
+    /// exits 42 ("no previous sessions found for this project"), qwen exits 1 ("no saved
+    /// session found"), and opencode keeps the session bound to the old directory and hangs
+    /// until the timeout. Codex and claude resume by id from any directory. Such a session
+    /// can only be resumed in its own directory.
+    pub fn session_bound_to_directory(self) -> bool {
+        matches!(self, Self::Gemini | Self::Qwen | Self::Opencode)
+    }
 }
 
 /// One thing the agent did, as the CLI reported it.
@@ -440,6 +463,32 @@ impl ErrorKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cli_kinds_round_trip_their_names_and_say_which_bind_sessions_to_directories() {
+        for kind in [
+            CliKind::Codex,
+            CliKind::Claude,
+            CliKind::Gemini,
+            CliKind::Qwen,
+            CliKind::Opencode,
+        ] {
+            assert_eq!(CliKind::from_name(kind.name()), Some(kind));
+        }
+        assert_eq!(CliKind::from_name("agent"), None);
+        let bound: Vec<&str> = [
+            CliKind::Codex,
+            CliKind::Claude,
+            CliKind::Gemini,
+            CliKind::Qwen,
+            CliKind::Opencode,
+        ]
+        .into_iter()
+        .filter(|kind| kind.session_bound_to_directory())
+        .map(CliKind::name)
+        .collect();
+        assert_eq!(bound, vec!["gemini", "qwen", "opencode"]);
+    }
 
     #[test]
     fn codex_stream_gives_session_files_usage_and_errors() {

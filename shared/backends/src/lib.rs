@@ -350,14 +350,11 @@ pub fn by_name(name: &str) -> Option<Arc<dyn Backend>> {
 /// The backend called `name`, configured by `config`.
 pub fn by_name_with(name: &str, config: &BackendsConfig) -> Option<Arc<dyn Backend>> {
     let settings = config.backend(name);
-    let cli = |kind| -> Arc<dyn Backend> { Arc::new(CliBackend::new(kind, settings.clone())) };
+    if let Some(kind) = CliKind::from_name(name) {
+        return Some(Arc::new(CliBackend::new(kind, settings.clone())));
+    }
     let backend: Arc<dyn Backend> = match name {
         "command" => Arc::new(CommandBackend),
-        "codex" => cli(CliKind::Codex),
-        "gemini" => cli(CliKind::Gemini),
-        "qwen" => cli(CliKind::Qwen),
-        "claude" => cli(CliKind::Claude),
-        "opencode" => cli(CliKind::Opencode),
         "agent" => Arc::new(AgentLoopBackend::new(settings.clone())),
         _ => return None,
     };
