@@ -1693,16 +1693,31 @@ async fn set_session_state(
     Ok(())
 }
 
-/// Takes the session's next sequence number; the row lock makes it gap-free and unique.
-async fn next_seq(tx: &mut Tx, session_id: &str, now: i64) -> Result<u64, Error> {
-    let row = sqlx::query("UPDATE sessions SET last_seq = last_seq + 1, updated_at = $2 WHERE id = $1 RETURNING last_seq")
-        .bind(session_id)
-        .bind(now)
-        .fetch_optional(&mut **tx)
-        .await?
-        .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
-    let seq: i64 = row.try_get("last_seq")?;
-    u64::try_from(seq).map_err(corrupt)
+/// Takes the session's next `count` sequence numbers and returns the first; the row lock makes
+/// them gap-free and unique.
+async fn next_seq(tx: &mut Tx, session_id: &str, now: i64, count: usize) -> Result<u64, Error> {
+    let row = sqlx::query(
+        "UPDATE sessions SET last_seq = last_seq + $3, updated_at = $2 WHERE id = $1 RETURNING last_seq",
+    )
+    .bind(session_id)
+    .bind(now)
+    .bind(i64::try_from(count).map_err(corrupt)?)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    let last = u64::try_from(row.try_get::<i64, _>("last_seq")?).map_err(corrupt)?;
+    Ok(last + 1 - count as u64)
+}
+
+/// The stored form of one event.
+fn event_payload(session_id: &str, sequence: u64, now: i64, kind: Kind) -> Vec<u8> {
+    pb::SessionEvent {
+        sequence,
+        session_id: session_id.to_owned(),
+        ts: Some(timestamp(now)),
+        kind: Some(kind),
+    }
+    .encode_to_vec()
 }
 
 /// Appends events with consecutive sequence numbers: one sequence update and one insert
@@ -1716,18 +1731,7 @@ async fn append_events(
     if kinds.is_empty() {
         return Ok(());
     }
-    let count = kinds.len();
-    let row = sqlx::query(
-        "UPDATE sessions SET last_seq = last_seq + $3, updated_at = $2 WHERE id = $1 RETURNING last_seq",
-    )
-    .bind(session_id)
-    .bind(now)
-    .bind(i64::try_from(count).map_err(corrupt)?)
-    .fetch_optional(&mut **tx)
-    .await?
-    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
-    let last = u64::try_from(row.try_get::<i64, _>("last_seq")?).map_err(corrupt)?;
-    let first = last + 1 - count as u64;
+    let first = next_seq(tx, session_id, now, kinds.len()).await?;
     // Rows per INSERT, well below the databases' limits on bound parameters.
     const CHUNK: usize = 256;
     let mut kinds = kinds.into_iter().enumerate().peekable();
@@ -1744,25 +1748,20 @@ async fn append_events(
         .bind(now);
         for (i, kind) in chunk {
             let sequence = first + i as u64;
-            let event = pb::SessionEvent {
-                sequence,
-                session_id: session_id.to_owned(),
-                ts: Some(timestamp(now)),
-                kind: Some(kind),
-            };
-            query = query.bind(to_i64(sequence)).bind(event.encode_to_vec());
+            query = query
+                .bind(to_i64(sequence))
+                .bind(event_payload(session_id, sequence, now, kind));
         }
         query.execute(&mut **tx).await?;
     }
     Ok(())
 }
 
-async fn append_event(tx: &mut Tx, session_id: &str, now: i64, kind: Kind) -> Result<u64, Error> {
-    let sequence = next_seq(tx, session_id, now).await?;
-    insert_event(tx, session_id, sequence, now, kind).await?;
-    Ok(sequence)
+async fn append_event(tx: &mut Tx, session_id: &str, now: i64, kind: Kind) -> Result<(), Error> {
+    append_events(tx, session_id, now, vec![kind]).await
 }
 
+/// Inserts one event under a sequence number taken with [`next_seq`].
 async fn insert_event(
     tx: &mut Tx,
     session_id: &str,
@@ -1770,17 +1769,11 @@ async fn insert_event(
     now: i64,
     kind: Kind,
 ) -> Result<(), Error> {
-    let event = pb::SessionEvent {
-        sequence,
-        session_id: session_id.to_owned(),
-        ts: Some(timestamp(now)),
-        kind: Some(kind),
-    };
     sqlx::query("INSERT INTO events (session_id, seq, ts, payload) VALUES ($1, $2, $3, $4)")
         .bind(session_id)
         .bind(to_i64(sequence))
         .bind(now)
-        .bind(event.encode_to_vec())
+        .bind(event_payload(session_id, sequence, now, kind))
         .execute(&mut **tx)
         .await?;
     Ok(())
@@ -1812,7 +1805,7 @@ async fn insert_message(
     .await?;
     let counter: i64 = counter_row.try_get("msg_counter")?;
     let id = format!("MSG-{counter:03}");
-    let sequence = next_seq(tx, session_id, now).await?;
+    let sequence = next_seq(tx, session_id, now, 1).await?;
     let stored = pb::Message {
         id: id.clone(),
         sequence,
