@@ -501,9 +501,8 @@ impl Store {
         now: i64,
     ) -> Result<SessionSummary, Error> {
         let mut tx = self.begin().await?;
-        lock_session(&mut tx, session_id, self.for_update()).await?;
+        let mut session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
         let before = load_tasks_lite(&mut tx, session_id).await?;
-        let mut session = load_session(&mut tx, session_id).await?;
         match session.state {
             SessionState::Cancelled => {}
             SessionState::Completed | SessionState::Failed => {
@@ -531,15 +530,9 @@ impl Store {
                 save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
             }
         }
-        let session = load_session(&mut tx, session_id).await?;
-        let repos = load_repos(&mut tx, session_id).await?;
-        let counts = load_counts(&mut tx, session_id).await?;
+        let summary = load_summary(&mut tx, session_id).await?;
         tx.commit().await?;
-        Ok(SessionSummary {
-            session,
-            repos,
-            counts,
-        })
+        Ok(summary)
     }
 
     // ----- worker protocol ------------------------------------------------------------------
@@ -1919,6 +1912,15 @@ fn session_from_row(row: &AnyRow) -> Result<SessionRow, Error> {
         last_seq: u64::try_from(row.try_get::<i64, _>("last_seq")?).map_err(corrupt)?,
         created_at: row.try_get("created_at")?,
         updated_at: row.try_get("updated_at")?,
+    })
+}
+
+/// A session as it now stands in this transaction, with its repositories and task counts.
+async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<SessionSummary, Error> {
+    Ok(SessionSummary {
+        session: load_session(tx, session_id).await?,
+        repos: load_repos(tx, session_id).await?,
+        counts: load_counts(tx, session_id).await?,
     })
 }
 

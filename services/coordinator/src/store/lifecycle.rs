@@ -9,8 +9,8 @@ use serde_json::{Map, Value};
 use troupe_proto::v1::{SessionState, TaskState};
 
 use super::{
-    NewMessage, SessionSummary, Store, load_counts, load_repos, load_session, load_tasks_lite,
-    lock_session, session_state_name, set_session_state,
+    NewMessage, SessionSummary, Store, load_summary, load_tasks_lite, lock_and_load_session,
+    session_state_name, set_session_state,
 };
 use crate::Error;
 use crate::sched;
@@ -37,8 +37,7 @@ impl Store {
         now: i64,
     ) -> Result<Paused, Error> {
         let mut tx = self.begin().await?;
-        lock_session(&mut tx, session_id, self.for_update()).await?;
-        let mut session = load_session(&mut tx, session_id).await?;
+        let mut session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
         let running: Vec<String> = load_tasks_lite(&mut tx, session_id)
             .await?
             .into_iter()
@@ -84,16 +83,10 @@ impl Store {
                 )));
             }
         };
-        let session = load_session(&mut tx, session_id).await?;
-        let repos = load_repos(&mut tx, session_id).await?;
-        let counts = load_counts(&mut tx, session_id).await?;
+        let summary = load_summary(&mut tx, session_id).await?;
         tx.commit().await?;
         Ok(Paused {
-            summary: SessionSummary {
-                session,
-                repos,
-                counts,
-            },
+            summary,
             running,
             changed,
         })
