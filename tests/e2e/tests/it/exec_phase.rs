@@ -3,16 +3,10 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Duration;
 
 use anyhow::Context;
-use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
-use troupe::embedded::{Embedded, EmbeddedConfig};
-use troupe_proto::v1::{
-    CreateSessionRequest, GetSessionRequest, SessionState, TaskState, WatchSessionRequest,
-    task_result::Detail,
-};
+use troupe_proto::v1::{SessionState, TaskState, task_result::Detail};
 
 /// `started=` and `finished=` of each task, from the agent output in its summary.
 fn times(summary: &str) -> Option<(f64, f64)> {
@@ -26,52 +20,10 @@ fn times(summary: &str) -> Option<(f64, f64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn exec_phase_example_runs_three_waves_into_the_session_branch() -> anyhow::Result<()> {
     let data = tempfile::tempdir()?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let shutdown = CancellationToken::new();
-    let embedded = Embedded::start(
-        EmbeddedConfig {
-            data_dir: data.path().to_path_buf(),
-            executor_concurrency: 2,
-            python: "python3".into(),
-        },
-        listener,
-        shutdown.clone(),
-    )
-    .await?;
-    let url = troupe_grpc::url_for(embedded.addr());
+    let (embedded, url) = crate::support::start_embedded(data.path(), &shutdown).await?;
 
-    let plan_dir = troupe_testkit::workspace_root().join("examples/exec-phase");
-    let mut client = troupe_grpc::coordinator_client(&url)?;
-    let created = client
-        .create_session(CreateSessionRequest {
-            plan_json: std::fs::read_to_string(plan_dir.join("plan.json"))?,
-            base_dir: plan_dir.display().to_string(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let session_id = created.session.context("no session")?.id;
-    let mut events = client
-        .watch_session(WatchSessionRequest {
-            session_id: session_id.clone(),
-            after_sequence: 0,
-            follow: false,
-        })
-        .await?
-        .into_inner();
-    let drain = async {
-        while let Some(event) = events.next().await {
-            event?;
-        }
-        anyhow::Ok(())
-    };
-    tokio::time::timeout(Duration::from_secs(240), drain)
-        .await
-        .context("the exec-phase example did not finish within 240 s")??;
-    let response = client
-        .get_session(GetSessionRequest { session_id })
-        .await?
-        .into_inner();
+    let response = crate::support::run_example(&url, "exec-phase").await?;
     let session = response.session.as_ref().context("no session")?;
     let report = troupe::report::final_report(&response);
     assert_eq!(

@@ -3,26 +3,14 @@
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use troupe::embedded::{Embedded, EmbeddedConfig};
 
 use crate::support::{self, ChildService};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn quickstart_completes_with_all_services_in_one_process() -> anyhow::Result<()> {
     let data = tempfile::tempdir()?;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let shutdown = CancellationToken::new();
-    let embedded = Embedded::start(
-        EmbeddedConfig {
-            data_dir: data.path().to_path_buf(),
-            executor_concurrency: 2,
-            python: "python3".into(),
-        },
-        listener,
-        shutdown.clone(),
-    )
-    .await?;
-    let url = troupe_grpc::url_for(embedded.addr());
+    let (embedded, url) = support::start_embedded(data.path(), &shutdown).await?;
 
     let response = support::run_quickstart(&url).await?;
     support::assert_quickstart_completed(&response)?;

@@ -8,9 +8,11 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use tokio::process::{Child, Command};
 use tokio_stream::StreamExt;
+use tokio_util::sync::CancellationToken;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
+use troupe::embedded::{Embedded, EmbeddedConfig};
 use troupe_proto::v1::{
     CreateSessionRequest, GetSessionRequest, GetSessionResponse, WatchSessionRequest,
 };
@@ -138,10 +140,36 @@ pub(crate) async fn health(url: &str, service: &str) -> anyhow::Result<ServingSt
     Ok(ServingStatus::try_from(response.status)?)
 }
 
+/// Starts every service in this process on a port-0 listener; returns the handle and its URL.
+pub(crate) async fn start_embedded(
+    data_dir: &Path,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<(Embedded, String)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let embedded = Embedded::start(
+        EmbeddedConfig {
+            data_dir: data_dir.to_path_buf(),
+            executor_concurrency: 2,
+            python: "python3".into(),
+        },
+        listener,
+        shutdown.clone(),
+    )
+    .await?;
+    let url = troupe_grpc::url_for(embedded.addr());
+    Ok((embedded, url))
+}
+
 /// Submits the quickstart plan to the coordinator at `url`, follows its events to the end and
 /// returns the final session.
 pub(crate) async fn run_quickstart(url: &str) -> anyhow::Result<GetSessionResponse> {
-    let plan_dir = quickstart_dir();
+    run_example(url, "quickstart").await
+}
+
+/// Submits `examples/<name>/plan.json` to the coordinator at `url`, follows its events to the
+/// end (checking their sequence has no gap or repeat) and returns the final session.
+pub(crate) async fn run_example(url: &str, name: &str) -> anyhow::Result<GetSessionResponse> {
+    let plan_dir = troupe_testkit::workspace_root().join("examples").join(name);
     let plan_json = std::fs::read_to_string(plan_dir.join("plan.json"))?;
     let mut client = troupe_grpc::coordinator_client(url)?;
     let created = client
@@ -176,7 +204,7 @@ pub(crate) async fn run_quickstart(url: &str) -> anyhow::Result<GetSessionRespon
     };
     tokio::time::timeout(Duration::from_secs(240), drain)
         .await
-        .context("the quickstart did not finish within 240 s")??;
+        .with_context(|| format!("the {name} example did not finish within 240 s"))??;
     Ok(client
         .get_session(GetSessionRequest { session_id })
         .await?
