@@ -66,6 +66,11 @@ const WORKER_TOUCH_MS: i64 = 2_000;
 /// How many reaper ticks between capability-gap scans.
 const GAP_SCAN_TICKS: u32 = 4;
 
+/// Moves a change generation on, waking everything that waits on it.
+fn advance(generation: &watch::Sender<u64>) {
+    generation.send_modify(|value| *value = value.wrapping_add(1));
+}
+
 /// Returns a `Duration` field, or `default` when absent; refuses negative values.
 fn duration(
     value: Option<prost_types::Duration>,
@@ -216,8 +221,7 @@ impl Coordinator {
 
     /// Announces a committed change that may have made tasks claimable.
     fn notify(&self) {
-        self.claimable
-            .send_modify(|generation| *generation = generation.wrapping_add(1));
+        advance(&self.claimable);
         self.notify_watchers();
     }
 
@@ -250,14 +254,12 @@ impl Coordinator {
     }
 
     fn bump(&self) {
-        self.changes
-            .send_modify(|generation| *generation = generation.wrapping_add(1));
+        advance(&self.changes);
     }
 
     /// Wakes everything: a change made by another coordinator, of a kind not known here.
     fn bump_all(&self) {
-        self.claimable
-            .send_modify(|generation| *generation = generation.wrapping_add(1));
+        advance(&self.claimable);
         self.bump();
     }
 
