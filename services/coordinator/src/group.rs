@@ -5,13 +5,17 @@
 //! Instead they queue, and the next transaction runs all of them: N operations cost one
 //! `BEGIN`/`COMMIT` (one durable commit on PostgreSQL, one writer hand-over on SQLite) and
 //! fewer scheduler wake-ups. Each caller still gets its answer only once its change is
-//! committed, and every operation runs exactly the code it runs alone (fencing checks,
-//! settling, event sequence), one after the other in arrival order.
+//! committed. Inside the transaction each session's operations run together: its row is
+//! locked and loaded once, heartbeats run one by one, then all completions as one batch and
+//! all claims as one batch (one statement per step for the whole batch: load, dependents,
+//! update, event append), so a group's round trips to the database hardly grow with its
+//! size. Completions go first, so the claims of the same group can take what they readied.
 //!
 //! Lanes: SQLite has one writer, so everything shares one lane. PostgreSQL has a lane per
 //! session, so a group transaction locks one session row only and two coordinators' groups
-//! can never wait on each other crosswise; claims there pick their sessions themselves
-//! (`SKIP LOCKED`) and run alone, as before.
+//! can never wait on each other crosswise. A claim does not name a session: it first reads,
+//! without locks, which session holds the best ready task for its roles, and queues there;
+//! when others emptied that session first it picks again.
 //!
 //! A caller that finds its lane idle runs its operation at once, alone (no added latency
 //! when there is no contention); what queued meanwhile is then run by a spawned task.
@@ -20,7 +24,6 @@
 //! (cheaper than a `SAVEPOINT` per operation in the common case, where nothing fails).
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::oneshot;
@@ -28,17 +31,15 @@ use troupe_proto::v1 as pb;
 
 use crate::Error;
 use crate::sched::TaskRow;
-use crate::store::{self, Claimed, Dialect, SessionRow, Store};
+use crate::store::{self, ClaimRequest, Claimed, Completion, Dialect, Store};
 
 /// One queued write and where its answer goes.
 #[derive(Debug)]
 enum Op {
     Claim {
-        worker_id: String,
-        roles: Vec<pb::Role>,
-        max: u32,
-        lease_ms: i64,
-        now: i64,
+        /// The session [`Store::pick_session`] chose.
+        session_id: String,
+        request: ClaimRequest,
         reply: oneshot::Sender<Result<Vec<Claimed>, Error>>,
     },
     Heartbeat {
@@ -52,13 +53,21 @@ enum Op {
     },
     Complete {
         session_id: String,
-        task_id: String,
-        token: u64,
         // Boxed: the largest variant by far.
-        result: Box<pb::TaskResult>,
+        completion: Box<Completion>,
         now: i64,
         reply: oneshot::Sender<Result<TaskRow, Error>>,
     },
+}
+
+impl Op {
+    fn session_id(&self) -> &str {
+        match self {
+            Op::Claim { session_id, .. }
+            | Op::Heartbeat { session_id, .. }
+            | Op::Complete { session_id, .. } => session_id,
+        }
+    }
 }
 
 /// What an operation returned inside a group, before the group committed.
@@ -124,6 +133,7 @@ impl GroupCommit {
         }
     }
 
+    /// Claims up to `max` ready tasks of `roles` from the session holding the best one.
     pub(crate) async fn claim(
         &self,
         worker_id: &str,
@@ -132,20 +142,28 @@ impl GroupCommit {
         lease_ms: i64,
         now: i64,
     ) -> Result<Vec<Claimed>, Error> {
-        if self.store.dialect() == Dialect::Postgres {
-            return self.store.claim(worker_id, roles, max, lease_ms, now).await;
+        // Each round either claims or finds that others took the picked session's ready tasks
+        // first (someone made progress), so this ends once nothing is ready.
+        while let Some(session_id) = self.store.pick_session(roles).await? {
+            let (reply, answer) = oneshot::channel();
+            let op = Op::Claim {
+                session_id: session_id.clone(),
+                request: ClaimRequest {
+                    worker_id: worker_id.to_owned(),
+                    roles: roles.to_vec(),
+                    max,
+                    lease_ms,
+                    now,
+                },
+                reply,
+            };
+            self.submit(self.lane(&session_id), op).await;
+            let claimed = answer.await.unwrap_or_else(|_| Err(gone()))?;
+            if !claimed.is_empty() {
+                return Ok(claimed);
+            }
         }
-        let (reply, answer) = oneshot::channel();
-        let op = Op::Claim {
-            worker_id: worker_id.to_owned(),
-            roles: roles.to_vec(),
-            max,
-            lease_ms,
-            now,
-            reply,
-        };
-        self.submit(String::new(), op).await;
-        answer.await.unwrap_or_else(|_| Err(gone()))
+        Ok(Vec::new())
     }
 
     pub(crate) async fn heartbeat(
@@ -182,9 +200,11 @@ impl GroupCommit {
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
             session_id: session_id.to_owned(),
-            task_id: task_id.to_owned(),
-            token,
-            result: Box::new(result),
+            completion: Box::new(Completion {
+                task_id: task_id.to_owned(),
+                token,
+                result,
+            }),
             now,
             reply,
         };
@@ -274,16 +294,11 @@ impl GroupCommit {
 
     async fn run_together(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
         let mut tx = self.store.begin().await.map_err(|_| GroupError::Op)?;
-        let mut sessions = HashMap::new();
-        let mut outcomes = Vec::with_capacity(ops.len());
-        for op in ops {
-            // Dropping `tx` on an error rolls the whole group back.
-            let outcome = self
-                .run_in(&mut tx, &mut sessions, op)
-                .await
-                .map_err(|_| GroupError::Op)?;
-            outcomes.push(outcome);
-        }
+        // Dropping `tx` on an error rolls the whole group back.
+        let outcomes = self
+            .run_in(&mut tx, ops)
+            .await
+            .map_err(|_| GroupError::Op)?;
         tx.commit()
             .await
             .map_err(|err| GroupError::Commit(err.into()))?;
@@ -292,71 +307,108 @@ impl GroupCommit {
 
     async fn run_alone(&self, op: &Op) -> Result<Outcome, Error> {
         let mut tx = self.store.begin().await?;
-        let outcome = self.run_in(&mut tx, &mut HashMap::new(), op).await?;
+        let outcome = self
+            .run_in(&mut tx, std::slice::from_ref(op))
+            .await?
+            .pop()
+            .ok_or_else(mismatch)?;
         tx.commit().await?;
         Ok(outcome)
     }
 
-    /// One operation inside a transaction, exactly as it runs alone. `sessions` holds the
-    /// sessions this transaction already locked and loaded (kept current by the operations:
-    /// only a completion can change a session row, through `finish`).
-    async fn run_in(
-        &self,
-        tx: &mut store::Tx,
-        sessions: &mut HashMap<String, SessionRow>,
-        op: &Op,
-    ) -> Result<Outcome, Error> {
-        let lock = self.store.for_update();
-        Ok(match op {
-            Op::Claim {
-                worker_id,
-                roles,
-                max,
-                lease_ms,
-                now,
-                ..
-            } => Outcome::Claim(
-                self.store
-                    .claim_in(tx, worker_id, roles, *max, *lease_ms, *now)
-                    .await?,
-            ),
-            Op::Heartbeat {
-                session_id,
-                task_id,
-                token,
-                progress,
-                lease_ms,
-                now,
-                ..
-            } => {
-                if !sessions.contains_key(session_id) {
-                    store::lock_session(tx, session_id, lock).await?;
+    /// Runs `ops` inside a transaction, session by session (in order of first appearance):
+    /// lock and load the session, then its heartbeats one by one, its completions as one
+    /// batch, its claims as one batch. Returns the outcomes in the order of `ops`.
+    async fn run_in(&self, tx: &mut store::Tx, ops: &[Op]) -> Result<Vec<Outcome>, Error> {
+        let mut sessions: Vec<&str> = Vec::new();
+        for op in ops {
+            if !sessions.contains(&op.session_id()) {
+                sessions.push(op.session_id());
+            }
+        }
+        let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
+        for session_id in sessions {
+            let mine = || {
+                ops.iter()
+                    .enumerate()
+                    .filter(move |(_, op)| op.session_id() == session_id)
+            };
+            let mut session =
+                store::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
+            for (i, op) in mine() {
+                if let Op::Heartbeat {
+                    task_id,
+                    token,
+                    progress,
+                    lease_ms,
+                    now,
+                    ..
+                } = op
+                {
+                    let beat = store::heartbeat_in(
+                        tx, session_id, task_id, *token, progress, *lease_ms, *now,
+                    )
+                    .await?;
+                    outcomes[i] = Some(Outcome::Heartbeat(beat));
                 }
-                Outcome::Heartbeat(
-                    store::heartbeat_in(tx, session_id, task_id, *token, progress, *lease_ms, *now)
-                        .await?,
-                )
             }
-            Op::Complete {
-                session_id,
-                task_id,
-                token,
-                result,
-                now,
-                ..
-            } => {
-                let session = match sessions.entry(session_id.clone()) {
-                    Entry::Occupied(entry) => entry.into_mut(),
-                    Entry::Vacant(entry) => {
-                        entry.insert(store::lock_and_load_session(tx, session_id, lock).await?)
+            let completions: Vec<(usize, &Completion, i64)> = mine()
+                .filter_map(|(i, op)| match op {
+                    Op::Complete {
+                        completion, now, ..
+                    } => Some((i, &**completion, *now)),
+                    _ => None,
+                })
+                .collect();
+            // The session's end is checked after its claims: one that claims a task knows
+            // the session goes on.
+            let mut check_end = None;
+            if let Some(&(_, _, now)) = completions.last() {
+                if session.mode == troupe_plan::Mode::Eager
+                    && session.state == pb::SessionState::Active
+                {
+                    let batch = completions
+                        .iter()
+                        .map(|(_, c, _)| Completion::clone(c))
+                        .collect();
+                    let done = store::complete_eager(tx, &mut session, batch, now).await?;
+                    check_end = done.check_end.map(|count| (count, now));
+                    for ((i, _, _), task) in completions.iter().zip(done.tasks) {
+                        outcomes[*i] = Some(Outcome::Complete(Box::new(task)));
                     }
-                };
-                let result = pb::TaskResult::clone(result);
-                Outcome::Complete(Box::new(
-                    store::complete_in(tx, session, task_id, *token, result, *now).await?,
-                ))
+                } else {
+                    for (i, completion, now) in completions {
+                        let task =
+                            store::complete_in(tx, &mut session, completion.clone(), now).await?;
+                        outcomes[i] = Some(Outcome::Complete(Box::new(task)));
+                    }
+                }
             }
-        })
+            let claims: Vec<(usize, ClaimRequest)> = mine()
+                .filter_map(|(i, op)| match op {
+                    Op::Claim { request, .. } => Some((i, request.clone())),
+                    _ => None,
+                })
+                .collect();
+            if !claims.is_empty() {
+                let requests: Vec<ClaimRequest> =
+                    claims.iter().map(|(_, request)| request.clone()).collect();
+                let claimed = self.store.claim_in(tx, &session, &requests).await?;
+                if claimed.iter().any(|tasks| !tasks.is_empty()) {
+                    check_end = None;
+                }
+                for ((i, _), tasks) in claims.iter().zip(claimed) {
+                    outcomes[*i] = Some(Outcome::Claim(tasks));
+                }
+            }
+            if let Some((count, now)) = check_end {
+                store::check_end(tx, &mut session, count, now).await?;
+            }
+        }
+        outcomes
+            .into_iter()
+            .map(|outcome| outcome.ok_or_else(mismatch))
+            .collect()
     }
 }
 

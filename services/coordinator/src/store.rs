@@ -58,7 +58,56 @@ const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, 
 const SESSION_COLUMNS: &str =
     "id, name, description, state, mode, on_failure, plan_dir, last_seq, created_at, updated_at";
 
-pub(crate) type Tx = Transaction<'static, Any>;
+/// A write transaction. Events appended in it are held back and written just before it
+/// commits (or before the session's sequence is read or taken otherwise), so the operations
+/// of a group commit share one sequence update and one insert per session.
+pub(crate) struct Tx {
+    inner: Transaction<'static, Any>,
+    /// Per session, in order of first append: each event's time and kind.
+    events: Vec<(String, Vec<(i64, Kind)>)>,
+}
+
+impl std::ops::Deref for Tx {
+    type Target = sqlx::AnyConnection;
+
+    fn deref(&self) -> &Self::Target {
+        &self.inner
+    }
+}
+
+impl std::ops::DerefMut for Tx {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.inner
+    }
+}
+
+impl Tx {
+    /// Writes the held-back events, then commits.
+    pub(crate) async fn commit(mut self) -> Result<(), Error> {
+        self.flush_events(None).await?;
+        self.inner.commit().await?;
+        Ok(())
+    }
+
+    /// Rolls back, held-back events included.
+    pub(crate) async fn rollback(self) -> Result<(), Error> {
+        self.inner.rollback().await?;
+        Ok(())
+    }
+
+    /// Writes the held-back events of `session_id` (of every session when `None`).
+    async fn flush_events(&mut self, session_id: Option<&str>) -> Result<(), Error> {
+        let pending = std::mem::take(&mut self.events);
+        for (session, events) in pending {
+            if session_id.is_none_or(|id| id == session) {
+                write_events(self, &session, events).await?;
+            } else {
+                self.events.push((session, events));
+            }
+        }
+        Ok(())
+    }
+}
 
 /// A session row.
 #[derive(Debug, Clone, PartialEq)]
@@ -108,6 +157,17 @@ pub(crate) struct Claimed {
     pub(crate) repo: Option<pb::SessionRepo>,
     pub(crate) plan_dir: String,
     pub(crate) upstream: Vec<TaskRow>,
+}
+
+/// One `ClaimTasks` as the store sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct ClaimRequest {
+    pub(crate) worker_id: String,
+    /// Any role when empty.
+    pub(crate) roles: Vec<pb::Role>,
+    pub(crate) max: u32,
+    pub(crate) lease_ms: i64,
+    pub(crate) now: i64,
 }
 
 /// A message to append to a session's bus.
@@ -362,9 +422,21 @@ impl Store {
     }
 
     pub(crate) async fn begin(&self) -> Result<Tx, Error> {
-        Ok(match self.dialect {
+        let inner = match self.dialect {
             Dialect::Sqlite => self.writer.begin_with("BEGIN IMMEDIATE").await?,
             Dialect::Postgres => self.writer.begin().await?,
+        };
+        Ok(Tx {
+            inner,
+            events: Vec::new(),
+        })
+    }
+
+    /// A read-only transaction on the reader pool: one consistent snapshot for several reads.
+    async fn begin_read(&self) -> Result<Tx, Error> {
+        Ok(Tx {
+            inner: self.reader.begin().await?,
+            events: Vec::new(),
         })
     }
 
@@ -440,7 +512,7 @@ impl Store {
 
     /// Returns a session with its repos and tasks.
     pub(crate) async fn get_session(&self, session_id: &str) -> Result<SessionView, Error> {
-        let mut tx = self.reader.begin().await?;
+        let mut tx = self.begin_read().await?;
         let session = load_session(&mut tx, session_id).await?;
         let repos = load_repos(&mut tx, session_id).await?;
         let tasks = load_tasks(&mut tx, session_id).await?;
@@ -458,7 +530,7 @@ impl Store {
         state: Option<SessionState>,
         limit: u32,
     ) -> Result<Vec<SessionSummary>, Error> {
-        let mut tx = self.reader.begin().await?;
+        let mut tx = self.begin_read().await?;
         let rows = match state {
             Some(state) => {
                 sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -537,149 +609,108 @@ impl Store {
 
     // ----- worker protocol ------------------------------------------------------------------
 
-    /// Claims up to `max` ready tasks of `roles` (any role when empty) for `worker_id`.
-    ///
-    /// The best candidates are read without locks; then their sessions are locked (every writer
-    /// of a session holds its row lock). On PostgreSQL with `FOR UPDATE SKIP LOCKED`, so
-    /// concurrent claimers (other coordinators too) spread over sessions instead of queueing;
-    /// only when every candidate session is busy does a claimer wait, for one of them. Under
-    /// the lock the tasks are re-read and only those still ready are taken, topped up with the
-    /// session's next ready tasks when another claimer took a candidate first.
-    pub(crate) async fn claim(
-        &self,
-        worker_id: &str,
-        roles: &[pb::Role],
-        max: u32,
-        lease_ms: i64,
-        now: i64,
-    ) -> Result<Vec<Claimed>, Error> {
-        let mut tx = self.begin().await?;
-        let claimed = self
-            .claim_in(&mut tx, worker_id, roles, max, lease_ms, now)
-            .await?;
-        tx.commit().await?;
-        Ok(claimed)
-    }
-
-    /// [`Store::claim`] inside a transaction the caller commits (see [`crate::group`]).
-    pub(crate) async fn claim_in(
-        &self,
-        tx: &mut Tx,
-        worker_id: &str,
-        roles: &[pb::Role],
-        max: u32,
-        lease_ms: i64,
-        now: i64,
-    ) -> Result<Vec<Claimed>, Error> {
-        let role_filter = role_filter("t.role", roles, 4);
-        // The order of the `tasks_claim` index, so the best candidates are its first entries.
-        let columns = TASK_COLUMNS
-            .split(", ")
-            .map(|column| format!("t.{}", column.trim()))
-            .collect::<Vec<_>>()
-            .join(", ");
+    /// The session holding the best ready task of `roles` (any role when empty) in claim
+    /// order, read without locks: a claim is queued on that session's group (see
+    /// [`crate::group`]), which takes the session's best ready tasks under its lock.
+    pub(crate) async fn pick_session(&self, roles: &[pb::Role]) -> Result<Option<String>, Error> {
+        let role_filter = role_filter("t.role", roles, 3);
+        // The order of the `tasks_claim` index, so the best candidate is its first entry.
         let sql = format!(
-            "SELECT {columns}, s.plan_dir AS session_plan_dir FROM tasks t JOIN sessions s ON s.id = t.session_id \
+            "SELECT t.session_id FROM tasks t JOIN sessions s ON s.id = t.session_id \
              WHERE t.state = $1 AND s.state = $2{role_filter} \
-             ORDER BY t.priority, t.critical_path DESC, t.created_at, t.session_id, t.position LIMIT $3"
+             ORDER BY t.priority, t.critical_path DESC, t.created_at, t.session_id, t.position LIMIT 1"
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(TaskState::Ready as i32)
-            .bind(SessionState::Active as i32)
-            .bind(i64::from(max));
+            .bind(SessionState::Active as i32);
         for role in roles {
             query = query.bind(*role as i32);
         }
-        let picked = query.fetch_all(&mut **tx).await?;
-        if picked.is_empty() {
-            return Ok(Vec::new());
-        }
-        // Keep the claim order while grouping the work per session.
-        let mut by_session: Vec<(String, String, Vec<TaskRow>)> = Vec::new();
-        for row in &picked {
-            let task = task_from_row(row)?;
-            match by_session
-                .iter_mut()
-                .find(|(id, _, _)| *id == task.session_id)
-            {
-                Some((_, _, tasks)) => tasks.push(task),
-                None => by_session.push((
-                    task.session_id.clone(),
-                    row.try_get("session_plan_dir")?,
-                    vec![task],
-                )),
+        let row = query.fetch_optional(&self.reader).await?;
+        Ok(row.map(|row| row.try_get("session_id")).transpose()?)
+    }
+
+    /// Takes a session's best ready tasks for several claims at once (a group commit's claims
+    /// of one session; one alone is a group of one), with the session locked and loaded,
+    /// inside a transaction the caller commits. Claims are served in the order given, each up
+    /// to its `max`; one query per distinct role filter, one update and one event append for
+    /// all. Returns each claim's tasks (none when the session is not active or ran dry).
+    pub(crate) async fn claim_in(
+        &self,
+        tx: &mut Tx,
+        session: &SessionRow,
+        claims: &[ClaimRequest],
+    ) -> Result<Vec<Vec<Claimed>>, Error> {
+        let session_id = session.id.as_str();
+        let mut taken: Vec<(usize, TaskRow)> = Vec::new();
+        if session.state == SessionState::Active {
+            let mut filters: Vec<&[pb::Role]> = Vec::new();
+            for claim in claims {
+                if !filters.contains(&claim.roles.as_slice()) {
+                    filters.push(&claim.roles);
+                }
             }
-        }
-        // The locked sessions with their state as of the lock.
-        let mut locked: Vec<(&str, SessionState)> = Vec::new();
-        match self.dialect {
-            Dialect::Sqlite => locked.extend(
-                by_session
-                    .iter()
-                    .map(|(id, _, _)| (id.as_str(), SessionState::Active)),
-            ),
-            Dialect::Postgres => {
-                for (session_id, _, _) in &by_session {
-                    if let Some(state) = try_lock_session(tx, session_id).await? {
-                        locked.push((session_id, state));
+            for roles in filters {
+                let serves: Vec<usize> = (0..claims.len())
+                    .filter(|&i| claims[i].roles.as_slice() == roles)
+                    .collect();
+                let wanted: usize = serves.iter().map(|&i| claims[i].max as usize).sum();
+                // Tasks another filter already took are skipped, so ask for that many more.
+                let ready: Vec<TaskRow> =
+                    load_claimable(tx, session_id, roles, wanted + taken.len())
+                        .await?
+                        .into_iter()
+                        .filter(|task| !taken.iter().any(|(_, known)| known.id == task.id))
+                        .collect();
+                let mut ready = ready.into_iter();
+                for &i in &serves {
+                    for task in ready.by_ref().take(claims[i].max as usize) {
+                        taken.push((i, task));
                     }
                 }
-                if locked.is_empty() {
-                    let first = &by_session[0].0;
-                    let session = lock_and_load_session(tx, first, " FOR UPDATE").await?;
-                    locked.push((first, session.state));
-                }
             }
         }
-        let mut out = Vec::new();
-        for (session_id, plan_dir, candidates) in &by_session {
-            let Some((_, state)) = locked.iter().find(|(id, _)| id == session_id) else {
-                continue;
-            };
-            let before = match self.dialect {
-                // The candidates were read holding the database's write lock: still current.
-                Dialect::Sqlite => candidates.clone(),
-                // Now that the session is locked: its best claimable tasks, the candidates
-                // while still ready, else (another claimer took some first) the next ones.
-                Dialect::Postgres => {
-                    if *state != SessionState::Active {
-                        continue;
-                    }
-                    load_claimable(tx, session_id, roles, candidates.len()).await?
-                }
-            };
-            let repos = self.repos(tx, session_id).await?;
-            let taken: Vec<String> = before.iter().map(|task| task.id.clone()).collect();
-            if taken.is_empty() {
-                continue;
-            }
-            let mut tasks = before.clone();
-            let mut transitions = Vec::new();
-            for task_id in &taken {
-                let task = find_task_mut(&mut tasks, task_id, session_id)?;
-                task.attempt += 1;
-                task.fencing_token += 1;
-                task.worker_id = worker_id.to_owned();
-                task.lease_ms = lease_ms;
-                task.started_at = Some(now);
-                task.progress.clear();
-                transitions.push(sched::transition(task, TaskState::Running, "claimed", now));
-                task.lease_expires_at = Some(now + lease_ms);
-            }
-            // A claim changes nothing else in the graph: no settling needed.
-            write_changes(tx, session_id, &before, &tasks, transitions, now).await?;
-            let mut upstream_of = load_upstream(tx, session_id, &tasks).await?;
-            for task_id in &taken {
-                let task = find_task_mut(&mut tasks, task_id, session_id)?.clone();
-                let upstream = upstream_of.remove(task_id).unwrap_or_default();
-                let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
-                out.push(Claimed {
-                    task,
-                    repo,
-                    plan_dir: plan_dir.clone(),
-                    upstream,
-                });
-            }
+        let mut out: Vec<Vec<Claimed>> = claims.iter().map(|_| Vec::new()).collect();
+        if taken.is_empty() {
+            return Ok(out);
+        }
+        let before: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
+        let mut transitions = Vec::with_capacity(taken.len());
+        for (i, task) in &mut taken {
+            let claim = &claims[*i];
+            task.attempt += 1;
+            task.fencing_token += 1;
+            task.worker_id = claim.worker_id.clone();
+            task.lease_ms = claim.lease_ms;
+            task.started_at = Some(claim.now);
+            task.progress.clear();
+            transitions.push(sched::transition(
+                task,
+                TaskState::Running,
+                "claimed",
+                claim.now,
+            ));
+            task.lease_expires_at = Some(claim.now + claim.lease_ms);
+        }
+        let tasks: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
+        let now = claims
+            .iter()
+            .map(|claim| claim.now)
+            .max()
+            .unwrap_or_default();
+        // A claim changes nothing else in the graph: no settling needed.
+        write_changes(tx, session_id, &before, &tasks, transitions, now).await?;
+        let mut upstream_of = load_upstream(tx, session_id, &tasks).await?;
+        let repos = self.repos(tx, session_id).await?;
+        for (i, task) in taken {
+            let upstream = upstream_of.remove(&task.id).unwrap_or_default();
+            let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
+            out[i].push(Claimed {
+                task,
+                repo,
+                plan_dir: session.plan_dir.clone(),
+                upstream,
+            });
         }
         Ok(out)
     }
@@ -996,7 +1027,7 @@ impl Store {
         session_id: &str,
         filter: &MessageFilter,
     ) -> Result<(Vec<pb::Message>, u64), Error> {
-        let mut tx = self.reader.begin().await?;
+        let mut tx = self.begin_read().await?;
         load_session(&mut tx, session_id).await?;
         let mut sql = String::from(
             "SELECT seq, msg_id, ts, sender, recipient, msg_type, summary, data FROM messages WHERE session_id = $1 AND seq > $2",
@@ -1048,7 +1079,7 @@ impl Store {
         session_id: &str,
         role: &str,
     ) -> Result<BTreeMap<String, Map<String, Value>>, Error> {
-        let mut tx = self.reader.begin().await?;
+        let mut tx = self.begin_read().await?;
         load_session(&mut tx, session_id).await?;
         let rows = if role.is_empty() {
             sqlx::query("SELECT role, state FROM role_state WHERE session_id = $1")
@@ -1215,104 +1246,145 @@ pub(crate) async fn heartbeat_in(
     Ok((expires_at, false))
 }
 
+/// One `CompleteTask` as the store sees it.
+#[derive(Debug, Clone)]
+pub(crate) struct Completion {
+    pub(crate) task_id: String,
+    pub(crate) token: u64,
+    pub(crate) result: pb::TaskResult,
+}
+
 /// Completes a running task under its current fencing token, with the session locked and
 /// loaded, inside a transaction the caller commits (see [`crate::group`]).
 pub(crate) async fn complete_in(
     tx: &mut Tx,
     session: &mut SessionRow,
-    task_id: &str,
-    token: u64,
-    result: pb::TaskResult,
+    completion: Completion,
     now: i64,
 ) -> Result<TaskRow, Error> {
+    if session.mode == Mode::Eager && session.state == SessionState::Active {
+        let mut done = complete_eager(tx, session, vec![completion], now).await?;
+        if let Some(count) = done.check_end {
+            check_end(tx, session, count, now).await?;
+        }
+        return done
+            .tasks
+            .pop()
+            .ok_or_else(|| corrupt("a completion returned no task"));
+    }
     // Owned: `session` is passed on mutably (see [`finish`]).
     let session_id = session.id.clone();
     let session_id = session_id.as_str();
-    if session.mode == Mode::Eager && session.state == SessionState::Active {
-        return complete_eager(tx, session, task_id, token, result, now).await;
-    }
+    let task_id = completion.task_id.as_str();
     let before = load_tasks_lite(tx, session_id).await?;
     let mut tasks = before.clone();
     let task = find_task_mut(&mut tasks, task_id, session_id)?;
-    if task.state != TaskState::Running || task.fencing_token != token {
-        return Err(stale(task, token));
+    if task.state != TaskState::Running || task.fencing_token != completion.token {
+        return Err(stale(task, completion.token));
     }
-    write_back_convergence(tx, session_id, task_id, &result).await?;
-    task.result = Some(result);
+    write_back_convergence(tx, session_id, task_id, &completion.result).await?;
+    task.result = Some(completion.result);
     let transition = sched::transition(task, TaskState::Completed, "completed", now);
     save(tx, session, &before, &mut tasks, vec![transition], now).await?;
     let task = load_task(tx, session_id, task_id).await?;
     Ok(task)
 }
 
-/// [`Store::complete`] in an active eager session without reading the whole graph: a
-/// completion can only make its own pending dependents ready, so only they and their
-/// dependencies are loaded. The whole graph is read only when the session may have ended
-/// or stalled (nothing left open, or nothing ready or running).
-async fn complete_eager(
+/// Completes several running tasks of an active eager session at once (a group commit's
+/// completions; one alone is a group of one) without reading the whole graph: a completion can
+/// only make its own pending dependents ready, so only they and their dependencies are loaded,
+/// and each step is one statement for all of them. The whole graph is read only when the
+/// session may have ended or stalled (nothing left ready or running). Returns the completed
+/// tasks in the order given; any stale token fails them all (the group then runs each alone).
+pub(crate) async fn complete_eager(
     tx: &mut Tx,
     session: &mut SessionRow,
-    task_id: &str,
-    token: u64,
-    result: pb::TaskResult,
+    completions: Vec<Completion>,
     now: i64,
-) -> Result<TaskRow, Error> {
+) -> Result<EagerCompletion, Error> {
     // Owned: `session` is passed on mutably (see [`finish`]).
     let session_id = session.id.clone();
     let session_id = session_id.as_str();
-    let original = load_task(tx, session_id, task_id).await?;
-    if original.state != TaskState::Running || original.fencing_token != token {
-        return Err(stale(&original, token));
+    let ids: Vec<String> = completions.iter().map(|c| c.task_id.clone()).collect();
+    let mut originals = load_tasks_by_id(tx, session_id, &ids, TASK_COLUMNS).await?;
+    let mut before = Vec::with_capacity(completions.len());
+    let mut subset = Vec::with_capacity(completions.len());
+    let mut transitions = Vec::with_capacity(completions.len());
+    for completion in completions {
+        // Taken out, so a task completed twice in one group is stale the second time.
+        let Some(original) = originals.remove(&completion.task_id) else {
+            if subset
+                .iter()
+                .any(|task: &TaskRow| task.id == completion.task_id)
+            {
+                return Err(Error::FailedPrecondition(format!(
+                    "task {} is completed twice in one transaction",
+                    completion.task_id
+                )));
+            }
+            return Err(Error::NotFound(format!(
+                "task {} not found in session {session_id}",
+                completion.task_id
+            )));
+        };
+        if original.state != TaskState::Running || original.fencing_token != completion.token {
+            return Err(stale(&original, completion.token));
+        }
+        write_back_convergence(tx, session_id, &completion.task_id, &completion.result).await?;
+        before.push(original.clone());
+        let mut task = original;
+        task.result = Some(completion.result);
+        transitions.push(sched::transition(
+            &mut task,
+            TaskState::Completed,
+            "completed",
+            now,
+        ));
+        subset.push(task);
     }
-    let mut task = original.clone();
-    write_back_convergence(tx, session_id, task_id, &result).await?;
-    task.result = Some(result);
-    let transition = sched::transition(&mut task, TaskState::Completed, "completed", now);
-    // Pending tasks that name this one among their dependencies (the LIKE is a coarse
-    // filter on the JSON text; the parsed list decides).
+    let completed = subset.len();
+    // Pending tasks that name one of these among their dependencies (the LIKE is a coarse
+    // filter on the JSON text; the parsed list decides), chunked under the bind limits.
     let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
-    let pattern = format!("%{}%", Value::String(task_id.to_owned()));
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {columns} FROM tasks WHERE session_id = $1 AND state = $2 AND depends_on LIKE $3 ORDER BY position"
-    )))
-    .bind(session_id)
-    .bind(TaskState::Pending as i32)
-    .bind(pattern)
-    .fetch_all(&mut **tx)
-    .await?;
-    let mut subset = vec![original];
-    for row in &rows {
-        let dependent = task_from_row(row)?;
-        if dependent.depends_on.iter().any(|dep| dep == task_id) {
-            subset.push(dependent);
+    for chunk in ids.chunks(200) {
+        let likes: Vec<String> = (0..chunk.len())
+            .map(|i| format!("depends_on LIKE ${}", i + 3))
+            .collect();
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {columns} FROM tasks WHERE session_id = $1 AND state = $2 AND ({}) ORDER BY position",
+            likes.join(" OR ")
+        )))
+        .bind(session_id)
+        .bind(TaskState::Pending as i32);
+        for id in chunk {
+            query = query.bind(format!("%{}%", Value::String(id.clone())));
+        }
+        for row in query.fetch_all(&mut **tx).await? {
+            let dependent = task_from_row(&row)?;
+            if dependent.depends_on.iter().any(|dep| ids.contains(dep))
+                && !subset.iter().any(|known| known.id == dependent.id)
+            {
+                before.push(dependent.clone());
+                subset.push(dependent);
+            }
         }
     }
+    // The dependents' other dependencies, in one query.
     let mut wanted: Vec<String> = Vec::new();
-    for dependent in &subset[1..] {
+    for dependent in &subset[completed..] {
         for dep in &dependent.depends_on {
             if !subset.iter().any(|known| &known.id == dep) && !wanted.contains(dep) {
                 wanted.push(dep.clone());
             }
         }
     }
-    // The dependents' other dependencies, in one query (chunked under the bind limits).
-    for chunk in wanted.chunks(256) {
-        let placeholders: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 2)).collect();
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
-            placeholders.join(", ")
-        )))
-        .bind(session_id);
-        for dep in chunk {
-            query = query.bind(dep);
-        }
-        for row in query.fetch_all(&mut **tx).await? {
-            subset.push(task_from_row(&row)?);
+    let mut others = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
+    for id in &wanted {
+        if let Some(task) = others.remove(id) {
+            before.push(task.clone());
+            subset.push(task);
         }
     }
-    let before = subset.clone();
-    subset[0] = task;
-    let mut transitions = vec![transition];
     transitions.extend(sched::settle(
         &mut subset,
         session.mode,
@@ -1320,15 +1392,67 @@ async fn complete_eager(
         now,
     ));
     let count = write_changes(tx, session_id, &before, &subset, transitions, now).await?;
-    // While some task is ready or running the session can neither end nor stall; only
-    // when none is (rare) is the whole graph read to decide.
+    // A task these readied keeps the session going; else it may have ended or stalled.
     let readied = subset.iter().any(|task| task.state == TaskState::Ready);
-    if !readied && !any_task_in(tx, session_id, &[TaskState::Ready, TaskState::Running]).await? {
-        let tasks = load_tasks_lite(tx, session_id).await?;
+    // Settling changes only pending dependents, never the completed tasks themselves.
+    subset.truncate(completed);
+    Ok(EagerCompletion {
+        tasks: subset,
+        check_end: (!readied).then_some(count),
+    })
+}
+
+/// What [`complete_eager`] did.
+pub(crate) struct EagerCompletion {
+    /// The completed tasks, in the order given.
+    pub(crate) tasks: Vec<TaskRow>,
+    /// `Some(transitions)` when they readied nothing: the session may have ended or stalled,
+    /// which [`check_end`] decides (a caller that claims a task of the session first knows it
+    /// has not, and may skip it).
+    pub(crate) check_end: Option<usize>,
+}
+
+/// Ends the session or reports its stall, after `count` transitions that readied nothing.
+/// While some task is ready or running the session can neither end nor stall, so only when
+/// none is (rare) is the whole graph read to decide.
+pub(crate) async fn check_end(
+    tx: &mut Tx,
+    session: &mut SessionRow,
+    count: usize,
+    now: i64,
+) -> Result<(), Error> {
+    if !any_task_in(tx, &session.id, &[TaskState::Ready, TaskState::Running]).await? {
+        let tasks = load_tasks_lite(tx, &session.id).await?;
         finish(tx, session, &tasks, count, now).await?;
     }
-    // Settling changes only pending dependents, never the completed task itself.
-    Ok(subset.swap_remove(0))
+    Ok(())
+}
+
+/// Loads tasks of a session by id (those that exist), with `columns` (all, or without `spec`),
+/// in one query per chunk under the bind limits.
+async fn load_tasks_by_id(
+    tx: &mut Tx,
+    session_id: &str,
+    ids: &[String],
+    columns: &str,
+) -> Result<HashMap<String, TaskRow>, Error> {
+    let mut out = HashMap::with_capacity(ids.len());
+    for chunk in ids.chunks(256) {
+        let placeholders: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 2)).collect();
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
+            placeholders.join(", ")
+        )))
+        .bind(session_id);
+        for id in chunk {
+            query = query.bind(id);
+        }
+        for row in query.fetch_all(&mut **tx).await? {
+            let task = task_from_row(&row)?;
+            out.insert(task.id.clone(), task);
+        }
+    }
+    Ok(out)
 }
 
 /// Applies the graph's consequences of a change (settle, session outcome), writes the changed
@@ -1477,23 +1601,7 @@ async fn load_upstream(
         per_task.push((task.id.clone(), completed));
     }
     let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
-    let mut loaded: HashMap<String, TaskRow> = HashMap::with_capacity(wanted.len());
-    // Chunked under the databases' limits on bound parameters.
-    for chunk in wanted.chunks(256) {
-        let placeholders: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 2)).collect();
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
-            placeholders.join(", ")
-        )))
-        .bind(session_id);
-        for id in chunk {
-            query = query.bind(id);
-        }
-        for row in query.fetch_all(&mut **tx).await? {
-            let task = task_from_row(&row)?;
-            loaded.insert(task.id.clone(), task);
-        }
-    }
+    let loaded = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
     for (task_id, ids) in per_task {
         let mut upstream: Vec<TaskRow> = ids
             .iter()
@@ -1640,11 +1748,13 @@ async fn write_changes(
     transitions: Vec<pb::TaskTransition>,
     now: i64,
 ) -> Result<usize, Error> {
-    for (old, new) in before.iter().zip(tasks.iter()) {
-        if old != new {
-            update_task(tx, new).await?;
-        }
-    }
+    let changed: Vec<&TaskRow> = before
+        .iter()
+        .zip(tasks.iter())
+        .filter(|(old, new)| old != new)
+        .map(|(_, new)| new)
+        .collect();
+    update_tasks(tx, &changed).await?;
     let count = transitions.len();
     append_events(
         tx,
@@ -1687,8 +1797,13 @@ async fn set_session_state(
 }
 
 /// Takes the session's next `count` sequence numbers and returns the first; the row lock makes
-/// them gap-free and unique.
+/// them gap-free and unique. Events held back in `tx` come first.
 async fn next_seq(tx: &mut Tx, session_id: &str, now: i64, count: usize) -> Result<u64, Error> {
+    tx.flush_events(Some(session_id)).await?;
+    reserve_seq(tx, session_id, now, count).await
+}
+
+async fn reserve_seq(tx: &mut Tx, session_id: &str, now: i64, count: usize) -> Result<u64, Error> {
     let row = sqlx::query(
         "UPDATE sessions SET last_seq = last_seq + $3, updated_at = $2 WHERE id = $1 RETURNING last_seq",
     )
@@ -1713,8 +1828,8 @@ fn event_payload(session_id: &str, sequence: u64, now: i64, kind: Kind) -> Vec<u
     .encode_to_vec()
 }
 
-/// Appends events with consecutive sequence numbers: one sequence update and one insert
-/// however many there are.
+/// Appends events to a session's log: held back in `tx` until it commits (see [`Tx`]), so
+/// they get their sequence numbers then, in the order appended.
 async fn append_events(
     tx: &mut Tx,
     session_id: &str,
@@ -1724,26 +1839,44 @@ async fn append_events(
     if kinds.is_empty() {
         return Ok(());
     }
-    let first = next_seq(tx, session_id, now, kinds.len()).await?;
+    let events = kinds.into_iter().map(|kind| (now, kind));
+    match tx.events.iter_mut().find(|(id, _)| id == session_id) {
+        Some((_, pending)) => pending.extend(events),
+        None => tx.events.push((session_id.to_owned(), events.collect())),
+    }
+    Ok(())
+}
+
+/// Writes events with consecutive sequence numbers: one sequence update and one insert
+/// (per chunk) however many there are.
+async fn write_events(
+    tx: &mut Tx,
+    session_id: &str,
+    events: Vec<(i64, Kind)>,
+) -> Result<(), Error> {
+    let Some(last_ts) = events.iter().map(|(ts, _)| *ts).max() else {
+        return Ok(());
+    };
+    let first = reserve_seq(tx, session_id, last_ts, events.len()).await?;
     // Rows per INSERT, well below the databases' limits on bound parameters.
     const CHUNK: usize = 256;
-    let mut kinds = kinds.into_iter().enumerate().peekable();
-    while kinds.peek().is_some() {
-        let chunk: Vec<(usize, Kind)> = kinds.by_ref().take(CHUNK).collect();
+    let mut events = events.into_iter().enumerate().peekable();
+    while events.peek().is_some() {
+        let chunk: Vec<(usize, (i64, Kind))> = events.by_ref().take(CHUNK).collect();
         let values: Vec<String> = (0..chunk.len())
-            .map(|i| format!("($1, ${}, $2, ${})", 3 + 2 * i, 4 + 2 * i))
+            .map(|i| format!("($1, ${}, ${}, ${})", 2 + 3 * i, 3 + 3 * i, 4 + 3 * i))
             .collect();
         let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
             "INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
             values.join(", ")
         )))
-        .bind(session_id)
-        .bind(now);
-        for (i, kind) in chunk {
+        .bind(session_id);
+        for (i, (ts, kind)) in chunk {
             let sequence = first + i as u64;
             query = query
                 .bind(to_i64(sequence))
-                .bind(event_payload(session_id, sequence, now, kind));
+                .bind(ts)
+                .bind(event_payload(session_id, sequence, ts, kind));
         }
         query.execute(&mut **tx).await?;
     }
@@ -1861,6 +1994,8 @@ pub(crate) async fn lock_and_load_session(
     session_id: &str,
     lock: &str,
 ) -> Result<SessionRow, Error> {
+    // Its `last_seq` counts the events held back so far.
+    tx.flush_events(Some(session_id)).await?;
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1{lock}"
     )))
@@ -1883,18 +2018,6 @@ pub(crate) async fn lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> R
     .await?
     .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
     Ok(())
-}
-
-/// Locks a session's row unless another transaction holds it (PostgreSQL `SKIP LOCKED`);
-/// returns the session's state when this transaction now holds it (read with the lock, so a
-/// claim needs no second statement to check it).
-async fn try_lock_session(tx: &mut Tx, session_id: &str) -> Result<Option<SessionState>, Error> {
-    let row = sqlx::query("SELECT state FROM sessions WHERE id = $1 FOR UPDATE SKIP LOCKED")
-        .bind(session_id)
-        .fetch_optional(&mut **tx)
-        .await?;
-    row.map(|row| SessionState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt))
-        .transpose()
 }
 
 fn session_from_row(row: &AnyRow) -> Result<SessionRow, Error> {
@@ -2150,32 +2273,80 @@ async fn insert_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
 
 /// Writes a task's mutable columns.
 async fn update_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
-    sqlx::query(
-        "UPDATE tasks SET state = $3, attempt = $4, fencing_token = $5, worker_id = $6, lease_ms = $7, \
-         lease_expires_at = $8, not_before = $9, started_at = $10, finished_at = $11, progress = $12, \
-         result = $13, last_error = $14, max_attempts = $15, position = $16, depends_on = $17, \
-         superseded_by = $18 WHERE session_id = $1 AND id = $2",
-    )
-    .bind(&task.session_id)
-    .bind(&task.id)
-    .bind(task.state as i32)
-    .bind(i64::from(task.attempt))
-    .bind(to_i64(task.fencing_token))
-    .bind(&task.worker_id)
-    .bind(task.lease_ms)
-    .bind(task.lease_expires_at)
-    .bind(task.not_before)
-    .bind(task.started_at)
-    .bind(task.finished_at)
-    .bind(&task.progress)
-    .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
-    .bind(task.last_error.as_ref().map(prost::Message::encode_to_vec))
-    .bind(i64::from(task.max_attempts))
-    .bind(task.position)
-    .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
-    .bind(&task.superseded_by)
-    .execute(&mut **tx)
-    .await?;
+    update_tasks(tx, &[task]).await
+}
+
+/// The columns [`update_tasks`] writes, after `session_id` and `id`.
+const MUTABLE_COLUMNS: [&str; 16] = [
+    "state",
+    "attempt",
+    "fencing_token",
+    "worker_id",
+    "lease_ms",
+    "lease_expires_at",
+    "not_before",
+    "started_at",
+    "finished_at",
+    "progress",
+    "result",
+    "last_error",
+    "max_attempts",
+    "position",
+    "depends_on",
+    "superseded_by",
+];
+
+/// Writes the mutable columns of several tasks in one statement per chunk (an `UPDATE ...
+/// FROM` a `VALUES` list, which both databases run): a group commit's transitions cost one
+/// round trip, not one per task.
+async fn update_tasks(tx: &mut Tx, tasks: &[&TaskRow]) -> Result<(), Error> {
+    // Rows per statement: 18 parameters each, well below both databases' limits.
+    const CHUNK: usize = 200;
+    const WIDTH: usize = MUTABLE_COLUMNS.len() + 2;
+    for chunk in tasks.chunks(CHUNK) {
+        let rows: Vec<String> = (0..chunk.len())
+            .map(|row| {
+                let params: Vec<String> = (1..=WIDTH)
+                    .map(|i| format!("${}", row * WIDTH + i))
+                    .collect();
+                format!("({})", params.join(", "))
+            })
+            .collect();
+        let sets: Vec<String> = MUTABLE_COLUMNS
+            .iter()
+            .map(|column| format!("{column} = v.{column}"))
+            .collect();
+        let sql = format!(
+            "WITH v (session_id, id, {}) AS (VALUES {}) UPDATE tasks SET {} FROM v \
+             WHERE tasks.session_id = v.session_id AND tasks.id = v.id",
+            MUTABLE_COLUMNS.join(", "),
+            rows.join(", "),
+            sets.join(", ")
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for task in chunk {
+            query = query
+                .bind(&task.session_id)
+                .bind(&task.id)
+                .bind(task.state as i32)
+                .bind(i64::from(task.attempt))
+                .bind(to_i64(task.fencing_token))
+                .bind(&task.worker_id)
+                .bind(task.lease_ms)
+                .bind(task.lease_expires_at)
+                .bind(task.not_before)
+                .bind(task.started_at)
+                .bind(task.finished_at)
+                .bind(&task.progress)
+                .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
+                .bind(task.last_error.as_ref().map(prost::Message::encode_to_vec))
+                .bind(i64::from(task.max_attempts))
+                .bind(task.position)
+                .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
+                .bind(&task.superseded_by);
+        }
+        query.execute(&mut **tx).await?;
+    }
     Ok(())
 }
 
