@@ -55,6 +55,13 @@ const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, 
      worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
      progress, result, last_error, superseded_by, convergence";
 
+/// [`TASK_COLUMNS`] without `spec` (an empty object instead): for transactions that move the
+/// graph without parsing every task's plan object; such rows are never written back whole
+/// (the UPDATE leaves `spec` alone) nor sent to clients.
+fn lite_columns() -> String {
+    TASK_COLUMNS.replace(" spec,", " '{}' AS spec,")
+}
+
 const SESSION_COLUMNS: &str =
     "id, name, description, state, mode, on_failure, plan_dir, last_seq, created_at, updated_at";
 
@@ -65,6 +72,13 @@ pub(crate) struct Tx {
     inner: Transaction<'static, Any>,
     /// Per session, in order of first append: each event's time and kind.
     events: Vec<(String, Vec<(i64, Kind)>)>,
+    /// Sessions whose row this transaction holds locked, with their `last_seq`: their events
+    /// are numbered without reading the counter back (on PostgreSQL the counter update and the
+    /// insert are then one statement).
+    sequences: HashMap<String, u64>,
+    dialect: Dialect,
+    /// A write transaction (`begin`), not a snapshot (`begin_read`).
+    writes: bool,
 }
 
 impl std::ops::Deref for Tx {
@@ -288,7 +302,9 @@ impl Store {
                 })
             })
         };
-        let writer = pragmas(AnyPoolOptions::new())
+        // No ping before each acquire (sqlx's default): it costs a round trip per transaction,
+        // and a dead connection fails its statement just the same.
+        let writer = pragmas(AnyPoolOptions::new().test_before_acquire(false))
             .max_connections(1)
             .min_connections(1)
             .acquire_timeout(Duration::from_secs(30))
@@ -302,7 +318,7 @@ impl Store {
             repos: Default::default(),
         };
         store.migrate().await?;
-        let reader = pragmas(AnyPoolOptions::new())
+        let reader = pragmas(AnyPoolOptions::new().test_before_acquire(false))
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(30))
             .connect(&url)
@@ -312,7 +328,9 @@ impl Store {
 
     async fn open_postgres(url: &str) -> Result<Self, Error> {
         sqlx::any::install_default_drivers();
+        // No ping before each acquire (see `open_sqlite`).
         let pool = AnyPoolOptions::new()
+            .test_before_acquire(false)
             .max_connections(16)
             .acquire_timeout(Duration::from_secs(30))
             .connect(url)
@@ -429,6 +447,9 @@ impl Store {
         Ok(Tx {
             inner,
             events: Vec::new(),
+            sequences: HashMap::new(),
+            dialect: self.dialect,
+            writes: true,
         })
     }
 
@@ -437,6 +458,9 @@ impl Store {
         Ok(Tx {
             inner: self.reader.begin().await?,
             events: Vec::new(),
+            sequences: HashMap::new(),
+            dialect: self.dialect,
+            writes: false,
         })
     }
 
@@ -1306,7 +1330,41 @@ pub(crate) async fn complete_eager(
     let session_id = session.id.clone();
     let session_id = session_id.as_str();
     let ids: Vec<String> = completions.iter().map(|c| c.task_id.clone()).collect();
-    let mut originals = load_tasks_by_id(tx, session_id, &ids, TASK_COLUMNS).await?;
+    // The tasks and the pending tasks that name one of them among their dependencies (the LIKE
+    // is a coarse filter on the JSON text; the parsed list decides), in one query per chunk.
+    let mut originals: HashMap<String, TaskRow> = HashMap::with_capacity(ids.len());
+    let mut dependents: Vec<TaskRow> = Vec::new();
+    for chunk in ids.chunks(200) {
+        let these: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 3)).collect();
+        let likes: Vec<String> = (0..chunk.len())
+            .map(|i| format!("depends_on LIKE ${}", chunk.len() + i + 3))
+            .collect();
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id IN ({}) UNION ALL \
+             SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = $2 AND ({})",
+            these.join(", "),
+            likes.join(" OR ")
+        )))
+        .bind(session_id)
+        .bind(TaskState::Pending as i32);
+        for id in chunk {
+            query = query.bind(id);
+        }
+        for id in chunk {
+            query = query.bind(format!("%{}%", Value::String(id.clone())));
+        }
+        for row in query.fetch_all(&mut **tx).await? {
+            let task = task_from_row(&row)?;
+            if chunk.contains(&task.id) {
+                originals.insert(task.id.clone(), task);
+            } else if task.depends_on.iter().any(|dep| ids.contains(dep))
+                && !dependents.iter().any(|known| known.id == task.id)
+            {
+                dependents.push(task);
+            }
+        }
+    }
+    dependents.sort_by_key(|task| task.position);
     let mut before = Vec::with_capacity(completions.len());
     let mut subset = Vec::with_capacity(completions.len());
     let mut transitions = Vec::with_capacity(completions.len());
@@ -1343,31 +1401,9 @@ pub(crate) async fn complete_eager(
         subset.push(task);
     }
     let completed = subset.len();
-    // Pending tasks that name one of these among their dependencies (the LIKE is a coarse
-    // filter on the JSON text; the parsed list decides), chunked under the bind limits.
-    let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
-    for chunk in ids.chunks(200) {
-        let likes: Vec<String> = (0..chunk.len())
-            .map(|i| format!("depends_on LIKE ${}", i + 3))
-            .collect();
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {columns} FROM tasks WHERE session_id = $1 AND state = $2 AND ({}) ORDER BY position",
-            likes.join(" OR ")
-        )))
-        .bind(session_id)
-        .bind(TaskState::Pending as i32);
-        for id in chunk {
-            query = query.bind(format!("%{}%", Value::String(id.clone())));
-        }
-        for row in query.fetch_all(&mut **tx).await? {
-            let dependent = task_from_row(&row)?;
-            if dependent.depends_on.iter().any(|dep| ids.contains(dep))
-                && !subset.iter().any(|known| known.id == dependent.id)
-            {
-                before.push(dependent.clone());
-                subset.push(dependent);
-            }
-        }
+    for dependent in dependents {
+        before.push(dependent.clone());
+        subset.push(dependent);
     }
     // The dependents' other dependencies, in one query.
     let mut wanted: Vec<String> = Vec::new();
@@ -1378,7 +1414,7 @@ pub(crate) async fn complete_eager(
             }
         }
     }
-    let mut others = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
+    let mut others = load_tasks_by_id(tx, session_id, &wanted, &lite_columns()).await?;
     for id in &wanted {
         if let Some(task) = others.remove(id) {
             before.push(task.clone());
@@ -1600,7 +1636,7 @@ async fn load_upstream(
         }
         per_task.push((task.id.clone(), completed));
     }
-    let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
+    let columns = lite_columns();
     let loaded = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
     for (task_id, ids) in per_task {
         let mut upstream: Vec<TaskRow> = ids
@@ -1814,6 +1850,9 @@ async fn reserve_seq(tx: &mut Tx, session_id: &str, now: i64, count: usize) -> R
     .await?
     .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
     let last = u64::try_from(row.try_get::<i64, _>("last_seq")?).map_err(corrupt)?;
+    if let Some(known) = tx.sequences.get_mut(session_id) {
+        *known = last;
+    }
     Ok(last + 1 - count as u64)
 }
 
@@ -1857,20 +1896,45 @@ async fn write_events(
     let Some(last_ts) = events.iter().map(|(ts, _)| *ts).max() else {
         return Ok(());
     };
-    let first = reserve_seq(tx, session_id, last_ts, events.len()).await?;
+    let count = events.len();
+    // With the session's row held, its counter is known: number the events here and move
+    // the counter with the first insert (PostgreSQL) or after them (SQLite, which has no
+    // writing CTEs). Else take the numbers from the database first.
+    let known = tx.sequences.get(session_id).copied();
+    let first = match known {
+        Some(last) => last + 1,
+        None => reserve_seq(tx, session_id, last_ts, count).await?,
+    };
+    let last = first + count as u64 - 1;
+    let bump_in_insert = known.is_some() && tx.dialect == Dialect::Postgres;
     // Rows per INSERT, well below the databases' limits on bound parameters.
     const CHUNK: usize = 256;
     let mut events = events.into_iter().enumerate().peekable();
+    let mut bump = bump_in_insert;
     while events.peek().is_some() {
         let chunk: Vec<(usize, (i64, Kind))> = events.by_ref().take(CHUNK).collect();
+        // After `$1` (and `$2`, `$3` for the bump), three parameters per row.
+        let base = if bump { 4 } else { 2 };
         let values: Vec<String> = (0..chunk.len())
-            .map(|i| format!("($1, ${}, ${}, ${})", 2 + 3 * i, 3 + 3 * i, 4 + 3 * i))
+            .map(|i| {
+                let at = base + 3 * i;
+                format!("($1, ${at}, ${}, ${})", at + 1, at + 2)
+            })
             .collect();
+        let prefix = if bump {
+            "WITH bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 WHERE id = $1) "
+        } else {
+            ""
+        };
         let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
+            "{prefix}INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
             values.join(", ")
         )))
         .bind(session_id);
+        if bump {
+            query = query.bind(to_i64(last)).bind(last_ts);
+        }
+        bump = false;
         for (i, (ts, kind)) in chunk {
             let sequence = first + i as u64;
             query = query
@@ -1879,6 +1943,17 @@ async fn write_events(
                 .bind(event_payload(session_id, sequence, ts, kind));
         }
         query.execute(&mut **tx).await?;
+    }
+    if known.is_some() {
+        if !bump_in_insert {
+            sqlx::query("UPDATE sessions SET last_seq = $2, updated_at = $3 WHERE id = $1")
+                .bind(session_id)
+                .bind(to_i64(last))
+                .bind(last_ts)
+                .execute(&mut **tx)
+                .await?;
+        }
+        tx.sequences.insert(session_id.to_owned(), last);
     }
     Ok(())
 }
@@ -2003,7 +2078,17 @@ pub(crate) async fn lock_and_load_session(
     .fetch_optional(&mut **tx)
     .await?
     .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
-    session_from_row(&row)
+    let session = session_from_row(&row)?;
+    // Held from here to the commit: SQLite's writer holds the whole database; PostgreSQL
+    // holds the row when it was read `FOR UPDATE`.
+    let held = match tx.dialect {
+        Dialect::Sqlite => tx.writes,
+        Dialect::Postgres => lock.contains("FOR UPDATE"),
+    };
+    if held {
+        tx.sequences.insert(session_id.to_owned(), session.last_seq);
+    }
+    Ok(session)
 }
 
 /// Checks a session exists and, in write transactions on PostgreSQL, locks its row: every
@@ -2119,7 +2204,7 @@ async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error
 /// to move the graph, without parsing every task's plan object. Never written back (the
 /// UPDATE leaves `spec` alone) nor sent to clients.
 async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error> {
-    let columns = TASK_COLUMNS.replace(" spec,", " '{}' AS spec,");
+    let columns = lite_columns();
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {columns} FROM tasks WHERE session_id = $1 ORDER BY position"
     )))

@@ -13,6 +13,7 @@ pub(crate) struct Bench {
     pub(crate) base_dir: String,
     shutdown: CancellationToken,
     server: JoinHandle<Result<(), troupe_coordinator::Error>>,
+    runtime: Option<tokio::runtime::Runtime>,
     _dir: tempfile::TempDir,
 }
 
@@ -33,10 +34,21 @@ impl Bench {
             }
             other => bail!("unknown --db {other}"),
         };
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        listener.set_nonblocking(true)?;
         let url = format!("http://{}", listener.local_addr()?);
         let shutdown = CancellationToken::new();
-        let server = tokio::spawn(troupe_coordinator::run(config, listener, shutdown.clone()));
+        // The coordinator gets a runtime of its own, as in its own process: the benchmark's
+        // workers do not queue its tasks behind theirs.
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("coordinator")
+            .build()?;
+        let listener = {
+            let _on = runtime.enter();
+            tokio::net::TcpListener::from_std(listener)?
+        };
+        let server = runtime.spawn(troupe_coordinator::run(config, listener, shutdown.clone()));
         let repo = dir.path().join("plan/repo");
         std::fs::create_dir_all(&repo)?;
         git(&repo, &["init", "-q"])?;
@@ -59,14 +71,18 @@ impl Bench {
             base_dir: dir.path().join("plan").display().to_string(),
             shutdown,
             server,
+            runtime: Some(runtime),
             _dir: dir,
         })
     }
 
     /// Shuts the coordinator down and waits for it.
-    pub(crate) async fn stop(self) -> anyhow::Result<()> {
+    pub(crate) async fn stop(mut self) -> anyhow::Result<()> {
         self.shutdown.cancel();
-        self.server.await??;
+        (&mut self.server).await??;
+        if let Some(runtime) = self.runtime.take() {
+            runtime.shutdown_background();
+        }
         Ok(())
     }
 }
