@@ -295,6 +295,7 @@ async fn run(
                                 summary: "slept".to_owned(),
                                 ..Default::default()
                             }),
+                            claim_next: None,
                         })
                         .await?;
                     let now = Instant::now();

@@ -40,6 +40,10 @@ struct Args {
     /// S1: tasks per claim.
     #[arg(long, default_value_t = 1)]
     batch: u32,
+    /// S1: each worker's last `CompleteTask` of a batch also claims its next batch
+    /// (`claim_next`), instead of a separate `ClaimTasks`.
+    #[arg(long)]
+    claim_next: bool,
     /// S2: latency samples.
     #[arg(long, default_value_t = 300)]
     samples: usize,
@@ -106,9 +110,14 @@ fn claim_role(worker: &str, role: Role, max: u32, wait: Duration) -> pb::ClaimTa
     }
 }
 
-async fn complete(client: &mut Client, claimed: &pb::ClaimedTask) -> anyhow::Result<()> {
+/// Completes a task; with `claim_next`, also claims the worker's next tasks and returns them.
+async fn complete_then(
+    client: &mut Client,
+    claimed: &pb::ClaimedTask,
+    claim_next: Option<pb::ClaimTasksRequest>,
+) -> anyhow::Result<Vec<pb::ClaimedTask>> {
     let task = claimed.task.as_ref().context("task")?;
-    client
+    let response = client
         .complete_task(pb::CompleteTaskRequest {
             session_id: task.session_id.clone(),
             task_id: task.id.clone(),
@@ -117,9 +126,14 @@ async fn complete(client: &mut Client, claimed: &pb::ClaimedTask) -> anyhow::Res
                 summary: "no-op".to_owned(),
                 ..Default::default()
             }),
+            claim_next,
         })
         .await?;
-    Ok(())
+    Ok(response.into_inner().next)
+}
+
+async fn complete(client: &mut Client, claimed: &pb::ClaimedTask) -> anyhow::Result<()> {
+    complete_then(client, claimed, None).await.map(drop)
 }
 
 async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
@@ -135,16 +149,26 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         let done = Arc::clone(&done);
         let total = args.tasks;
         let batch = args.batch;
+        let claim_next = args.claim_next;
         workers.spawn(async move {
             let worker = format!("bench-{w}");
+            let mut next = Vec::new();
             while done.load(Ordering::Relaxed) < total {
-                let claimed = client
-                    .claim_tasks(claim_request(&worker, batch, Duration::from_millis(200)))
-                    .await?
-                    .into_inner()
-                    .tasks;
-                for task in &claimed {
-                    complete(&mut client, task).await?;
+                let claimed = if next.is_empty() {
+                    client
+                        .claim_tasks(claim_request(&worker, batch, Duration::from_millis(200)))
+                        .await?
+                        .into_inner()
+                        .tasks
+                } else {
+                    std::mem::take(&mut next)
+                };
+                let last = claimed.len().saturating_sub(1);
+                for (i, task) in claimed.iter().enumerate() {
+                    // With --claim-next the last completion of a batch claims the next batch.
+                    let then = (claim_next && i == last)
+                        .then(|| claim_request(&worker, batch, Duration::ZERO));
+                    next = complete_then(&mut client, task, then).await?;
                     done.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -167,11 +191,12 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         bail!("session ended {state:?}");
     }
     println!(
-        "S1 db={} tasks={} workers={} batch={}: {:.2}s, {:.0} tasks/s",
+        "S1 db={} tasks={} workers={} batch={}{}: {:.2}s, {:.0} tasks/s",
         args.db,
         args.tasks,
         args.workers,
         args.batch,
+        if args.claim_next { " claim-next" } else { "" },
         elapsed.as_secs_f64(),
         args.tasks as f64 / elapsed.as_secs_f64()
     );

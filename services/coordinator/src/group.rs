@@ -55,8 +55,10 @@ enum Op {
         session_id: String,
         // Boxed: the largest variant by far.
         completion: Box<Completion>,
+        /// `claim_next`: claim from the same session, with this group's claims.
+        claim_next: Option<ClaimRequest>,
         now: i64,
-        reply: oneshot::Sender<Result<TaskRow, Error>>,
+        reply: oneshot::Sender<Result<(TaskRow, Vec<Claimed>), Error>>,
     },
 }
 
@@ -74,7 +76,7 @@ impl Op {
 enum Outcome {
     Claim(Vec<Claimed>),
     Heartbeat((i64, bool)),
-    Complete(Box<TaskRow>),
+    Complete(Box<TaskRow>, Vec<Claimed>),
 }
 
 /// Why a group did not commit.
@@ -195,8 +197,9 @@ impl GroupCommit {
         task_id: &str,
         token: u64,
         result: pb::TaskResult,
+        claim_next: Option<ClaimRequest>,
         now: i64,
-    ) -> Result<TaskRow, Error> {
+    ) -> Result<(TaskRow, Vec<Claimed>), Error> {
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
             session_id: session_id.to_owned(),
@@ -205,6 +208,7 @@ impl GroupCommit {
                 token,
                 result,
             }),
+            claim_next,
             now,
             reply,
         };
@@ -374,19 +378,24 @@ impl GroupCommit {
                     let done = store::complete_eager(tx, &mut session, batch, now).await?;
                     check_end = done.check_end.map(|count| (count, now));
                     for ((i, _, _), task) in completions.iter().zip(done.tasks) {
-                        outcomes[*i] = Some(Outcome::Complete(Box::new(task)));
+                        outcomes[*i] = Some(Outcome::Complete(Box::new(task), Vec::new()));
                     }
                 } else {
                     for (i, completion, now) in completions {
                         let task =
                             store::complete_in(tx, &mut session, completion.clone(), now).await?;
-                        outcomes[i] = Some(Outcome::Complete(Box::new(task)));
+                        outcomes[i] = Some(Outcome::Complete(Box::new(task), Vec::new()));
                     }
                 }
             }
+            // Claims, and completions' `claim_next`, in arrival order.
             let claims: Vec<(usize, ClaimRequest)> = mine()
                 .filter_map(|(i, op)| match op {
-                    Op::Claim { request, .. } => Some((i, request.clone())),
+                    Op::Claim { request, .. }
+                    | Op::Complete {
+                        claim_next: Some(request),
+                        ..
+                    } => Some((i, request.clone())),
                     _ => None,
                 })
                 .collect();
@@ -398,7 +407,10 @@ impl GroupCommit {
                     check_end = None;
                 }
                 for ((i, _), tasks) in claims.iter().zip(claimed) {
-                    outcomes[*i] = Some(Outcome::Claim(tasks));
+                    match &mut outcomes[*i] {
+                        Some(Outcome::Complete(_, next)) => *next = tasks,
+                        slot => *slot = Some(Outcome::Claim(tasks)),
+                    }
                 }
             }
             if let Some((count, now)) = check_end {
@@ -429,7 +441,7 @@ fn answer(op: Op, outcome: Result<Outcome, Error>) {
         }
         Op::Complete { reply, .. } => {
             let _ = reply.send(outcome.and_then(|outcome| match outcome {
-                Outcome::Complete(task) => Ok(*task),
+                Outcome::Complete(task, next) => Ok((*task, next)),
                 _ => Err(mismatch()),
             }));
         }

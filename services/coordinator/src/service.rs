@@ -21,8 +21,8 @@ use crate::group::GroupCommit;
 use crate::rounds;
 use crate::sched::{self, TaskRow};
 use crate::store::{
-    CHANGES_CHANNEL, Dialect, MessageFilter, NewMessage, NewSession, SessionRow, SessionView,
-    Store, add_count,
+    CHANGES_CHANNEL, ClaimRequest, Claimed, Dialect, MessageFilter, NewMessage, NewSession,
+    SessionRow, SessionView, Store, add_count,
 };
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -102,6 +102,36 @@ fn require(value: &str, field: &str) -> Result<(), Error> {
         return Err(Error::InvalidArgument(format!("{field} is required")));
     }
     Ok(())
+}
+
+/// The wire form of claimed tasks, each logged as claimed.
+fn claimed_protos(claimed: Vec<Claimed>) -> Vec<pb::ClaimedTask> {
+    claimed
+        .into_iter()
+        .map(|claimed| {
+            tracing::info!(session_id = %claimed.task.session_id, task_id = %claimed.task.id, attempt = claimed.task.attempt, "task claimed");
+            pb::ClaimedTask {
+                lease: Some(pb::Lease {
+                    fencing_token: claimed.task.fencing_token,
+                    expires_at: opt_timestamp(claimed.task.lease_expires_at),
+                    attempt: claimed.task.attempt,
+                }),
+                task: Some(task_proto(&claimed.task)),
+                repo: claimed.repo,
+                upstream: claimed
+                    .upstream
+                    .iter()
+                    .map(|dep| pb::UpstreamResult {
+                        task_id: dep.id.clone(),
+                        role: dep.role as i32,
+                        files: dep.files.clone(),
+                        result: dep.result.clone(),
+                    })
+                    .collect(),
+                plan_dir: claimed.plan_dir,
+            }
+        })
+        .collect()
 }
 
 /// Returns the wire form of a stored task.
@@ -596,55 +626,27 @@ impl Coordinator {
         &self,
         request: pb::ClaimTasksRequest,
     ) -> Result<pb::ClaimTasksResponse, Error> {
-        require(&request.worker_id, "worker_id")?;
-        let roles: Vec<pb::Role> = request
-            .roles()
-            .filter(|role| *role != pb::Role::Unspecified)
-            .collect();
-        let max = match request.max_tasks {
-            0 => 1,
-            max => max.min(MAX_CLAIM),
-        };
+        let claim = self.claim_request(&request).await?;
         let wait = duration(request.wait, "wait", Duration::ZERO)?.min(MAX_WAIT);
-        self.touch_worker(&request.worker_id, &roles).await;
-        let lease_ms = millis(lease(request.lease_duration, DEFAULT_LEASE)?);
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = self.claimable.subscribe();
         loop {
             changes.borrow_and_update();
             let claimed = self
                 .group
-                .claim(&request.worker_id, &roles, max, lease_ms, now_ms())
+                .claim(
+                    &claim.worker_id,
+                    &claim.roles,
+                    claim.max,
+                    claim.lease_ms,
+                    now_ms(),
+                )
                 .await?;
             if !claimed.is_empty() {
                 self.notify_watchers();
-                let tasks = claimed
-                    .into_iter()
-                    .map(|claimed| {
-                        tracing::info!(session_id = %claimed.task.session_id, task_id = %claimed.task.id, attempt = claimed.task.attempt, "task claimed");
-                        pb::ClaimedTask {
-                            lease: Some(pb::Lease {
-                                fencing_token: claimed.task.fencing_token,
-                                expires_at: opt_timestamp(claimed.task.lease_expires_at),
-                                attempt: claimed.task.attempt,
-                            }),
-                            task: Some(task_proto(&claimed.task)),
-                            repo: claimed.repo,
-                            upstream: claimed
-                                .upstream
-                                .iter()
-                                .map(|dep| pb::UpstreamResult {
-                                    task_id: dep.id.clone(),
-                                    role: dep.role as i32,
-                                    files: dep.files.clone(),
-                                    result: dep.result.clone(),
-                                })
-                                .collect(),
-                            plan_dir: claimed.plan_dir,
-                        }
-                    })
-                    .collect();
-                return Ok(pb::ClaimTasksResponse { tasks });
+                return Ok(pb::ClaimTasksResponse {
+                    tasks: claimed_protos(claimed),
+                });
             }
             tokio::select! {
                 changed = changes.changed() => if changed.is_err() { return Ok(pb::ClaimTasksResponse::default()) },
@@ -692,14 +694,19 @@ impl Coordinator {
     ) -> Result<pb::CompleteTaskResponse, Error> {
         require(&request.session_id, "session_id")?;
         require(&request.task_id, "task_id")?;
+        let claim_next = match &request.claim_next {
+            Some(claim) => Some(self.claim_request(claim).await?),
+            None => None,
+        };
         let result = request.result.unwrap_or_default();
-        let task = self
+        let (task, next) = self
             .group
             .complete(
                 &request.session_id,
                 &request.task_id,
                 request.fencing_token,
                 result,
+                claim_next,
                 now_ms(),
             )
             .await?;
@@ -707,6 +714,29 @@ impl Coordinator {
         tracing::info!(attempt = task.attempt, "task completed");
         Ok(pb::CompleteTaskResponse {
             task: Some(task_proto(&task)),
+            next: claimed_protos(next),
+        })
+    }
+
+    /// Checks a claim's request and records its worker as seen.
+    async fn claim_request(&self, request: &pb::ClaimTasksRequest) -> Result<ClaimRequest, Error> {
+        require(&request.worker_id, "worker_id")?;
+        let roles: Vec<pb::Role> = request
+            .roles()
+            .filter(|role| *role != pb::Role::Unspecified)
+            .collect();
+        let max = match request.max_tasks {
+            0 => 1,
+            max => max.min(MAX_CLAIM),
+        };
+        let lease_ms = millis(lease(request.lease_duration, DEFAULT_LEASE)?);
+        self.touch_worker(&request.worker_id, &roles).await;
+        Ok(ClaimRequest {
+            worker_id: request.worker_id.clone(),
+            roles,
+            max,
+            lease_ms,
+            now: now_ms(),
         })
     }
 

@@ -328,6 +328,7 @@ async fn run_leased<H: TaskHandler>(
                 task_id: task.id.clone(),
                 fencing_token: lease.fencing_token,
                 result: Some(result),
+                claim_next: None,
             };
             report("CompleteTask", || {
                 let mut client = client.clone();

@@ -75,6 +75,7 @@ async fn validator_results_are_written_back_onto_each_task(db: Db) {
                     ("IMPL-2", &[false], "fail"),
                     ("IMPL-404", &[true], "pass"),
                 ])),
+                claim_next: None,
             })
             .await
             .expect("complete");

@@ -176,6 +176,7 @@ async fn fake_worker(
                         summary: summary.clone(),
                         ..Default::default()
                     }),
+                    claim_next: None,
                 })
                 .await;
             let mut ledger = ledger.lock().expect("ledger");

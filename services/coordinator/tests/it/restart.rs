@@ -48,6 +48,7 @@ async fn a_restart_keeps_sessions_leases_and_sequences(db: Db) {
             task_id: task.id,
             fencing_token: token(&claimed[0]),
             result: None,
+            claim_next: None,
         })
         .await
         .expect("complete after restart")

@@ -190,6 +190,7 @@ async fn stale_fencing_tokens_are_refused(db: Db) {
             task_id: "IMPL-1".into(),
             fencing_token: 1,
             result: None,
+            claim_next: None,
         })
         .await;
     assert_code(missing, Code::NotFound, "session nope not found");
@@ -575,6 +576,136 @@ async fn concurrent_worker_calls_commit_together_and_stale_ones_fail_alone(db: D
     harness.stop().await;
 }
 
+/// `CompleteTask` with `claim_next`: the completion and the claim of the worker's next tasks
+/// of the session commit together, the claim sees what the completion readied, and a refused
+/// completion claims nothing.
+async fn completing_a_task_can_claim_the_next_in_the_same_transaction(db: Db) {
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(json!({"name": "next", "tasks": [
+            t("IMPL-1", &[]),
+            t("IMPL-2", &[]),
+            t("IMPL-3", &["IMPL-1"]),
+            t("IMPL-4", &["IMPL-3"]),
+        ]}))
+        .await;
+    let session = session_id(&created);
+    let first = harness.claim(&[Role::Executor], 1).await;
+    assert_eq!(ids(&first), vec!["IMPL-1"]);
+    let next_claim = |max: u32| pb::ClaimTasksRequest {
+        worker_id: "worker-next".to_owned(),
+        roles: vec![Role::Executor as i32],
+        max_tasks: max,
+        lease_duration: prost_types::Duration::try_from(Duration::from_secs(30)).ok(),
+        ..Default::default()
+    };
+    let complete = |claimed: &pb::ClaimedTask, token: u64, claim_next| pb::CompleteTaskRequest {
+        session_id: session.clone(),
+        task_id: id_of(claimed).to_owned(),
+        fencing_token: token,
+        result: Some(pb::TaskResult {
+            summary: format!("{} done", id_of(claimed)),
+            ..Default::default()
+        }),
+        claim_next,
+    };
+
+    // A stale completion is refused and claims nothing.
+    assert_code(
+        harness
+            .client()
+            .complete_task(complete(
+                &first[0],
+                token(&first[0]) + 1,
+                Some(next_claim(4)),
+            ))
+            .await,
+        Code::FailedPrecondition,
+        "stale fencing token",
+    );
+    assert_eq!(harness.state_of(&session, "IMPL-2").await, TaskState::Ready);
+    // A claim_next without a worker is refused before anything is done.
+    let mut nameless = next_claim(1);
+    nameless.worker_id.clear();
+    assert_code(
+        harness
+            .client()
+            .complete_task(complete(&first[0], token(&first[0]), Some(nameless)))
+            .await,
+        Code::InvalidArgument,
+        "worker_id",
+    );
+    assert_eq!(
+        harness.state_of(&session, "IMPL-1").await,
+        TaskState::Running
+    );
+
+    // Completing IMPL-1 readies IMPL-3, which the same transaction claims with IMPL-2.
+    let response = harness
+        .client()
+        .complete_task(complete(&first[0], token(&first[0]), Some(next_claim(4))))
+        .await
+        .expect("complete")
+        .into_inner();
+    assert_eq!(response.task.expect("task").state(), TaskState::Completed);
+    let mut next_ids = ids(&response.next);
+    next_ids.sort_unstable();
+    assert_eq!(next_ids, vec!["IMPL-2", "IMPL-3"]);
+    let third = response
+        .next
+        .iter()
+        .find(|claimed| id_of(claimed) == "IMPL-3")
+        .expect("IMPL-3");
+    assert_eq!(third.task.as_ref().expect("task").worker_id, "worker-next");
+    let upstream: Vec<&str> = third
+        .upstream
+        .iter()
+        .map(|up| up.task_id.as_str())
+        .collect();
+    assert_eq!(
+        upstream,
+        vec!["IMPL-1"],
+        "the claim carries the upstream result"
+    );
+    assert!(third.lease.as_ref().expect("lease").expires_at.is_some());
+
+    // The claimed leases are real: each completes under its token; the last claim_next finds
+    // IMPL-4 once IMPL-3 is done, and then nothing.
+    let second = response
+        .next
+        .iter()
+        .find(|claimed| id_of(claimed) == "IMPL-2")
+        .expect("IMPL-2");
+    let none = harness
+        .client()
+        .complete_task(complete(second, token(second), Some(next_claim(1))))
+        .await
+        .expect("complete IMPL-2")
+        .into_inner();
+    assert!(none.next.is_empty(), "IMPL-4 still waits for IMPL-3");
+    let fourth = harness
+        .client()
+        .complete_task(complete(third, token(third), Some(next_claim(1))))
+        .await
+        .expect("complete IMPL-3")
+        .into_inner()
+        .next;
+    assert_eq!(ids(&fourth), vec!["IMPL-4"]);
+    let end = harness
+        .client()
+        .complete_task(complete(&fourth[0], token(&fourth[0]), Some(next_claim(1))))
+        .await
+        .expect("complete IMPL-4")
+        .into_inner();
+    assert!(end.next.is_empty());
+    let view = harness.session(&session).await;
+    assert_eq!(
+        view.session.expect("session").state(),
+        SessionState::Completed
+    );
+    harness.stop().await;
+}
+
 db_tests!(
     claims_follow_roles_dependencies_and_priority,
     completing_tasks_advances_the_dag_until_the_session_completes,
@@ -589,4 +720,5 @@ db_tests!(
     cancel_stops_everything_and_tells_running_workers,
     long_poll_claim_wakes_when_work_appears,
     concurrent_worker_calls_commit_together_and_stale_ones_fail_alone,
+    completing_a_task_can_claim_the_next_in_the_same_transaction,
 );

@@ -267,6 +267,7 @@ impl Harness {
                     files_modified: vec![format!("{}.txt", task.id)],
                     ..Default::default()
                 }),
+                claim_next: None,
             })
             .await
             .map(|response| response.into_inner().task.expect("task"))
