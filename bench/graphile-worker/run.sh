@@ -57,4 +57,7 @@ if [ "$OURS" = 1 ]; then
   echo "troupe coordinator, same PostgreSQL (release build):"
   (cd "$ROOT" && cargo bench -q -p troupe-coordinator --bench throughput -- \
     --db postgres --tasks "$JOBS" --workers "$CONCURRENCY" --batch 1 --samples "$SAMPLES")
+  # The same burn-down with each CompleteTask also claiming the worker's next task.
+  (cd "$ROOT" && cargo bench -q -p troupe-coordinator --bench throughput -- \
+    --db postgres --tasks "$JOBS" --workers "$CONCURRENCY" --batch 1 --claim-next --only s1)
 fi

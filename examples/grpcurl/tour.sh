@@ -66,8 +66,12 @@ grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"taskId\": \"$TASK\", \"fe
 CLAIM=$(grpcurl -plaintext -d '{"workerId": "tour", "roles": ["ROLE_EXECUTOR"], "maxTasks": 1, "wait": "10s"}' \
   "$COORD" troupe.v1.Coordinator/ClaimTasks)
 TOKEN=$(echo "$CLAIM" | field tasks.0.lease.fencingToken)
-grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"taskId\": \"$TASK\", \"fencingToken\": \"$TOKEN\", \"result\": {\"summary\": \"median() added by hand\", \"filesModified\": [\"stats/core.py\"]}}" \
-  "$COORD" troupe.v1.Coordinator/CompleteTask
+# Complete it, and in the same transaction claim this worker's next task of the session
+# (`claimNext`): IMPL-002, which the completion made ready.
+grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"taskId\": \"$TASK\", \"fencingToken\": \"$TOKEN\", \"result\": {\"summary\": \"median() added by hand\", \"filesModified\": [\"stats/core.py\"]}, \"claimNext\": {\"workerId\": \"tour\", \"roles\": [\"ROLE_EXECUTOR\"], \"maxTasks\": 1, \"leaseDuration\": \"60s\"}}" \
+  "$COORD" troupe.v1.Coordinator/CompleteTask > "$WORK/complete.json"
+cat "$WORK/complete.json"
+[ "$(field next.0.task.id < "$WORK/complete.json")" = IMPL-002 ]
 
 # The message bus.
 grpcurl -plaintext -d "{\"sessionId\": \"$SESSION\", \"from\": \"executor\", \"type\": \"impl_complete\", \"data\": {\"task_id\": \"$TASK\"}}" \

@@ -364,30 +364,6 @@ impl GroupCommit {
                     _ => None,
                 })
                 .collect();
-            // The session's end is checked after its claims: one that claims a task knows
-            // the session goes on.
-            let mut check_end = None;
-            if let Some(&(_, _, now)) = completions.last() {
-                if session.mode == troupe_plan::Mode::Eager
-                    && session.state == pb::SessionState::Active
-                {
-                    let batch = completions
-                        .iter()
-                        .map(|(_, c, _)| Completion::clone(c))
-                        .collect();
-                    let done = store::complete_eager(tx, &mut session, batch, now).await?;
-                    check_end = done.check_end.map(|count| (count, now));
-                    for ((i, _, _), task) in completions.iter().zip(done.tasks) {
-                        outcomes[*i] = Some(Outcome::Complete(Box::new(task), Vec::new()));
-                    }
-                } else {
-                    for (i, completion, now) in completions {
-                        let task =
-                            store::complete_in(tx, &mut session, completion.clone(), now).await?;
-                        outcomes[i] = Some(Outcome::Complete(Box::new(task), Vec::new()));
-                    }
-                }
-            }
             // Claims, and completions' `claim_next`, in arrival order.
             let claims: Vec<(usize, ClaimRequest)> = mine()
                 .filter_map(|(i, op)| match op {
@@ -399,21 +375,57 @@ impl GroupCommit {
                     _ => None,
                 })
                 .collect();
-            if !claims.is_empty() {
-                let requests: Vec<ClaimRequest> =
-                    claims.iter().map(|(_, request)| request.clone()).collect();
-                let claimed = self.store.claim_in(tx, &session, &requests).await?;
-                if claimed.iter().any(|tasks| !tasks.is_empty()) {
-                    check_end = None;
+            let requests: Vec<ClaimRequest> =
+                claims.iter().map(|(_, request)| request.clone()).collect();
+            let now = completions
+                .iter()
+                .map(|(_, _, now)| *now)
+                .chain(requests.iter().map(|request| request.now))
+                .max()
+                .unwrap_or_default();
+            let (done, claimed, check_end) = if session.mode == troupe_plan::Mode::Eager
+                && session.state == pb::SessionState::Active
+                && requests
+                    .iter()
+                    .all(|request| request.roles == requests[0].roles)
+            {
+                // The common case: one batch reads, settles, claims and writes.
+                let batch = completions
+                    .iter()
+                    .map(|(_, completion, _)| Completion::clone(completion))
+                    .collect();
+                let batch = self
+                    .store
+                    .complete_eager(tx, &session, batch, &requests, now)
+                    .await?;
+                (batch.tasks, batch.claimed, batch.check_end)
+            } else {
+                // Waves, a session no longer active, or claims asking for different roles:
+                // completions one by one over the whole graph, then the claims.
+                let mut done = Vec::with_capacity(completions.len());
+                for (_, completion, now) in &completions {
+                    done.push(
+                        store::complete_in(tx, &mut session, Completion::clone(completion), *now)
+                            .await?,
+                    );
                 }
-                for ((i, _), tasks) in claims.iter().zip(claimed) {
-                    match &mut outcomes[*i] {
-                        Some(Outcome::Complete(_, next)) => *next = tasks,
-                        slot => *slot = Some(Outcome::Claim(tasks)),
-                    }
+                let claimed = if requests.is_empty() {
+                    Vec::new()
+                } else {
+                    self.store.claim_in(tx, &session, &requests).await?
+                };
+                (done, claimed, None)
+            };
+            for ((i, _, _), task) in completions.iter().zip(done) {
+                outcomes[*i] = Some(Outcome::Complete(Box::new(task), Vec::new()));
+            }
+            for ((i, _), tasks) in claims.iter().zip(claimed) {
+                match &mut outcomes[*i] {
+                    Some(Outcome::Complete(_, next)) => *next = tasks,
+                    slot => *slot = Some(Outcome::Claim(tasks)),
                 }
             }
-            if let Some((count, now)) = check_end {
+            if let Some(count) = check_end {
                 store::check_end(tx, &mut session, count, now).await?;
             }
         }

@@ -1279,23 +1279,14 @@ pub(crate) struct Completion {
 }
 
 /// Completes a running task under its current fencing token, with the session locked and
-/// loaded, inside a transaction the caller commits (see [`crate::group`]).
+/// loaded, inside a transaction the caller commits (see [`crate::group`]), reading the whole
+/// graph: for sessions that are not active and eager (see [`Store::complete_eager`]).
 pub(crate) async fn complete_in(
     tx: &mut Tx,
     session: &mut SessionRow,
     completion: Completion,
     now: i64,
 ) -> Result<TaskRow, Error> {
-    if session.mode == Mode::Eager && session.state == SessionState::Active {
-        let mut done = complete_eager(tx, session, vec![completion], now).await?;
-        if let Some(count) = done.check_end {
-            check_end(tx, session, count, now).await?;
-        }
-        return done
-            .tasks
-            .pop()
-            .ok_or_else(|| corrupt("a completion returned no task"));
-    }
     // Owned: `session` is passed on mutably (see [`finish`]).
     let session_id = session.id.clone();
     let session_id = session_id.as_str();
@@ -1314,138 +1305,251 @@ pub(crate) async fn complete_in(
     Ok(task)
 }
 
-/// Completes several running tasks of an active eager session at once (a group commit's
-/// completions; one alone is a group of one) without reading the whole graph: a completion can
-/// only make its own pending dependents ready, so only they and their dependencies are loaded,
-/// and each step is one statement for all of them. The whole graph is read only when the
-/// session may have ended or stalled (nothing left ready or running). Returns the completed
-/// tasks in the order given; any stale token fails them all (the group then runs each alone).
-pub(crate) async fn complete_eager(
-    tx: &mut Tx,
-    session: &mut SessionRow,
-    completions: Vec<Completion>,
-    now: i64,
-) -> Result<EagerCompletion, Error> {
-    // Owned: `session` is passed on mutably (see [`finish`]).
-    let session_id = session.id.clone();
-    let session_id = session_id.as_str();
-    let ids: Vec<String> = completions.iter().map(|c| c.task_id.clone()).collect();
-    // The tasks and the pending tasks that name one of them among their dependencies (the LIKE
-    // is a coarse filter on the JSON text; the parsed list decides), in one query per chunk.
-    let mut originals: HashMap<String, TaskRow> = HashMap::with_capacity(ids.len());
-    let mut dependents: Vec<TaskRow> = Vec::new();
-    for chunk in ids.chunks(200) {
-        let these: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 3)).collect();
-        let likes: Vec<String> = (0..chunk.len())
-            .map(|i| format!("depends_on LIKE ${}", chunk.len() + i + 3))
-            .collect();
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id IN ({}) UNION ALL \
-             SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = $2 AND ({})",
-            these.join(", "),
-            likes.join(" OR ")
-        )))
-        .bind(session_id)
-        .bind(TaskState::Pending as i32);
-        for id in chunk {
-            query = query.bind(id);
-        }
-        for id in chunk {
-            query = query.bind(format!("%{}%", Value::String(id.clone())));
-        }
-        for row in query.fetch_all(&mut **tx).await? {
-            let task = task_from_row(&row)?;
-            if chunk.contains(&task.id) {
-                originals.insert(task.id.clone(), task);
-            } else if task.depends_on.iter().any(|dep| ids.contains(dep))
-                && !dependents.iter().any(|known| known.id == task.id)
-            {
-                dependents.push(task);
-            }
-        }
-    }
-    dependents.sort_by_key(|task| task.position);
-    let mut before = Vec::with_capacity(completions.len());
-    let mut subset = Vec::with_capacity(completions.len());
-    let mut transitions = Vec::with_capacity(completions.len());
-    for completion in completions {
-        // Taken out, so a task completed twice in one group is stale the second time.
-        let Some(original) = originals.remove(&completion.task_id) else {
-            if subset
-                .iter()
-                .any(|task: &TaskRow| task.id == completion.task_id)
-            {
-                return Err(Error::FailedPrecondition(format!(
-                    "task {} is completed twice in one transaction",
-                    completion.task_id
-                )));
-            }
-            return Err(Error::NotFound(format!(
-                "task {} not found in session {session_id}",
-                completion.task_id
-            )));
-        };
-        if original.state != TaskState::Running || original.fencing_token != completion.token {
-            return Err(stale(&original, completion.token));
-        }
-        write_back_convergence(tx, session_id, &completion.task_id, &completion.result).await?;
-        before.push(original.clone());
-        let mut task = original;
-        task.result = Some(completion.result);
-        transitions.push(sched::transition(
-            &mut task,
-            TaskState::Completed,
-            "completed",
-            now,
-        ));
-        subset.push(task);
-    }
-    let completed = subset.len();
-    for dependent in dependents {
-        before.push(dependent.clone());
-        subset.push(dependent);
-    }
-    // The dependents' other dependencies, in one query.
-    let mut wanted: Vec<String> = Vec::new();
-    for dependent in &subset[completed..] {
-        for dep in &dependent.depends_on {
-            if !subset.iter().any(|known| &known.id == dep) && !wanted.contains(dep) {
-                wanted.push(dep.clone());
-            }
-        }
-    }
-    let mut others = load_tasks_by_id(tx, session_id, &wanted, &lite_columns()).await?;
-    for id in &wanted {
-        if let Some(task) = others.remove(id) {
-            before.push(task.clone());
-            subset.push(task);
-        }
-    }
-    transitions.extend(sched::settle(
-        &mut subset,
-        session.mode,
-        session.on_failure,
-        now,
-    ));
-    let count = write_changes(tx, session_id, &before, &subset, transitions, now).await?;
-    // A task these readied keeps the session going; else it may have ended or stalled.
-    let readied = subset.iter().any(|task| task.state == TaskState::Ready);
-    // Settling changes only pending dependents, never the completed tasks themselves.
-    subset.truncate(completed);
-    Ok(EagerCompletion {
-        tasks: subset,
-        check_end: (!readied).then_some(count),
-    })
-}
-
-/// What [`complete_eager`] did.
-pub(crate) struct EagerCompletion {
+/// What [`Store::complete_eager`] did.
+pub(crate) struct EagerBatch {
     /// The completed tasks, in the order given.
     pub(crate) tasks: Vec<TaskRow>,
-    /// `Some(transitions)` when they readied nothing: the session may have ended or stalled,
-    /// which [`check_end`] decides (a caller that claims a task of the session first knows it
-    /// has not, and may skip it).
+    /// Each claim's tasks, in the order given.
+    pub(crate) claimed: Vec<Vec<Claimed>>,
+    /// `Some(transitions)` when nothing is left ready or running among the tasks it touched:
+    /// the session may have ended or stalled, which [`check_end`] decides.
     pub(crate) check_end: Option<usize>,
+}
+
+impl Store {
+    /// Completes several running tasks of an active eager session and serves claims of it, at
+    /// once (a group commit's; one completion alone is a batch of one). All `claims` must ask
+    /// for the same roles. One read fetches the completed tasks, their pending dependents and
+    /// the session's best ready tasks; settling and the claims (which also see the tasks the
+    /// completions just readied) happen in memory; one update writes every change. So the
+    /// batch costs the same few statements however many operations it holds, and the graph is
+    /// never read whole (a completion can only make its own pending dependents ready). Any
+    /// stale token fails the whole batch (a group then runs each operation alone).
+    pub(crate) async fn complete_eager(
+        &self,
+        tx: &mut Tx,
+        session: &SessionRow,
+        completions: Vec<Completion>,
+        claims: &[ClaimRequest],
+        now: i64,
+    ) -> Result<EagerBatch, Error> {
+        let session_id = session.id.as_str();
+        let roles: &[pb::Role] = claims.first().map_or(&[], |claim| claim.roles.as_slice());
+        let wanted: usize = claims.iter().map(|claim| claim.max as usize).sum();
+        let ids: Vec<String> = completions.iter().map(|c| c.task_id.clone()).collect();
+        let mut originals: HashMap<String, TaskRow> = HashMap::with_capacity(ids.len());
+        let mut dependents: Vec<TaskRow> = Vec::new();
+        let mut ready: Vec<TaskRow> = Vec::new();
+        // Per chunk of ids (the first also reads the ready tasks; with no ids, only that): the
+        // tasks, the pending tasks naming one of them among their dependencies (the LIKE is a
+        // coarse filter on the JSON text; the parsed list decides), the best ready tasks.
+        let mut chunks: Vec<&[String]> = ids.chunks(200).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        for (n, chunk) in chunks.into_iter().enumerate() {
+            let read_ready = n == 0 && wanted > 0;
+            if chunk.is_empty() && !read_ready {
+                continue;
+            }
+            let mut parts = Vec::new();
+            let mut next = 2;
+            let mut param = || {
+                let name = format!("${next}");
+                next += 1;
+                name
+            };
+            if !chunk.is_empty() {
+                let these: Vec<String> = chunk.iter().map(|_| param()).collect();
+                let pending = param();
+                let likes: Vec<String> = chunk
+                    .iter()
+                    .map(|_| format!("depends_on LIKE {}", param()))
+                    .collect();
+                parts.push(format!(
+                    "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id IN ({})",
+                    these.join(", ")
+                ));
+                parts.push(format!(
+                    "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {pending} AND ({})",
+                    likes.join(" OR ")
+                ));
+            }
+            if read_ready {
+                let state = param();
+                let limit = param();
+                let first_role: usize = next;
+                parts.push(format!(
+                    "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {state}{} \
+                     ORDER BY priority, critical_path DESC, created_at, position LIMIT {limit}) r",
+                    role_filter("role", roles, first_role)
+                ));
+            }
+            let mut query =
+                sqlx::query(sqlx::AssertSqlSafe(parts.join(" UNION ALL "))).bind(session_id);
+            if !chunk.is_empty() {
+                for id in chunk {
+                    query = query.bind(id);
+                }
+                query = query.bind(TaskState::Pending as i32);
+                for id in chunk {
+                    query = query.bind(format!("%{}%", Value::String(id.clone())));
+                }
+            }
+            if read_ready {
+                query = query
+                    .bind(TaskState::Ready as i32)
+                    .bind(i64::try_from(wanted).unwrap_or(i64::MAX));
+                for role in roles {
+                    query = query.bind(*role as i32);
+                }
+            }
+            for row in query.fetch_all(&mut **tx).await? {
+                let task = task_from_row(&row)?;
+                if ids.contains(&task.id) {
+                    originals.insert(task.id.clone(), task);
+                } else if task.state == TaskState::Ready {
+                    if !ready.iter().any(|known| known.id == task.id) {
+                        ready.push(task);
+                    }
+                } else if task.depends_on.iter().any(|dep| ids.contains(dep))
+                    && !dependents.iter().any(|known| known.id == task.id)
+                {
+                    dependents.push(task);
+                }
+            }
+        }
+        dependents.sort_by_key(|task| task.position);
+
+        // The working set, each task once, with its stored form alongside.
+        let mut before: Vec<TaskRow> = Vec::new();
+        let mut work: Vec<TaskRow> = Vec::new();
+        let mut transitions = Vec::new();
+        for completion in completions {
+            // Taken out, so a task completed twice in one batch is stale the second time.
+            let Some(original) = originals.remove(&completion.task_id) else {
+                if work.iter().any(|task| task.id == completion.task_id) {
+                    return Err(Error::FailedPrecondition(format!(
+                        "task {} is completed twice in one transaction",
+                        completion.task_id
+                    )));
+                }
+                return Err(Error::NotFound(format!(
+                    "task {} not found in session {session_id}",
+                    completion.task_id
+                )));
+            };
+            if original.state != TaskState::Running || original.fencing_token != completion.token {
+                return Err(stale(&original, completion.token));
+            }
+            write_back_convergence(tx, session_id, &completion.task_id, &completion.result).await?;
+            before.push(original.clone());
+            let mut task = original;
+            task.result = Some(completion.result);
+            transitions.push(sched::transition(
+                &mut task,
+                TaskState::Completed,
+                "completed",
+                now,
+            ));
+            work.push(task);
+        }
+        let completed = work.len();
+        for task in dependents.into_iter().chain(ready) {
+            before.push(task.clone());
+            work.push(task);
+        }
+        // The dependents' other dependencies (their states decide the settling).
+        let mut others: Vec<String> = Vec::new();
+        for dependent in &work[completed..] {
+            for dep in &dependent.depends_on {
+                if !work.iter().any(|known| &known.id == dep) && !others.contains(dep) {
+                    others.push(dep.clone());
+                }
+            }
+        }
+        let mut loaded = load_tasks_by_id(tx, session_id, &others, &lite_columns()).await?;
+        for id in &others {
+            if let Some(task) = loaded.remove(id) {
+                before.push(task.clone());
+                work.push(task);
+            }
+        }
+        transitions.extend(sched::settle(
+            &mut work,
+            session.mode,
+            session.on_failure,
+            now,
+        ));
+
+        // The claims take the best ready tasks, those just readied included, in claim order.
+        let mut candidates: Vec<usize> = (0..work.len())
+            .filter(|&i| {
+                work[i].state == TaskState::Ready
+                    && (roles.is_empty() || roles.contains(&work[i].role))
+            })
+            .collect();
+        candidates.sort_by_key(|&i| {
+            let task = &work[i];
+            (
+                task.priority as i32,
+                std::cmp::Reverse(task.critical_path),
+                task.created_at,
+                task.position,
+            )
+        });
+        let mut candidates = candidates.into_iter();
+        let mut taken: Vec<(usize, usize)> = Vec::new();
+        for (c, claim) in claims.iter().enumerate() {
+            for i in candidates.by_ref().take(claim.max as usize) {
+                let task = &mut work[i];
+                task.attempt += 1;
+                task.fencing_token += 1;
+                task.worker_id = claim.worker_id.clone();
+                task.lease_ms = claim.lease_ms;
+                task.started_at = Some(claim.now);
+                task.progress.clear();
+                transitions.push(sched::transition(
+                    task,
+                    TaskState::Running,
+                    "claimed",
+                    claim.now,
+                ));
+                task.lease_expires_at = Some(claim.now + claim.lease_ms);
+                taken.push((c, i));
+            }
+        }
+        let count = write_changes(tx, session_id, &before, &work, transitions, now).await?;
+
+        let mut claimed: Vec<Vec<Claimed>> = claims.iter().map(|_| Vec::new()).collect();
+        if !taken.is_empty() {
+            let tasks: Vec<TaskRow> = taken.iter().map(|&(_, i)| work[i].clone()).collect();
+            let mut upstream_of = load_upstream(tx, session_id, &tasks).await?;
+            let repos = self.repos(tx, session_id).await?;
+            for ((c, _), task) in taken.iter().zip(tasks) {
+                let upstream = upstream_of.remove(&task.id).unwrap_or_default();
+                let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
+                claimed[*c].push(Claimed {
+                    task,
+                    repo,
+                    plan_dir: session.plan_dir.clone(),
+                    upstream,
+                });
+            }
+        }
+        // Only a completion can end the session; a task it leaves ready or running keeps it
+        // going.
+        let open = completed == 0
+            || work
+                .iter()
+                .any(|task| matches!(task.state, TaskState::Ready | TaskState::Running));
+        work.truncate(completed);
+        Ok(EagerBatch {
+            tasks: work,
+            claimed,
+            check_end: (!open).then_some(count),
+        })
+    }
 }
 
 /// Ends the session or reports its stall, after `count` transitions that readied nothing.
