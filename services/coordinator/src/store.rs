@@ -661,16 +661,18 @@ impl Store {
     /// order, read without locks: a claim is queued on that session's group (see
     /// [`crate::group`]), which takes the session's best ready tasks under its lock.
     pub(crate) async fn pick_session(&self, roles: &[pb::Role]) -> Result<Option<String>, Error> {
-        let role_filter = role_filter("t.role", roles, 3);
-        // The order of the `tasks_claim` index, so the best candidate is its first entry.
+        let role_filter = role_filter("t.role", roles, 1);
+        // The order of the `tasks_claim` index, so the best candidate is its first entry. The
+        // states are constants written into the statement, not parameters: PostgreSQL's
+        // generic plans (see `open_postgres`) then still know how few rows they select.
         let sql = format!(
             "SELECT t.session_id FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             WHERE t.state = $1 AND s.state = $2{role_filter} \
-             ORDER BY t.priority, t.critical_path DESC, t.created_at, t.session_id, t.position LIMIT 1"
+             WHERE t.state = {} AND s.state = {}{role_filter} \
+             ORDER BY t.priority, t.critical_path DESC, t.created_at, t.session_id, t.position LIMIT 1",
+            TaskState::Ready as i32,
+            SessionState::Active as i32
         );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
-            .bind(TaskState::Ready as i32)
-            .bind(SessionState::Active as i32);
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for role in roles {
             query = query.bind(*role as i32);
         }
@@ -1385,7 +1387,6 @@ impl Store {
             };
             if !chunk.is_empty() {
                 let these: Vec<String> = chunk.iter().map(|_| param()).collect();
-                let pending = param();
                 let likes: Vec<String> = chunk
                     .iter()
                     .map(|_| format!("depends_on LIKE {}", param()))
@@ -1394,13 +1395,15 @@ impl Store {
                     "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id IN ({})",
                     these.join(", ")
                 ));
+                // States are constants in the statement (see `pick_session`).
                 parts.push(format!(
-                    "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {pending} AND ({})",
+                    "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {} AND ({})",
+                    TaskState::Pending as i32,
                     likes.join(" OR ")
                 ));
             }
             if read_ready {
-                let state = param();
+                let state = TaskState::Ready as i32;
                 let limit = param();
                 let first_role: usize = next;
                 parts.push(format!(
@@ -1415,15 +1418,12 @@ impl Store {
                 for id in chunk {
                     query = query.bind(id);
                 }
-                query = query.bind(TaskState::Pending as i32);
                 for id in chunk {
                     query = query.bind(format!("%{}%", Value::String(id.clone())));
                 }
             }
             if read_ready {
-                query = query
-                    .bind(TaskState::Ready as i32)
-                    .bind(i64::try_from(wanted).unwrap_or(i64::MAX));
+                query = query.bind(i64::try_from(wanted).unwrap_or(i64::MAX));
                 for role in roles {
                     query = query.bind(*role as i32);
                 }
@@ -1840,16 +1840,19 @@ fn role_filter(column: &str, roles: &[pb::Role], first: usize) -> String {
 
 /// Whether any of a session's tasks is in one of `states` (an index probe, not a count).
 async fn any_task_in(tx: &mut Tx, session_id: &str, states: &[TaskState]) -> Result<bool, Error> {
-    let placeholders: Vec<String> = (0..states.len()).map(|i| format!("${}", i + 2)).collect();
-    let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+    // The states are written into the statement (see [`Store::pick_session`]).
+    let states: Vec<String> = states
+        .iter()
+        .map(|state| (*state as i32).to_string())
+        .collect();
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT 1 AS found FROM tasks WHERE session_id = $1 AND state IN ({}) LIMIT 1",
-        placeholders.join(", ")
+        states.join(", ")
     )))
-    .bind(session_id);
-    for state in states {
-        query = query.bind(*state as i32);
-    }
-    Ok(query.fetch_optional(&mut **tx).await?.is_some())
+    .bind(session_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(row.is_some())
 }
 
 /// After `count` transitions on the whole graph `tasks`: ends the session when every task is
@@ -2393,13 +2396,14 @@ async fn load_claimable(
     roles: &[pb::Role],
     limit: usize,
 ) -> Result<Vec<TaskRow>, Error> {
-    let role_filter = role_filter("role", roles, 4);
+    let role_filter = role_filter("role", roles, 3);
+    // The state is a constant in the statement (see `Store::pick_session`).
     let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = $2{role_filter} \
-         ORDER BY priority, critical_path DESC, created_at, position LIMIT $3"
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {}{role_filter} \
+         ORDER BY priority, critical_path DESC, created_at, position LIMIT $2",
+        TaskState::Ready as i32
     )))
     .bind(session_id)
-    .bind(TaskState::Ready as i32)
     .bind(i64::try_from(limit).unwrap_or(i64::MAX));
     for role in roles {
         query = query.bind(*role as i32);
