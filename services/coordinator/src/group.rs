@@ -6,10 +6,10 @@
 //! `BEGIN`/`COMMIT` (one durable commit on PostgreSQL, one writer hand-over on SQLite) and
 //! fewer scheduler wake-ups. Each caller still gets its answer only once its change is
 //! committed. Inside the transaction each session's operations run together: its row is
-//! locked and loaded once, heartbeats run one by one, then all completions as one batch and
-//! all claims as one batch (one statement per step for the whole batch: load, dependents,
-//! update, event append), so a group's round trips to the database hardly grow with its
-//! size. Completions go first, so the claims of the same group can take what they readied.
+//! locked and loaded once, heartbeats run one by one, then its completions and claims (and
+//! completions' `claim_next`) as one batch ([`Store::complete_eager`]): one read, settling
+//! and claiming in memory, one write. So a group costs about five round trips to the
+//! database however many operations it holds. The claims see what the completions readied.
 //!
 //! Lanes: SQLite has one writer, so everything shares one lane. PostgreSQL has a lane per
 //! session, so a group transaction locks one session row only and two coordinators' groups

@@ -5,10 +5,11 @@
 //! writer connection (SQLite serialises writers anyway; `BEGIN IMMEDIATE` never waits on
 //! ourselves) and a small reader pool. PostgreSQL has one shared pool, and several
 //! coordinators may use the same database: every writer of a session first locks the session
-//! row (`FOR UPDATE`), claims lock candidate sessions with `FOR UPDATE SKIP LOCKED`, and
-//! `pg_notify` wakes the other coordinators' long polls. Each state change is one
-//! transaction that also appends its events with the session's gap-free sequence
-//! (`UPDATE sessions SET last_seq = last_seq + 1 ... RETURNING last_seq`).
+//! row (`FOR UPDATE`; a claim first picks its session without locks, then locks it and
+//! re-reads its ready tasks), and `pg_notify` wakes the other coordinators' long polls. Each
+//! state change is one transaction that also appends its events with the session's gap-free
+//! sequence (`sessions.last_seq`, moved under the row lock); events are held back in the
+//! [`Tx`] and written once, just before the commit.
 
 use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
@@ -262,7 +263,7 @@ fn dialect_sql(sql: &str, dialect: Dialect) -> String {
 pub(crate) enum Dialect {
     /// SQLite in WAL mode: one writer connection, `BEGIN IMMEDIATE` serialises writers.
     Sqlite,
-    /// PostgreSQL: a shared pool; row locks (`FOR UPDATE`, `SKIP LOCKED`) serialise writers
+    /// PostgreSQL: a shared pool; row locks (`FOR UPDATE`) serialise writers
     /// per session, so several coordinators can share one database.
     Postgres,
 }
@@ -680,9 +681,10 @@ impl Store {
         Ok(row.map(|row| row.try_get("session_id")).transpose()?)
     }
 
-    /// Takes a session's best ready tasks for several claims at once (a group commit's claims
-    /// of one session; one alone is a group of one), with the session locked and loaded,
-    /// inside a transaction the caller commits. Claims are served in the order given, each up
+    /// Takes a session's best ready tasks for several claims at once, with the session locked
+    /// and loaded, inside a transaction the caller commits: for the claims that
+    /// [`Store::complete_eager`] does not serve (waves mode, a session no longer active, claims
+    /// of one group asking for different roles). Claims are served in the order given, each up
     /// to its `max`; one query per distinct role filter, one update and one event append for
     /// all. Returns each claim's tasks (none when the session is not active or ran dry).
     pub(crate) async fn claim_in(
@@ -1369,7 +1371,7 @@ impl Store {
         // Per chunk of ids (the first also reads the ready tasks; with no ids, only that): the
         // tasks, the pending tasks naming one of them among their dependencies (the LIKE is a
         // coarse filter on the JSON text; the parsed list decides), the best ready tasks.
-        let mut chunks: Vec<&[String]> = ids.chunks(200).collect();
+        let mut chunks: Vec<&[String]> = ids.chunks(128).collect();
         if chunks.is_empty() {
             chunks.push(&[]);
         }
@@ -1385,10 +1387,12 @@ impl Store {
                 next += 1;
                 name
             };
+            // Padded (see `padded`): the last id repeats.
+            let width = padded(chunk.len());
+            let repeat = |i: usize| &chunk[i.min(chunk.len().saturating_sub(1))];
             if !chunk.is_empty() {
-                let these: Vec<String> = chunk.iter().map(|_| param()).collect();
-                let likes: Vec<String> = chunk
-                    .iter()
+                let these: Vec<String> = (0..width).map(|_| param()).collect();
+                let likes: Vec<String> = (0..width)
                     .map(|_| format!("depends_on LIKE {}", param()))
                     .collect();
                 parts.push(format!(
@@ -1415,11 +1419,11 @@ impl Store {
             let mut query =
                 sqlx::query(sqlx::AssertSqlSafe(parts.join(" UNION ALL "))).bind(session_id);
             if !chunk.is_empty() {
-                for id in chunk {
-                    query = query.bind(id);
+                for i in 0..width {
+                    query = query.bind(repeat(i));
                 }
-                for id in chunk {
-                    query = query.bind(format!("%{}%", Value::String(id.clone())));
+                for i in 0..width {
+                    query = query.bind(format!("%{}%", Value::String(repeat(i).clone())));
                 }
             }
             if read_ready {
@@ -1617,14 +1621,15 @@ async fn load_tasks_by_id(
 ) -> Result<HashMap<String, TaskRow>, Error> {
     let mut out = HashMap::with_capacity(ids.len());
     for chunk in ids.chunks(256) {
-        let placeholders: Vec<String> = (0..chunk.len()).map(|i| format!("${}", i + 2)).collect();
+        let width = padded(chunk.len());
+        let placeholders: Vec<String> = (0..width).map(|i| format!("${}", i + 2)).collect();
         let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
             placeholders.join(", ")
         )))
         .bind(session_id);
-        for id in chunk {
-            query = query.bind(id);
+        for i in 0..width {
+            query = query.bind(&chunk[i.min(chunk.len() - 1)]);
         }
         for row in query.fetch_all(&mut **tx).await? {
             let task = task_from_row(&row)?;
@@ -1632,6 +1637,13 @@ async fn load_tasks_by_id(
         }
     }
     Ok(out)
+}
+
+/// The length an `IN (...)` list of `n` items is padded to (repeating its last item): a power
+/// of two, so a few prepared statements serve every length instead of one per length (each
+/// new one costs a prepare, and they crowd the connection's statement cache).
+fn padded(n: usize) -> usize {
+    n.next_power_of_two()
 }
 
 /// Applies the graph's consequences of a change (settle, session outcome), writes the changed
