@@ -305,7 +305,7 @@ impl GroupCommit {
             .map_err(|_| GroupError::Op)?;
         tx.commit()
             .await
-            .map_err(|err| GroupError::Commit(err.into()))?;
+            .map_err(GroupError::Commit)?;
         Ok(outcomes)
     }
 
