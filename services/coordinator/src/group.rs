@@ -303,9 +303,7 @@ impl GroupCommit {
             .run_in(&mut tx, ops)
             .await
             .map_err(|_| GroupError::Op)?;
-        tx.commit()
-            .await
-            .map_err(GroupError::Commit)?;
+        tx.commit().await.map_err(GroupError::Commit)?;
         Ok(outcomes)
     }
 

@@ -188,6 +188,19 @@ pub(crate) struct Claimed {
     pub(crate) upstream: Vec<TaskRow>,
 }
 
+/// Puts a ready task under a new lease for `claim`: the next attempt and fencing token.
+fn lease(task: &mut TaskRow, claim: &ClaimRequest) -> pb::TaskTransition {
+    task.attempt += 1;
+    task.fencing_token += 1;
+    task.worker_id = claim.worker_id.clone();
+    task.lease_ms = claim.lease_ms;
+    task.started_at = Some(claim.now);
+    task.progress.clear();
+    let transition = sched::transition(task, TaskState::Running, "claimed", claim.now);
+    task.lease_expires_at = Some(claim.now + claim.lease_ms);
+    transition
+}
+
 /// One `ClaimTasks` as the store sees it.
 #[derive(Debug, Clone)]
 pub(crate) struct ClaimRequest {
@@ -722,28 +735,14 @@ impl Store {
                 }
             }
         }
-        let mut out: Vec<Vec<Claimed>> = claims.iter().map(|_| Vec::new()).collect();
         if taken.is_empty() {
-            return Ok(out);
+            return Ok(claims.iter().map(|_| Vec::new()).collect());
         }
         let before: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
-        let mut transitions = Vec::with_capacity(taken.len());
-        for (i, task) in &mut taken {
-            let claim = &claims[*i];
-            task.attempt += 1;
-            task.fencing_token += 1;
-            task.worker_id = claim.worker_id.clone();
-            task.lease_ms = claim.lease_ms;
-            task.started_at = Some(claim.now);
-            task.progress.clear();
-            transitions.push(sched::transition(
-                task,
-                TaskState::Running,
-                "claimed",
-                claim.now,
-            ));
-            task.lease_expires_at = Some(claim.now + claim.lease_ms);
-        }
+        let transitions = taken
+            .iter_mut()
+            .map(|(i, task)| lease(task, &claims[*i]))
+            .collect();
         let tasks: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
         let now = claims
             .iter()
@@ -752,8 +751,25 @@ impl Store {
             .unwrap_or_default();
         // A claim changes nothing else in the graph: no settling needed.
         write_changes(tx, session_id, &before, &tasks, transitions, now).await?;
-        let mut upstream_of = load_upstream(tx, session_id, &tasks).await?;
-        let repos = self.repos(tx, session_id).await?;
+        self.hand_out(tx, session, claims.len(), taken).await
+    }
+
+    /// What the claims get: each claimed task (`(claim, task)`, already written) with its
+    /// repository and upstream results, grouped per claim.
+    async fn hand_out(
+        &self,
+        tx: &mut Tx,
+        session: &SessionRow,
+        claims: usize,
+        taken: Vec<(usize, TaskRow)>,
+    ) -> Result<Vec<Vec<Claimed>>, Error> {
+        let mut out: Vec<Vec<Claimed>> = (0..claims).map(|_| Vec::new()).collect();
+        if taken.is_empty() {
+            return Ok(out);
+        }
+        let tasks: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
+        let mut upstream_of = load_upstream(tx, &session.id, &tasks).await?;
+        let repos = self.repos(tx, &session.id).await?;
         for (i, task) in taken {
             let upstream = upstream_of.remove(&task.id).unwrap_or_default();
             let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
@@ -1530,56 +1546,16 @@ impl Store {
         let mut taken: Vec<(usize, usize)> = Vec::new();
         for (c, claim) in claims.iter().enumerate() {
             for i in candidates.by_ref().take(claim.max as usize) {
-                let task = &mut work[i];
-                task.attempt += 1;
-                task.fencing_token += 1;
-                task.worker_id = claim.worker_id.clone();
-                task.lease_ms = claim.lease_ms;
-                task.started_at = Some(claim.now);
-                task.progress.clear();
-                transitions.push(sched::transition(
-                    task,
-                    TaskState::Running,
-                    "claimed",
-                    claim.now,
-                ));
-                task.lease_expires_at = Some(claim.now + claim.lease_ms);
+                transitions.push(lease(&mut work[i], claim));
                 taken.push((c, i));
             }
         }
-        let count = transitions.len();
-        append_events(
-            tx,
-            session_id,
-            now,
-            transitions.into_iter().map(Kind::Task).collect(),
-        )
-        .await?;
-        let changed: Vec<&TaskRow> = before
-            .iter()
-            .zip(&work)
-            .filter(|(old, new)| old != new)
-            .map(|(_, new)| new)
+        let count = write_changes(tx, session_id, &before, &work, transitions, now).await?;
+        let taken = taken
+            .into_iter()
+            .map(|(c, i)| (c, work[i].clone()))
             .collect();
-        // Every change and event of the batch: one statement on PostgreSQL.
-        tx.write_with_events(session_id, &changed).await?;
-
-        let mut claimed: Vec<Vec<Claimed>> = claims.iter().map(|_| Vec::new()).collect();
-        if !taken.is_empty() {
-            let tasks: Vec<TaskRow> = taken.iter().map(|&(_, i)| work[i].clone()).collect();
-            let mut upstream_of = load_upstream(tx, session_id, &tasks).await?;
-            let repos = self.repos(tx, session_id).await?;
-            for ((c, _), task) in taken.iter().zip(tasks) {
-                let upstream = upstream_of.remove(&task.id).unwrap_or_default();
-                let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
-                claimed[*c].push(Claimed {
-                    task,
-                    repo,
-                    plan_dir: session.plan_dir.clone(),
-                    upstream,
-                });
-            }
-        }
+        let claimed = self.hand_out(tx, session, claims.len(), taken).await?;
         // Only a completion can end the session; a task it leaves ready or running keeps it
         // going.
         let open = completed == 0
@@ -1942,13 +1918,6 @@ async fn write_changes(
     transitions: Vec<pb::TaskTransition>,
     now: i64,
 ) -> Result<usize, Error> {
-    let changed: Vec<&TaskRow> = before
-        .iter()
-        .zip(tasks.iter())
-        .filter(|(old, new)| old != new)
-        .map(|(_, new)| new)
-        .collect();
-    update_tasks(tx, &changed).await?;
     let count = transitions.len();
     append_events(
         tx,
@@ -1957,6 +1926,14 @@ async fn write_changes(
         transitions.into_iter().map(Kind::Task).collect(),
     )
     .await?;
+    let changed: Vec<&TaskRow> = before
+        .iter()
+        .zip(tasks.iter())
+        .filter(|(old, new)| old != new)
+        .map(|(_, new)| new)
+        .collect();
+    // With the session's events so far: one statement on PostgreSQL (see `write_events`).
+    tx.write_with_events(session_id, &changed).await?;
     Ok(count)
 }
 
