@@ -319,8 +319,9 @@ impl GroupCommit {
     }
 
     /// Runs `ops` inside a transaction, session by session (in order of first appearance):
-    /// lock and load the session, then its heartbeats one by one, its completions as one
-    /// batch, its claims as one batch. Returns the outcomes in the order of `ops`.
+    /// lock and load the session, then its heartbeats one by one, then its completions and
+    /// claims as one batch (see the module comment). Returns the outcomes in the order of
+    /// `ops`.
     async fn run_in(&self, tx: &mut store::Tx, ops: &[Op]) -> Result<Vec<Outcome>, Error> {
         let mut sessions: Vec<&str> = Vec::new();
         for op in ops {
