@@ -135,28 +135,15 @@ impl GroupCommit {
         }
     }
 
-    /// Claims up to `max` ready tasks of `roles` from the session holding the best one.
-    pub(crate) async fn claim(
-        &self,
-        worker_id: &str,
-        roles: &[pb::Role],
-        max: u32,
-        lease_ms: i64,
-        now: i64,
-    ) -> Result<Vec<Claimed>, Error> {
+    /// Claims up to `request.max` ready tasks of its roles from the session holding the best one.
+    pub(crate) async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claimed>, Error> {
         // Each round either claims or finds that others took the picked session's ready tasks
         // first (someone made progress), so this ends once nothing is ready.
-        while let Some(session_id) = self.store.pick_session(roles).await? {
+        while let Some(session_id) = self.store.pick_session(&request.roles).await? {
             let (reply, answer) = oneshot::channel();
             let op = Op::Claim {
                 session_id: session_id.clone(),
-                request: ClaimRequest {
-                    worker_id: worker_id.to_owned(),
-                    roles: roles.to_vec(),
-                    max,
-                    lease_ms,
-                    now,
-                },
+                request: request.clone(),
                 reply,
             };
             self.submit(self.lane(&session_id), op).await;

@@ -634,13 +634,10 @@ impl Coordinator {
             changes.borrow_and_update();
             let claimed = self
                 .group
-                .claim(
-                    &claim.worker_id,
-                    &claim.roles,
-                    claim.max,
-                    claim.lease_ms,
-                    now_ms(),
-                )
+                .claim(&ClaimRequest {
+                    now: now_ms(),
+                    ..claim.clone()
+                })
                 .await?;
             if !claimed.is_empty() {
                 self.notify_watchers();

@@ -2039,12 +2039,12 @@ async fn write_events(
     // from the database first.
     let known = tx.sequences.get(session_id).copied();
     let together = known.is_some() && tx.dialect == Dialect::Postgres;
-    if !together || tasks.len() > TASK_ROWS {
-        update_tasks(tx, tasks).await?;
-    }
+    // The tasks that go out with the first insert; the others (all, unless together and
+    // within one statement's rows) are updated first, on their own.
     let mut tasks = if together && tasks.len() <= TASK_ROWS {
         tasks
     } else {
+        update_tasks(tx, tasks).await?;
         &[]
     };
     let first = match known {
