@@ -25,7 +25,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
-use troupe_proto::v1::{self as pb, Role, SessionState};
+use troupe_proto::v1::{self as pb, Role};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -316,17 +316,7 @@ async fn run(
         .lock()
         .map(|last| last.duration_since(start).as_secs_f64())
         .unwrap_or(f64::NAN);
-    let view = client
-        .clone()
-        .get_session(pb::GetSessionRequest {
-            session_id: session,
-        })
-        .await?
-        .into_inner();
-    let state = view.session.context("session")?.state();
-    if state != SessionState::Completed {
-        bail!("session ended {state:?}");
-    }
+    common::expect_completed(client, session).await?;
     let observed = observed
         .lock()
         .map(|observed| observed.clone())

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use clap::Parser;
 use serde_json::json;
-use troupe_proto::v1::{self as pb, Role, SessionState};
+use troupe_proto::v1::{self as pb, Role};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -179,17 +179,7 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         result??;
     }
     let elapsed = start.elapsed();
-    let view = client
-        .clone()
-        .get_session(pb::GetSessionRequest {
-            session_id: session,
-        })
-        .await?
-        .into_inner();
-    let state = view.session.context("session")?.state();
-    if state != SessionState::Completed {
-        bail!("session ended {state:?}");
-    }
+    common::expect_completed(client, session).await?;
     println!(
         "S1 db={} tasks={} workers={} batch={}{}: {:.2}s, {:.0} tasks/s",
         args.db,
@@ -236,28 +226,40 @@ async fn s2_pairs(client: &Client, base_dir: &str, count: usize) -> anyhow::Resu
             .tasks
             .pop()
             .context("an A task")?;
-        let mut waiter = client.clone();
-        let poll = tokio::spawn(async move {
-            let response = waiter
-                .claim_tasks(claim_role(
-                    "bench-waiter",
-                    Role::Validator,
-                    1,
-                    Duration::from_secs(10),
-                ))
-                .await;
-            (Instant::now(), response)
-        });
-        // Let the long poll park before the task becomes ready.
-        tokio::time::sleep(Duration::from_millis(15)).await;
-        let sent = Instant::now();
-        complete(&mut holder, &held).await?;
-        let (claimed_at, response) = poll.await?;
-        let next = response?.into_inner().tasks.pop().context("its B task")?;
-        samples.push(claimed_at - sent);
+        let (sample, next) = pickup(client, &mut holder, &held, Role::Validator).await?;
+        samples.push(sample);
         complete(&mut holder, &next).await?;
     }
     Ok(samples)
+}
+
+/// One S2 sample: a waiter long-polls for `role`; once it is parked, `holder` completes `held`,
+/// which readies the waiter's task. Returns the time from sending the completion to the claim's
+/// answer, and the task claimed.
+async fn pickup(
+    client: &Client,
+    holder: &mut Client,
+    held: &pb::ClaimedTask,
+    role: Role,
+) -> anyhow::Result<(Duration, pb::ClaimedTask)> {
+    let mut waiter = client.clone();
+    let poll = tokio::spawn(async move {
+        let response = waiter
+            .claim_tasks(claim_role("bench-waiter", role, 1, Duration::from_secs(10)))
+            .await;
+        (Instant::now(), response)
+    });
+    // Let the long poll park before the task becomes ready.
+    tokio::time::sleep(Duration::from_millis(15)).await;
+    let sent = Instant::now();
+    complete(holder, held).await?;
+    let (claimed_at, response) = poll.await?;
+    let next = response?
+        .into_inner()
+        .tasks
+        .pop()
+        .context("the readied task")?;
+    Ok((claimed_at - sent, next))
 }
 
 /// One chain `IMPL-0 → IMPL-1 → …`: the n-th claim also carries n-1 upstream results.
@@ -283,20 +285,9 @@ async fn s2_chain(client: &Client, base_dir: &str, count: usize) -> anyhow::Resu
         .context("first task")?;
     let mut samples = Vec::with_capacity(count);
     for _ in 0..count {
-        let mut waiter = client.clone();
-        let poll = tokio::spawn(async move {
-            let response = waiter
-                .claim_tasks(claim_request("bench-waiter", 1, Duration::from_secs(10)))
-                .await;
-            (Instant::now(), response)
-        });
-        // Let the long poll park before the next task becomes ready.
-        tokio::time::sleep(Duration::from_millis(15)).await;
-        let sent = Instant::now();
-        complete(&mut holder, &held).await?;
-        let (claimed_at, response) = poll.await?;
-        held = response?.into_inner().tasks.pop().context("next task")?;
-        samples.push(claimed_at - sent);
+        let (sample, next) = pickup(client, &mut holder, &held, Role::Executor).await?;
+        samples.push(sample);
+        held = next;
     }
     complete(&mut holder, &held).await?;
     Ok(samples)

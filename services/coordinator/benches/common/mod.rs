@@ -111,3 +111,21 @@ async fn fresh_schema(url: &str) -> anyhow::Result<String> {
         "{url}{separator}options=-c%20search_path%3D{schema}"
     ))
 }
+
+/// Fails unless the session ended completed (a benchmark that lost or failed a task measured
+/// nothing).
+pub(crate) async fn expect_completed(
+    client: &troupe_grpc::CoordinatorClient,
+    session_id: String,
+) -> anyhow::Result<()> {
+    let view = client
+        .clone()
+        .get_session(troupe_proto::v1::GetSessionRequest { session_id })
+        .await?
+        .into_inner();
+    let state = view.session.context("session")?.state();
+    if state != troupe_proto::v1::SessionState::Completed {
+        bail!("session ended {state:?}");
+    }
+    Ok(())
+}

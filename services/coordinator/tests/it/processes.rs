@@ -9,11 +9,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use tokio::process::{Child, Command};
-use tokio_stream::StreamExt as _;
 use tokio_util::sync::CancellationToken;
 use troupe_proto::v1::{self as pb, Role, SessionState, TaskState};
 
-use crate::support::{Db, db_tests, fresh_schema};
+use crate::support::{Db, db_tests, event_log, fresh_schema};
 
 /// Env var that turns [`worker_process`] into a real worker (it is a no-op test otherwise).
 const WORKER_URL_ENV: &str = "TROUPE_TEST_WORKER_URL";
@@ -192,18 +191,9 @@ async fn fake_worker(
 /// Reads the whole event log and counts transitions into `completed` per task.
 async fn completions_in_log(url: &str, session: &str) -> BTreeMap<String, usize> {
     let mut client = troupe_grpc::coordinator_client(url).expect("client");
-    let mut stream = client
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.to_owned(),
-            after_sequence: 0,
-            follow: false,
-        })
-        .await
-        .expect("watch")
-        .into_inner();
     let mut counts = BTreeMap::new();
-    while let Some(event) = stream.next().await {
-        if let Some(pb::session_event::Kind::Task(change)) = event.expect("event").kind
+    for event in event_log(&mut client, session).await {
+        if let Some(pb::session_event::Kind::Task(change)) = event.kind
             && change.to() == TaskState::Completed
         {
             *counts.entry(change.task_id).or_insert(0) += 1;

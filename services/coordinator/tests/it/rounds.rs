@@ -198,22 +198,17 @@ async fn failed_test_run_adds_a_fix_round_and_completes(db: Db) {
     assert!(check.stall.is_none());
 
     // The rounds are in the event log with their reasons.
-    let events = harness
-        .client()
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.clone(),
-            after_sequence: 0,
-            follow: false,
-        })
+    let reasons: Vec<String> = harness
+        .events(&session)
         .await
-        .expect("watch");
-    let mut stream = events.into_inner();
-    let mut reasons = Vec::new();
-    while let Some(event) = stream.message().await.expect("event") {
-        if let Some(pb::session_event::Kind::Task(transition)) = event.kind {
-            reasons.push(format!("{}: {}", transition.task_id, transition.reason));
-        }
-    }
+        .into_iter()
+        .filter_map(|event| match event.kind {
+            Some(pb::session_event::Kind::Task(transition)) => {
+                Some(format!("{}: {}", transition.task_id, transition.reason))
+            }
+            _ => None,
+        })
+        .collect();
     for expected in [
         "TESTRUN-1: generator-critic round 1: superseded by TESTRUN-1-R1",
         "FIX-TESTRUN-1-R1: generator-critic round 1: fix TESTRUN-1 for TESTRUN-1",

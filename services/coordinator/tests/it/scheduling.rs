@@ -557,20 +557,12 @@ async fn concurrent_worker_calls_commit_together_and_stale_ones_fail_alone(db: D
         );
         assert_eq!(stored.progress, "working");
     }
-    let mut events = harness
-        .client()
-        .watch_session(pb::WatchSessionRequest {
-            session_id: session.clone(),
-            after_sequence: 0,
-            follow: false,
-        })
+    let sequences: Vec<u64> = harness
+        .events(&session)
         .await
-        .expect("watch")
-        .into_inner();
-    let mut sequences = Vec::new();
-    while let Some(event) = events.message().await.expect("event") {
-        sequences.push(event.sequence);
-    }
+        .iter()
+        .map(|event| event.sequence)
+        .collect();
     let expected: Vec<u64> = (1..=summary.last_sequence).collect();
     assert_eq!(sequences, expected, "gap-free event sequence");
     harness.stop().await;

@@ -147,6 +147,11 @@ impl Harness {
         self.client.clone()
     }
 
+    /// The session's whole event log, oldest first.
+    pub(crate) async fn events(&self, session_id: &str) -> Vec<pb::SessionEvent> {
+        event_log(&mut self.client(), session_id).await
+    }
+
     pub(crate) async fn stop(self) {
         self.service.stop().await;
     }
@@ -349,4 +354,22 @@ pub(crate) fn spec_json(task: &pb::Task) -> Value {
     Value::Object(troupe_proto::json::struct_to_object(
         task.spec.as_ref().expect("spec"),
     ))
+}
+
+/// A session's whole event log, oldest first (`WatchSession` from the start, not following).
+pub(crate) async fn event_log(client: &mut Client, session_id: &str) -> Vec<pb::SessionEvent> {
+    let mut stream = client
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session_id.to_owned(),
+            after_sequence: 0,
+            follow: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    let mut events = Vec::new();
+    while let Some(event) = stream.message().await.expect("event") {
+        events.push(event);
+    }
+    events
 }
