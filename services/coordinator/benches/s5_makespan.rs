@@ -231,16 +231,7 @@ async fn run(
     let plan = json!({"name": format!("s5-{mode}"), "mode": mode,
         "repos": {"app": {"path": "repo"}}, "tasks": tasks});
     let start = Instant::now();
-    let created = client
-        .clone()
-        .create_session(pb::CreateSessionRequest {
-            plan_json: plan.to_string(),
-            base_dir: base_dir.to_owned(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    let session = created.session.context("no session")?.id;
+    let session = common::create_session(client, base_dir, &plan).await?;
     let total = nodes.len();
     let observed = Arc::new(Mutex::new(HashMap::new()));
     let last_done = Arc::new(Mutex::new(start));

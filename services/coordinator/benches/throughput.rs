@@ -83,16 +83,7 @@ async fn create(
     tasks: Vec<serde_json::Value>,
 ) -> anyhow::Result<String> {
     let plan = json!({"name": name, "repos": {"app": {"path": "repo"}}, "tasks": tasks});
-    let response = client
-        .clone()
-        .create_session(pb::CreateSessionRequest {
-            plan_json: plan.to_string(),
-            base_dir: base_dir.to_owned(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
-    Ok(response.session.context("no session")?.id)
+    common::create_session(client, base_dir, &plan).await
 }
 
 fn claim_request(worker: &str, max: u32, wait: Duration) -> pb::ClaimTasksRequest {

@@ -129,3 +129,21 @@ pub(crate) async fn expect_completed(
     }
     Ok(())
 }
+
+/// Creates a session from `plan` (its repos relative to `base_dir`) and returns its id.
+pub(crate) async fn create_session(
+    client: &troupe_grpc::CoordinatorClient,
+    base_dir: &str,
+    plan: &serde_json::Value,
+) -> anyhow::Result<String> {
+    let response = client
+        .clone()
+        .create_session(troupe_proto::v1::CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: base_dir.to_owned(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    Ok(response.session.context("no session")?.id)
+}
