@@ -21,6 +21,10 @@ pub enum Error {
     /// The database failed.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
+    /// An optimistic write lost to another writer of the session, or needs a transaction;
+    /// the group commit then runs under the session's lock, so callers do not see it.
+    #[error("contended: {0}")]
+    Contended(String),
     /// Stored data could not be decoded (a bug or a corrupted row).
     #[error("corrupt stored data: {0}")]
     Corrupt(String),

@@ -31,7 +31,7 @@ use troupe_proto::v1 as pb;
 
 use crate::Error;
 use crate::sched::TaskRow;
-use crate::store::{self, ClaimRequest, Claimed, Completion, Dialect, Store};
+use crate::store::{self, ClaimRequest, Claimed, Completion, Dialect, SessionRow, Store};
 
 /// One queued write and where its answer goes.
 #[derive(Debug)]
@@ -63,6 +63,18 @@ enum Op {
 }
 
 impl Op {
+    /// The roles a claim (or a completion's `claim_next`) asks for.
+    fn claim_roles(&self) -> Option<&[pb::Role]> {
+        match self {
+            Op::Claim { request, .. }
+            | Op::Complete {
+                claim_next: Some(request),
+                ..
+            } => Some(&request.roles),
+            _ => None,
+        }
+    }
+
     fn session_id(&self) -> &str {
         match self {
             Op::Claim { session_id, .. }
@@ -86,6 +98,9 @@ enum GroupError {
     Op,
     /// The commit itself failed: its outcome is unknown, so every caller gets the error.
     Commit(Error),
+    /// The optimistic path does not apply or lost a race: nothing was written, run the group
+    /// under the lock.
+    Contended,
 }
 
 /// The group-commit front of the store's worker-protocol writes.
@@ -94,7 +109,14 @@ pub(crate) struct GroupCommit {
     store: Store,
     /// Lanes with a transaction running (present), with the operations waiting for the next.
     lanes: Arc<Mutex<HashMap<String, Vec<Op>>>>,
+    /// PostgreSQL: sessions as their last optimistic group left them (see `run_optimistic`).
+    /// Only a session's own lane uses its entry, one group at a time.
+    sessions: Arc<Mutex<HashMap<String, SessionRow>>>,
 }
+
+/// Sessions kept in [`GroupCommit::sessions`]; beyond that it starts over (a stale or missing
+/// entry costs one read).
+const CACHED_SESSIONS: usize = 1024;
 
 /// Marks a lane busy while its leader runs; on drop (also when the leader's caller goes away
 /// mid-transaction) hands what queued to a task, so a lane is never left busy.
@@ -119,12 +141,17 @@ impl GroupCommit {
         Self {
             store,
             lanes: Arc::default(),
+            sessions: Arc::default(),
         }
     }
 
     fn lanes(&self) -> MutexGuard<'_, HashMap<String, Vec<Op>>> {
         // The map holds no invariant a panic could break halfway.
         self.lanes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn sessions(&self) -> MutexGuard<'_, HashMap<String, SessionRow>> {
+        self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// SQLite: one lane (one writer); PostgreSQL: the session's.
@@ -255,6 +282,28 @@ impl GroupCommit {
 
     /// Runs `ops` in one transaction and answers each; see the module comment for failures.
     async fn run(&self, ops: Vec<Op>) {
+        if self.store.dialect() == Dialect::Postgres {
+            match self.run_optimistic(&ops).await {
+                Ok(outcomes) => {
+                    for (op, outcome) in ops.into_iter().zip(outcomes) {
+                        answer(op, Ok(outcome));
+                    }
+                    return;
+                }
+                Err(GroupError::Commit(err)) => return fail_all(ops, &err),
+                Err(GroupError::Op) => {
+                    for op in ops {
+                        let outcome = self.run_alone(&op).await;
+                        answer(op, outcome);
+                    }
+                    return;
+                }
+                // Under the lock, which also moves the session past the cached entry.
+                Err(GroupError::Contended) => {
+                    self.sessions().remove(ops[0].session_id());
+                }
+            }
+        }
         if ops.len() > 1 {
             match self.run_together(&ops).await {
                 Ok(outcomes) => {
@@ -263,24 +312,89 @@ impl GroupCommit {
                     }
                     return;
                 }
-                Err(GroupError::Commit(err)) => {
-                    tracing::warn!(ops = ops.len(), error = %err, "group commit failed");
-                    let message = err.to_string();
-                    for op in ops {
-                        answer(
-                            op,
-                            Err(Error::Database(sqlx::Error::Protocol(message.clone()))),
-                        );
-                    }
-                    return;
-                }
-                Err(GroupError::Op) => {}
+                Err(GroupError::Commit(err)) => return fail_all(ops, &err),
+                Err(GroupError::Op | GroupError::Contended) => {}
             }
         }
         for op in ops {
             let outcome = self.run_alone(&op).await;
             answer(op, outcome);
         }
+    }
+
+    /// PostgreSQL's fast path for a group of completions and claims of one active eager
+    /// session (a lane's group always has one session): no transaction and no lock, one read
+    /// and one conditional write (see [`Store::optimistic`]), with the session's row from
+    /// the previous group. When the session turns out to have moved on (another coordinator,
+    /// or a write outside the group commit), nothing is written and the group runs under the
+    /// lock.
+    async fn run_optimistic(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
+        let session_id = ops[0].session_id();
+        if ops
+            .iter()
+            .any(|op| matches!(op, Op::Heartbeat { .. }) || op.session_id() != session_id)
+        {
+            return Err(GroupError::Contended);
+        }
+        let cached = self.sessions().get(session_id).cloned();
+        let mut session = match cached {
+            Some(session) => session,
+            None => self
+                .store
+                .load_session(session_id)
+                .await
+                .map_err(|_| GroupError::Contended)?,
+        };
+        // Only `complete_eager` writes once (see `run_session`).
+        if !one_batch(&session, ops.iter().filter_map(Op::claim_roles)) {
+            return Err(GroupError::Contended);
+        }
+        let mut tx = self
+            .store
+            .optimistic(session_id, session.last_seq)
+            .await
+            .map_err(|_| GroupError::Contended)?;
+        let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
+        let end = match self
+            .run_session(&mut tx, &mut session, ops, &mut outcomes)
+            .await
+        {
+            Ok(end) => end,
+            Err(err) if tx.wrote => return Err(GroupError::Commit(err)),
+            Err(Error::Contended(_)) => return Err(GroupError::Contended),
+            Err(_) => return Err(GroupError::Op),
+        };
+        if let Some(last) = tx.last_seq(session_id) {
+            session.last_seq = last;
+        }
+        {
+            let mut sessions = self.sessions();
+            if sessions.len() >= CACHED_SESSIONS {
+                sessions.clear();
+            }
+            sessions.insert(session_id.to_owned(), session);
+        }
+        if let Some((count, now)) = end {
+            // Rare (the session may have ended or stalled): decided under the lock, after the
+            // group's own write committed.
+            self.sessions().remove(session_id);
+            self.check_end(session_id, count, now)
+                .await
+                .map_err(GroupError::Commit)?;
+        }
+        outcomes
+            .into_iter()
+            .map(|outcome| outcome.ok_or_else(mismatch))
+            .collect::<Result<_, _>>()
+            .map_err(GroupError::Commit)
+    }
+
+    async fn check_end(&self, session_id: &str, count: usize, now: i64) -> Result<(), Error> {
+        let mut tx = self.store.begin().await?;
+        let mut session =
+            store::lock_and_load_session(&mut tx, session_id, self.store.for_update()).await?;
+        store::check_end(&mut tx, &mut session, count, now).await?;
+        tx.commit().await
     }
 
     async fn run_together(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
@@ -306,9 +420,8 @@ impl GroupCommit {
     }
 
     /// Runs `ops` inside a transaction, session by session (in order of first appearance):
-    /// lock and load the session, then its heartbeats one by one, then its completions and
-    /// claims as one batch (see the module comment). Returns the outcomes in the order of
-    /// `ops`.
+    /// lock and load the session, then [`Self::run_session`]. Returns the outcomes in the
+    /// order of `ops`.
     async fn run_in(&self, tx: &mut store::Tx, ops: &[Op]) -> Result<Vec<Outcome>, Error> {
         let mut sessions: Vec<&str> = Vec::new();
         for op in ops {
@@ -318,100 +431,12 @@ impl GroupCommit {
         }
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
         for session_id in sessions {
-            let mine = || {
-                ops.iter()
-                    .enumerate()
-                    .filter(move |(_, op)| op.session_id() == session_id)
-            };
             let mut session =
                 store::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
-            for (i, op) in mine() {
-                if let Op::Heartbeat {
-                    task_id,
-                    token,
-                    progress,
-                    lease_ms,
-                    now,
-                    ..
-                } = op
-                {
-                    let beat = store::heartbeat_in(
-                        tx, session_id, task_id, *token, progress, *lease_ms, *now,
-                    )
-                    .await?;
-                    outcomes[i] = Some(Outcome::Heartbeat(beat));
-                }
-            }
-            let completions: Vec<(usize, &Completion, i64)> = mine()
-                .filter_map(|(i, op)| match op {
-                    Op::Complete {
-                        completion, now, ..
-                    } => Some((i, &**completion, *now)),
-                    _ => None,
-                })
-                .collect();
-            // Claims, and completions' `claim_next`, in arrival order.
-            let claims: Vec<(usize, ClaimRequest)> = mine()
-                .filter_map(|(i, op)| match op {
-                    Op::Claim { request, .. }
-                    | Op::Complete {
-                        claim_next: Some(request),
-                        ..
-                    } => Some((i, request.clone())),
-                    _ => None,
-                })
-                .collect();
-            let requests: Vec<ClaimRequest> =
-                claims.iter().map(|(_, request)| request.clone()).collect();
-            let now = completions
-                .iter()
-                .map(|(_, _, now)| *now)
-                .chain(requests.iter().map(|request| request.now))
-                .max()
-                .unwrap_or_default();
-            let (done, claimed, check_end) = if session.mode == troupe_plan::Mode::Eager
-                && session.state == pb::SessionState::Active
-                && requests
-                    .iter()
-                    .all(|request| request.roles == requests[0].roles)
+            if let Some((count, now)) = self
+                .run_session(tx, &mut session, ops, &mut outcomes)
+                .await?
             {
-                // The common case: one batch reads, settles, claims and writes.
-                let batch = completions
-                    .iter()
-                    .map(|(_, completion, _)| Completion::clone(completion))
-                    .collect();
-                let batch = self
-                    .store
-                    .complete_eager(tx, &session, batch, &requests, now)
-                    .await?;
-                (batch.tasks, batch.claimed, batch.check_end)
-            } else {
-                // Waves, a session no longer active, or claims asking for different roles:
-                // completions one by one over the whole graph, then the claims.
-                let mut done = Vec::with_capacity(completions.len());
-                for (_, completion, now) in &completions {
-                    done.push(
-                        store::complete_in(tx, &mut session, Completion::clone(completion), *now)
-                            .await?,
-                    );
-                }
-                let claimed = if requests.is_empty() {
-                    Vec::new()
-                } else {
-                    self.store.claim_in(tx, &session, &requests).await?
-                };
-                (done, claimed, None)
-            };
-            for ((i, _, _), task) in completions.iter().zip(done) {
-                outcomes[*i] = Some(Outcome::Complete(Box::new(task), Vec::new()));
-            }
-            for ((i, _), tasks) in claims.iter().zip(claimed) {
-                match &mut outcomes[*i] {
-                    Some(Outcome::Complete(_, next)) => *next = tasks,
-                    slot => *slot = Some(Outcome::Claim(tasks)),
-                }
-            }
-            if let Some(count) = check_end {
                 store::check_end(tx, &mut session, count, now).await?;
             }
         }
@@ -419,6 +444,131 @@ impl GroupCommit {
             .into_iter()
             .map(|outcome| outcome.ok_or_else(mismatch))
             .collect()
+    }
+
+    /// Runs the operations of `ops` on `session` (loaded; locked unless `tx` is optimistic):
+    /// its heartbeats one by one, then its completions and claims as one batch (see the
+    /// module comment), filling in their `outcomes`. Returns `Some((transitions, now))` when
+    /// the session may have ended or stalled, for [`store::check_end`].
+    async fn run_session(
+        &self,
+        tx: &mut store::Tx,
+        session: &mut SessionRow,
+        ops: &[Op],
+        outcomes: &mut [Option<Outcome>],
+    ) -> Result<Option<(usize, i64)>, Error> {
+        let session_id = session.id.clone();
+        let session_id = session_id.as_str();
+        let mine = || {
+            ops.iter()
+                .enumerate()
+                .filter(move |(_, op)| op.session_id() == session_id)
+        };
+        for (i, op) in mine() {
+            if let Op::Heartbeat {
+                task_id,
+                token,
+                progress,
+                lease_ms,
+                now,
+                ..
+            } = op
+            {
+                let beat =
+                    store::heartbeat_in(tx, session_id, task_id, *token, progress, *lease_ms, *now)
+                        .await?;
+                outcomes[i] = Some(Outcome::Heartbeat(beat));
+            }
+        }
+        let completions: Vec<(usize, &Completion, i64)> = mine()
+            .filter_map(|(i, op)| match op {
+                Op::Complete {
+                    completion, now, ..
+                } => Some((i, &**completion, *now)),
+                _ => None,
+            })
+            .collect();
+        // Claims, and completions' `claim_next`, in arrival order.
+        let claims: Vec<(usize, ClaimRequest)> = mine()
+            .filter_map(|(i, op)| match op {
+                Op::Claim { request, .. }
+                | Op::Complete {
+                    claim_next: Some(request),
+                    ..
+                } => Some((i, request.clone())),
+                _ => None,
+            })
+            .collect();
+        let requests: Vec<ClaimRequest> =
+            claims.iter().map(|(_, request)| request.clone()).collect();
+        let now = completions
+            .iter()
+            .map(|(_, _, now)| *now)
+            .chain(requests.iter().map(|request| request.now))
+            .max()
+            .unwrap_or_default();
+        let (done, claimed, check_end) = if one_batch(
+            session,
+            requests.iter().map(|request| request.roles.as_slice()),
+        ) {
+            // The common case: one batch reads, settles, claims and writes.
+            let batch = completions
+                .iter()
+                .map(|(_, completion, _)| Completion::clone(completion))
+                .collect();
+            let batch = self
+                .store
+                .complete_eager(tx, session, batch, &requests, now)
+                .await?;
+            (batch.tasks, batch.claimed, batch.check_end)
+        } else {
+            // Waves, a session no longer active, or claims asking for different roles:
+            // completions one by one over the whole graph, then the claims.
+            let mut done = Vec::with_capacity(completions.len());
+            for (_, completion, now) in &completions {
+                done.push(
+                    store::complete_in(tx, session, Completion::clone(completion), *now).await?,
+                );
+            }
+            let claimed = if requests.is_empty() {
+                Vec::new()
+            } else {
+                self.store.claim_in(tx, session, &requests).await?
+            };
+            (done, claimed, None)
+        };
+        for ((i, _, _), task) in completions.iter().zip(done) {
+            outcomes[*i] = Some(Outcome::Complete(Box::new(task), Vec::new()));
+        }
+        for ((i, _), tasks) in claims.iter().zip(claimed) {
+            match &mut outcomes[*i] {
+                Some(Outcome::Complete(_, next)) => *next = tasks,
+                slot => *slot = Some(Outcome::Claim(tasks)),
+            }
+        }
+        Ok(check_end.map(|count| (count, now)))
+    }
+}
+
+/// Whether a session's completions and claims (asking for `roles`) run as one batch
+/// ([`Store::complete_eager`]): in an active eager session, with every claim asking for the
+/// same roles.
+fn one_batch<'a>(session: &SessionRow, mut roles: impl Iterator<Item = &'a [pb::Role]>) -> bool {
+    let first = roles.next();
+    session.mode == troupe_plan::Mode::Eager
+        && session.state == pb::SessionState::Active
+        && roles.all(|these| Some(these) == first)
+}
+
+/// Answers every operation with `err` (the commit's outcome is unknown).
+fn fail_all(ops: Vec<Op>, err: &Error) {
+    tracing::warn!(ops = ops.len(), error = %err, "group commit failed");
+    let message = err.to_string();
+    for op in ops {
+        answer(
+            op,
+            Err(Error::Database(sqlx::Error::Protocol(message.clone()))),
+        );
     }
 }
 

@@ -28,6 +28,8 @@ impl From<Error> for Status {
             {
                 Status::unavailable(err.to_string())
             }
+            // Group commit retries these under the lock; safe to retry should one get here.
+            Error::Contended(_) => Status::aborted(err.to_string()),
             Error::Git(_)
             | Error::Database(_)
             | Error::Corrupt(_)

@@ -70,7 +70,7 @@ const SESSION_COLUMNS: &str =
 /// commits (or before the session's sequence is read or taken otherwise), so the operations
 /// of a group commit share one sequence update and one insert per session.
 pub(crate) struct Tx {
-    inner: Transaction<'static, Any>,
+    inner: Conn,
     /// Per session, in order of first append: each event's time and kind.
     events: Vec<(String, Vec<(i64, Kind)>)>,
     /// Sessions whose row this transaction holds locked, with their `last_seq`: their events
@@ -80,19 +80,35 @@ pub(crate) struct Tx {
     dialect: Dialect,
     /// A write transaction (`begin`), not a snapshot (`begin_read`).
     writes: bool,
+    /// Set once an optimistic [`Tx`] (see [`Store::optimistic`]) wrote: its one write
+    /// committed on its own.
+    pub(crate) wrote: bool,
+}
+
+/// What a [`Tx`] runs its statements on.
+enum Conn {
+    Tx(Transaction<'static, Any>),
+    /// No transaction: each statement commits on its own (see [`Store::optimistic`]).
+    Auto(sqlx::pool::PoolConnection<Any>),
 }
 
 impl std::ops::Deref for Tx {
     type Target = sqlx::AnyConnection;
 
     fn deref(&self) -> &Self::Target {
-        &self.inner
+        match &self.inner {
+            Conn::Tx(tx) => tx,
+            Conn::Auto(conn) => conn,
+        }
     }
 }
 
 impl std::ops::DerefMut for Tx {
     fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.inner
+        match &mut self.inner {
+            Conn::Tx(tx) => tx,
+            Conn::Auto(conn) => conn,
+        }
     }
 }
 
@@ -100,8 +116,26 @@ impl Tx {
     /// Writes the held-back events, then commits.
     pub(crate) async fn commit(mut self) -> Result<(), Error> {
         self.flush_events(None).await?;
-        self.inner.commit().await?;
+        match self.inner {
+            Conn::Tx(tx) => tx.commit().await?,
+            // Everything it wrote went out in its one statement (see `write_events`).
+            Conn::Auto(_) => {}
+        }
         Ok(())
+    }
+
+    /// The session's `last_seq` as this transaction left it, when known (held or optimistic).
+    pub(crate) fn last_seq(&self, session_id: &str) -> Option<u64> {
+        self.sequences.get(session_id).copied()
+    }
+
+    /// Refuses a write that an optimistic [`Tx`] cannot make atomically with its one
+    /// statement: the caller runs the group under the lock instead.
+    fn needs_lock(&self, what: &str) -> Result<(), Error> {
+        match self.inner {
+            Conn::Auto(_) => Err(Error::Contended(format!("{what} needs a transaction"))),
+            Conn::Tx(_) => Ok(()),
+        }
     }
 
     /// Writes `tasks` (changed tasks of `session_id`) with the session's held-back events: on
@@ -120,7 +154,9 @@ impl Tx {
 
     /// Rolls back, held-back events included.
     pub(crate) async fn rollback(self) -> Result<(), Error> {
-        self.inner.rollback().await?;
+        if let Conn::Tx(tx) = self.inner {
+            tx.rollback().await?;
+        }
         Ok(())
     }
 
@@ -483,22 +519,43 @@ impl Store {
             Dialect::Postgres => self.writer.begin().await?,
         };
         Ok(Tx {
-            inner,
+            inner: Conn::Tx(inner),
             events: Vec::new(),
             sequences: HashMap::new(),
             dialect: self.dialect,
             writes: true,
+            wrote: false,
+        })
+    }
+
+    /// An optimistic write on PostgreSQL, without a transaction or lock: for a group of one
+    /// session whose `last_seq` the caller knows (`session`). Reads see the latest commits;
+    /// the one write (tasks, events and the sequence, in one statement: see `write_events`)
+    /// applies only if the session's `last_seq` is still `last_seq`, and fails with
+    /// [`Error::Contended`] otherwise. Every change to a session moves its sequence, so
+    /// nothing can have changed what the reads saw. That saves `BEGIN`, the lock and `COMMIT`:
+    /// three of a group's five round trips. Anything that needs more than the one statement
+    /// fails with [`Error::Contended`] before writing, for the caller to run under the lock.
+    pub(crate) async fn optimistic(&self, session_id: &str, last_seq: u64) -> Result<Tx, Error> {
+        Ok(Tx {
+            inner: Conn::Auto(self.writer.acquire().await?),
+            events: Vec::new(),
+            sequences: HashMap::from([(session_id.to_owned(), last_seq)]),
+            dialect: self.dialect,
+            writes: true,
+            wrote: false,
         })
     }
 
     /// A read-only transaction on the reader pool: one consistent snapshot for several reads.
     async fn begin_read(&self) -> Result<Tx, Error> {
         Ok(Tx {
-            inner: self.reader.begin().await?,
+            inner: Conn::Tx(self.reader.begin().await?),
             events: Vec::new(),
             sequences: HashMap::new(),
             dialect: self.dialect,
             writes: false,
+            wrote: false,
         })
     }
 
@@ -573,6 +630,18 @@ impl Store {
     }
 
     /// Returns a session with its repos and tasks.
+    /// A session's row as last committed, without a lock.
+    pub(crate) async fn load_session(&self, session_id: &str) -> Result<SessionRow, Error> {
+        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1"
+        )))
+        .bind(session_id)
+        .fetch_optional(&self.reader)
+        .await?
+        .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+        session_from_row(&row)
+    }
+
     pub(crate) async fn get_session(&self, session_id: &str) -> Result<SessionView, Error> {
         let mut tx = self.begin_read().await?;
         let session = load_session(&mut tx, session_id).await?;
@@ -1391,6 +1460,9 @@ impl Store {
         if chunks.is_empty() {
             chunks.push(&[]);
         }
+        let single = chunks.len() == 1;
+        // Some task outside the batch is ready or running (known with one chunk of ids).
+        let mut busy = false;
         for (n, chunk) in chunks.into_iter().enumerate() {
             let read_ready = n == 0 && wanted > 0;
             if chunk.is_empty() && !read_ready {
@@ -1406,8 +1478,12 @@ impl Store {
             // Padded (see `padded`): the last id repeats.
             let width = padded(chunk.len());
             let repeat = |i: usize| &chunk[i.min(chunk.len().saturating_sub(1))];
+            let these: Vec<String> = if chunk.is_empty() {
+                Vec::new()
+            } else {
+                (0..width).map(|_| param()).collect()
+            };
             if !chunk.is_empty() {
-                let these: Vec<String> = (0..width).map(|_| param()).collect();
                 let likes: Vec<String> = (0..width)
                     .map(|_| format!("depends_on LIKE {}", param()))
                     .collect();
@@ -1420,6 +1496,17 @@ impl Store {
                     "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {} AND ({})",
                     TaskState::Pending as i32,
                     likes.join(" OR ")
+                ));
+            }
+            if single && !chunk.is_empty() {
+                // Whether any other task is ready or running: then the session goes on
+                // whatever this batch does, and needs no end check.
+                parts.push(format!(
+                    "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 \
+                     AND state IN ({}, {}) AND id NOT IN ({}) LIMIT 1) o",
+                    TaskState::Ready as i32,
+                    TaskState::Running as i32,
+                    these.join(", ")
                 ));
             }
             if read_ready {
@@ -1450,6 +1537,8 @@ impl Store {
             }
             for row in query.fetch_all(&mut **tx).await? {
                 let task = task_from_row(&row)?;
+                busy |= !ids.contains(&task.id)
+                    && matches!(task.state, TaskState::Ready | TaskState::Running);
                 if ids.contains(&task.id) {
                     originals.insert(task.id.clone(), task);
                 } else if task.state == TaskState::Ready {
@@ -1556,9 +1645,9 @@ impl Store {
             .map(|(c, i)| (c, work[i].clone()))
             .collect();
         let claimed = self.hand_out(tx, session, claims.len(), taken).await?;
-        // Only a completion can end the session; a task it leaves ready or running keeps it
-        // going.
+        // Only a completion can end the session; a task ready or running keeps it going.
         let open = completed == 0
+            || busy
             || work
                 .iter()
                 .any(|task| matches!(task.state, TaskState::Ready | TaskState::Running));
@@ -1793,6 +1882,7 @@ async fn write_back_convergence(
         return Ok(());
     };
     for entry in &report.upstream_convergence {
+        tx.needs_lock("writing back convergence")?;
         let convergence = pb::TaskConvergence {
             verified: entry.convergence_verified.clone(),
             met: entry.convergence_met.clone(),
@@ -2032,13 +2122,21 @@ async fn write_events(
     let Some(last_ts) = events.iter().map(|(ts, _)| *ts).max() else {
         return update_tasks(tx, tasks).await;
     };
+    if tx.wrote {
+        tx.needs_lock("a second write")?;
+    }
     let count = events.len();
-    // With the session's row held, its counter is known: number the events here and move
-    // the counter with the first insert, together with the tasks' update (PostgreSQL), or
-    // in statements of their own (SQLite, which has no writing CTEs). Else take the numbers
-    // from the database first.
+    // Rows per INSERT, well below the databases' limits on bound parameters.
+    const CHUNK: usize = 256;
+    // With the session's row held (or an optimistic write's counter known), its counter is
+    // known: number the events here and move the counter with the first insert, together
+    // with the tasks' update (PostgreSQL), or in statements of their own (SQLite, which has
+    // no writing CTEs). Else take the numbers from the database first.
     let known = tx.sequences.get(session_id).copied();
     let together = known.is_some() && tx.dialect == Dialect::Postgres;
+    if !together || count > CHUNK || tasks.len() > TASK_ROWS {
+        tx.needs_lock("a write of more than one statement")?;
+    }
     // The tasks that go out with the first insert; the others (all, unless together and
     // within one statement's rows) are updated first, on their own.
     let mut tasks = if together && tasks.len() <= TASK_ROWS {
@@ -2052,47 +2150,62 @@ async fn write_events(
         None => reserve_seq(tx, session_id, last_ts, count).await?,
     };
     let last = first + count as u64 - 1;
-    // Rows per INSERT, well below the databases' limits on bound parameters.
-    const CHUNK: usize = 256;
     let mut events = events.into_iter().enumerate().peekable();
     let mut bump = together;
     while events.peek().is_some() {
         let chunk: Vec<(usize, (i64, Kind))> = events.by_ref().take(CHUNK).collect();
-        // After `$1` (and `$2`, `$3` for the bump), three parameters per event, then the tasks.
-        let base = if bump { 4 } else { 2 };
-        let values: Vec<String> = (0..chunk.len())
+        let rows = chunk.len();
+        // After `$1` (and `$2` to `$4` for the bump), three parameters per event, then the
+        // tasks.
+        let base = if bump { 5 } else { 2 };
+        let values: Vec<String> = (0..rows)
             .map(|i| {
                 let at = base + 3 * i;
                 format!("($1, ${at}, ${}, ${})", at + 1, at + 2)
             })
             .collect();
         let mut ctes = Vec::new();
-        if !tasks.is_empty() {
-            ctes.push(format!(
-                "v (session_id, id, {}) AS (VALUES {})",
-                MUTABLE_COLUMNS.join(", "),
-                task_values(base + 3 * chunk.len(), tasks.len())
-            ));
-            ctes.push(format!("upd AS ({})", *UPDATE_FROM_V));
-        }
-        if bump {
+        let insert = if bump {
+            // The counter moves only from the value the events were numbered from, and the
+            // tasks and events go in only if it moved: under the lock that always holds; an
+            // optimistic write learns from the row count that someone else wrote first.
             ctes.push(
-                "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 WHERE id = $1)"
+                "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 \
+                 WHERE id = $1 AND last_seq = $4 RETURNING id)"
                     .to_owned(),
             );
-        }
+            if !tasks.is_empty() {
+                ctes.push(format!(
+                    "v (session_id, id, {}) AS (VALUES {})",
+                    MUTABLE_COLUMNS.join(", "),
+                    task_values(base + 3 * rows, tasks.len())
+                ));
+                ctes.push(format!("upd AS ({})", update_from_v(", bump")));
+            }
+            format!(
+                "INSERT INTO events (session_id, seq, ts, payload) \
+                 SELECT e.* FROM (VALUES {}) e (session_id, seq, ts, payload), bump",
+                values.join(", ")
+            )
+        } else {
+            format!(
+                "INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
+                values.join(", ")
+            )
+        };
         let with = if ctes.is_empty() {
             String::new()
         } else {
             format!("WITH {} ", ctes.join(", "))
         };
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "{with}INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
-            values.join(", ")
-        )))
-        .bind(session_id);
+        let mut query =
+            sqlx::query(sqlx::AssertSqlSafe(format!("{with}{insert}"))).bind(session_id);
+        let bumped = bump;
         if bump {
-            query = query.bind(to_i64(last)).bind(last_ts);
+            query = query
+                .bind(to_i64(last))
+                .bind(last_ts)
+                .bind(to_i64(first - 1));
         }
         bump = false;
         for (i, (ts, kind)) in chunk {
@@ -2105,7 +2218,14 @@ async fn write_events(
         for task in std::mem::take(&mut tasks) {
             query = bind_task(query, task)?;
         }
-        query.execute(&mut **tx).await?;
+        let written = query.execute(&mut **tx).await?.rows_affected();
+        if bumped && written != rows as u64 {
+            return Err(Error::Contended(format!(
+                "session {session_id} moved past sequence {}",
+                first - 1
+            )));
+        }
+        tx.wrote = true;
     }
     if known.is_some() {
         if !together {
@@ -2550,11 +2670,12 @@ const MUTABLE_COLUMNS: [&str; 16] = [
 /// round trip, not one per task.
 async fn update_tasks(tx: &mut Tx, tasks: &[&TaskRow]) -> Result<(), Error> {
     for chunk in tasks.chunks(TASK_ROWS) {
+        tx.needs_lock("a task update without events")?;
         let sql = format!(
             "WITH v (session_id, id, {}) AS (VALUES {}) {}",
             MUTABLE_COLUMNS.join(", "),
             task_values(1, chunk.len()),
-            *UPDATE_FROM_V
+            update_from_v("")
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for task in chunk {
@@ -2570,17 +2691,18 @@ const TASK_ROWS: usize = 200;
 
 type AnyQuery<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>;
 
-/// `UPDATE tasks ... FROM v`, for a `v` of the session id, the id and [`MUTABLE_COLUMNS`].
-static UPDATE_FROM_V: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+/// `UPDATE tasks ... FROM v{also}`, for a `v` of the session id, the id and
+/// [`MUTABLE_COLUMNS`] (and `also`, more from-items, which can veto every row).
+fn update_from_v(also: &str) -> String {
     format!(
-        "UPDATE tasks SET {} FROM v WHERE tasks.session_id = v.session_id AND tasks.id = v.id",
+        "UPDATE tasks SET {} FROM v{also} WHERE tasks.session_id = v.session_id AND tasks.id = v.id",
         MUTABLE_COLUMNS
             .iter()
             .map(|column| format!("{column} = v.{column}"))
             .collect::<Vec<_>>()
             .join(", ")
     )
-});
+}
 
 /// The `VALUES` rows of `rows` tasks for [`bind_task`], numbering parameters from `$first`.
 fn task_values(first: usize, rows: usize) -> String {

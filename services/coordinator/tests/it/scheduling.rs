@@ -698,6 +698,119 @@ async fn completing_a_task_can_claim_the_next_in_the_same_transaction(db: Db) {
     harness.stop().await;
 }
 
+/// Writes outside the group commit (messages here) move the session's sequence between and
+/// during the workers' batches: on PostgreSQL that makes optimistic batches lose their race
+/// and run again under the lock. Nothing is lost, applied twice or numbered twice.
+async fn messages_interleaved_with_workers_lose_and_repeat_nothing(db: Db) {
+    let harness = Harness::start(db).await;
+    let mut tasks: Vec<_> = (1..=24).map(|i| t(&format!("IMPL-{i}"), &[])).collect();
+    for i in 1..=6 {
+        let deps = [format!("IMPL-{}", 2 * i - 1), format!("IMPL-{}", 2 * i)];
+        let deps: Vec<&str> = deps.iter().map(String::as_str).collect();
+        tasks.push(t(&format!("EXEC-{i}"), &deps));
+    }
+    let session = session_id(
+        &harness
+            .create(json!({"name": "interleaved", "tasks": tasks}))
+            .await,
+    );
+    let worker = |n: usize| {
+        let harness = &harness;
+        let session = session.clone();
+        async move {
+            let mut done = 0;
+            let mut next = harness
+                .claim_with(
+                    &[Role::Executor],
+                    1,
+                    Duration::from_millis(300),
+                    Duration::from_secs(30),
+                )
+                .await;
+            while let Some(claimed) = next.pop() {
+                let response = harness
+                    .client()
+                    .complete_task(pb::CompleteTaskRequest {
+                        session_id: session.clone(),
+                        task_id: id_of(&claimed).to_owned(),
+                        fencing_token: token(&claimed),
+                        result: Some(pb::TaskResult {
+                            summary: format!("{} by worker {n}", id_of(&claimed)),
+                            ..Default::default()
+                        }),
+                        claim_next: Some(pb::ClaimTasksRequest {
+                            worker_id: format!("worker-{n}"),
+                            roles: vec![Role::Executor as i32],
+                            max_tasks: 1,
+                            ..Default::default()
+                        }),
+                    })
+                    .await
+                    .expect("complete")
+                    .into_inner();
+                done += 1;
+                next = response.next;
+                if next.is_empty() {
+                    next = harness
+                        .claim_with(
+                            &[Role::Executor],
+                            1,
+                            Duration::from_millis(300),
+                            Duration::from_secs(30),
+                        )
+                        .await;
+                }
+            }
+            done
+        }
+    };
+    let messages = async {
+        for n in 0..40 {
+            harness
+                .client()
+                .log_message(pb::LogMessageRequest {
+                    session_id: session.clone(),
+                    from: "coordinator".into(),
+                    r#type: "progress".into(),
+                    summary: format!("note {n}"),
+                    ..Default::default()
+                })
+                .await
+                .expect("log");
+            tokio::task::yield_now().await;
+        }
+    };
+    let (done, ()) = tokio::join!(futures::future::join_all((0..4).map(worker)), messages);
+    assert_eq!(
+        done.iter().sum::<usize>(),
+        30,
+        "each task completed once: {done:?}"
+    );
+
+    let view = harness.session(&session).await;
+    let summary = view.session.expect("session");
+    assert_eq!(summary.state(), SessionState::Completed);
+    let events = harness.events(&session).await;
+    let sequences: Vec<u64> = events.iter().map(|event| event.sequence).collect();
+    let expected: Vec<u64> = (1..=summary.last_sequence).collect();
+    assert_eq!(sequences, expected, "gap-free event sequence");
+    let mut completed = std::collections::HashMap::new();
+    let mut logged = 0;
+    for event in &events {
+        match &event.kind {
+            Some(pb::session_event::Kind::Task(moved)) if moved.to() == TaskState::Completed => {
+                *completed.entry(moved.task_id.clone()).or_insert(0) += 1;
+            }
+            Some(pb::session_event::Kind::Message(_)) => logged += 1,
+            _ => {}
+        }
+    }
+    assert_eq!(completed.len(), 30);
+    assert!(completed.values().all(|&n| n == 1), "{completed:?}");
+    assert_eq!(logged, 40);
+    harness.stop().await;
+}
+
 db_tests!(
     claims_follow_roles_dependencies_and_priority,
     completing_tasks_advances_the_dag_until_the_session_completes,
@@ -713,4 +826,5 @@ db_tests!(
     long_poll_claim_wakes_when_work_appears,
     concurrent_worker_calls_commit_together_and_stale_ones_fail_alone,
     completing_a_task_can_claim_the_next_in_the_same_transaction,
+    messages_interleaved_with_workers_lose_and_repeat_nothing,
 );
