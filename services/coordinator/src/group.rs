@@ -17,6 +17,14 @@
 //! without locks, which session holds the best ready task for its roles, and queues there;
 //! when others emptied that session first it picks again.
 //!
+//! On PostgreSQL a group of completions and claims of an active eager session first runs
+//! optimistically (see `run_optimistic`): no transaction and no lock, its tasks from the
+//! lane's in-memory copy of the session ([`TaskCache`]), and one statement that writes only
+//! if the session's sequence is still where the copy left it. So such a group costs one round
+//! trip. When the write loses (another coordinator, or a write outside the group commit such
+//! as a message, moved the sequence), nothing was written: the copy is dropped and the group
+//! runs under the lock as above.
+//!
 //! A caller that finds its lane idle runs its operation at once, alone (no added latency
 //! when there is no contention); what queued meanwhile is then run by a spawned task.
 //! When an operation of a group fails (a stale fencing token, say), the whole group is
@@ -31,7 +39,9 @@ use troupe_proto::v1 as pb;
 
 use crate::Error;
 use crate::sched::TaskRow;
-use crate::store::{self, ClaimRequest, Claimed, Completion, Dialect, SessionRow, Store};
+use crate::store::{
+    self, ClaimRequest, Claimed, Completion, Dialect, SessionRow, Store, TaskCache,
+};
 
 /// One queued write and where its answer goes.
 #[derive(Debug)]
@@ -111,7 +121,14 @@ pub(crate) struct GroupCommit {
     lanes: Arc<Mutex<HashMap<String, Vec<Op>>>>,
     /// PostgreSQL: sessions as their last optimistic group left them (see `run_optimistic`).
     /// Only a session's own lane uses its entry, one group at a time.
-    sessions: Arc<Mutex<HashMap<String, SessionRow>>>,
+    sessions: Arc<Mutex<HashMap<String, Cached>>>,
+}
+
+/// A session (and its tasks, when small enough) as its last optimistic group left them.
+#[derive(Debug)]
+struct Cached {
+    session: SessionRow,
+    tasks: Option<TaskCache>,
 }
 
 /// Sessions kept in [`GroupCommit::sessions`]; beyond that it starts over (a stale or missing
@@ -150,7 +167,7 @@ impl GroupCommit {
         self.lanes.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn sessions(&self) -> MutexGuard<'_, HashMap<String, SessionRow>> {
+    fn sessions(&self) -> MutexGuard<'_, HashMap<String, Cached>> {
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -336,14 +353,21 @@ impl GroupCommit {
         {
             return Err(GroupError::Contended);
         }
-        let cached = self.sessions().get(session_id).cloned();
-        let mut session = match cached {
-            Some(session) => session,
-            None => self
-                .store
-                .load_session(session_id)
-                .await
-                .map_err(|_| GroupError::Contended)?,
+        // Taken out for the group: a group that fails leaves none behind.
+        let cached = self.sessions().remove(session_id);
+        let Cached {
+            mut session,
+            mut tasks,
+        } = match cached {
+            Some(cached) => cached,
+            None => {
+                let (session, tasks) = self
+                    .store
+                    .load_cached(session_id)
+                    .await
+                    .map_err(|_| GroupError::Contended)?;
+                Cached { session, tasks }
+            }
         };
         // Only `complete_eager` writes once (see `run_session`).
         if !one_batch(&session, ops.iter().filter_map(Op::claim_roles)) {
@@ -356,7 +380,7 @@ impl GroupCommit {
             .map_err(|_| GroupError::Contended)?;
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
         let end = match self
-            .run_session(&mut tx, &mut session, ops, &mut outcomes)
+            .run_session(&mut tx, &mut session, tasks.as_mut(), ops, &mut outcomes)
             .await
         {
             Ok(end) => end,
@@ -367,12 +391,17 @@ impl GroupCommit {
         if let Some(last) = tx.last_seq(session_id) {
             session.last_seq = last;
         }
+        if !tx.wrote {
+            // Nothing checked the cache against the session's sequence: it may be stale (a
+            // fruitless claim, say, of a task readied elsewhere). The next group reads afresh.
+            return finish(outcomes);
+        }
         {
             let mut sessions = self.sessions();
             if sessions.len() >= CACHED_SESSIONS {
                 sessions.clear();
             }
-            sessions.insert(session_id.to_owned(), session);
+            sessions.insert(session_id.to_owned(), Cached { session, tasks });
         }
         if let Some((count, now)) = end {
             // Rare (the session may have ended or stalled): decided under the lock, after the
@@ -382,11 +411,7 @@ impl GroupCommit {
                 .await
                 .map_err(GroupError::Commit)?;
         }
-        outcomes
-            .into_iter()
-            .map(|outcome| outcome.ok_or_else(mismatch))
-            .collect::<Result<_, _>>()
-            .map_err(GroupError::Commit)
+        finish(outcomes)
     }
 
     async fn check_end(&self, session_id: &str, count: usize, now: i64) -> Result<(), Error> {
@@ -434,7 +459,7 @@ impl GroupCommit {
             let mut session =
                 store::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
             if let Some((count, now)) = self
-                .run_session(tx, &mut session, ops, &mut outcomes)
+                .run_session(tx, &mut session, None, ops, &mut outcomes)
                 .await?
             {
                 store::check_end(tx, &mut session, count, now).await?;
@@ -454,6 +479,7 @@ impl GroupCommit {
         &self,
         tx: &mut store::Tx,
         session: &mut SessionRow,
+        tasks: Option<&mut TaskCache>,
         ops: &[Op],
         outcomes: &mut [Option<Outcome>],
     ) -> Result<Option<(usize, i64)>, Error> {
@@ -518,7 +544,7 @@ impl GroupCommit {
                 .collect();
             let batch = self
                 .store
-                .complete_eager(tx, session, batch, &requests, now)
+                .complete_eager(tx, session, batch, &requests, now, tasks)
                 .await?;
             (batch.tasks, batch.claimed, batch.check_end)
         } else {
@@ -548,6 +574,15 @@ impl GroupCommit {
         }
         Ok(check_end.map(|count| (count, now)))
     }
+}
+
+/// Every operation's outcome, in order.
+fn finish(outcomes: Vec<Option<Outcome>>) -> Result<Vec<Outcome>, GroupError> {
+    outcomes
+        .into_iter()
+        .map(|outcome| outcome.ok_or_else(mismatch))
+        .collect::<Result<_, _>>()
+        .map_err(GroupError::Commit)
 }
 
 /// Whether a session's completions and claims (asking for `roles`) run as one batch

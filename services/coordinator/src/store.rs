@@ -28,7 +28,10 @@ use crate::convert::{json_to_struct, rfc3339, timestamp};
 use crate::rounds;
 use crate::sched::{self, TaskRow};
 
+mod cache;
 mod lifecycle;
+
+pub(crate) use cache::TaskCache;
 
 /// Schema migrations, applied in order and recorded in `schema_migrations`.
 const MIGRATIONS: &[(i64, &str, &str)] = &[
@@ -1445,114 +1448,21 @@ impl Store {
         completions: Vec<Completion>,
         claims: &[ClaimRequest],
         now: i64,
+        cache: Option<&mut TaskCache>,
     ) -> Result<EagerBatch, Error> {
         let session_id = session.id.as_str();
         let roles: &[pb::Role] = claims.first().map_or(&[], |claim| claim.roles.as_slice());
         let wanted: usize = claims.iter().map(|claim| claim.max as usize).sum();
         let ids: Vec<String> = completions.iter().map(|c| c.task_id.clone()).collect();
-        let mut originals: HashMap<String, TaskRow> = HashMap::with_capacity(ids.len());
-        let mut dependents: Vec<TaskRow> = Vec::new();
-        let mut ready: Vec<TaskRow> = Vec::new();
-        // Per chunk of ids (the first also reads the ready tasks; with no ids, only that): the
-        // tasks, the pending tasks naming one of them among their dependencies (the LIKE is a
-        // coarse filter on the JSON text; the parsed list decides), the best ready tasks.
-        let mut chunks: Vec<&[String]> = ids.chunks(128).collect();
-        if chunks.is_empty() {
-            chunks.push(&[]);
-        }
-        let single = chunks.len() == 1;
-        // Some task outside the batch is ready or running (known with one chunk of ids).
-        let mut busy = false;
-        for (n, chunk) in chunks.into_iter().enumerate() {
-            let read_ready = n == 0 && wanted > 0;
-            if chunk.is_empty() && !read_ready {
-                continue;
-            }
-            let mut parts = Vec::new();
-            let mut next = 2;
-            let mut param = || {
-                let name = format!("${next}");
-                next += 1;
-                name
-            };
-            // Padded (see `padded`): the last id repeats.
-            let width = padded(chunk.len());
-            let repeat = |i: usize| &chunk[i.min(chunk.len().saturating_sub(1))];
-            let these: Vec<String> = if chunk.is_empty() {
-                Vec::new()
-            } else {
-                (0..width).map(|_| param()).collect()
-            };
-            if !chunk.is_empty() {
-                let likes: Vec<String> = (0..width)
-                    .map(|_| format!("depends_on LIKE {}", param()))
-                    .collect();
-                parts.push(format!(
-                    "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id IN ({})",
-                    these.join(", ")
-                ));
-                // States are constants in the statement (see `pick_session`).
-                parts.push(format!(
-                    "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {} AND ({})",
-                    TaskState::Pending as i32,
-                    likes.join(" OR ")
-                ));
-            }
-            if single && !chunk.is_empty() {
-                // Whether any other task is ready or running: then the session goes on
-                // whatever this batch does, and needs no end check.
-                parts.push(format!(
-                    "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 \
-                     AND state IN ({}, {}) AND id NOT IN ({}) LIMIT 1) o",
-                    TaskState::Ready as i32,
-                    TaskState::Running as i32,
-                    these.join(", ")
-                ));
-            }
-            if read_ready {
-                let state = TaskState::Ready as i32;
-                let limit = param();
-                let first_role: usize = next;
-                parts.push(format!(
-                    "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {state}{} \
-                     ORDER BY priority, critical_path DESC, created_at, position LIMIT {limit}) r",
-                    role_filter("role", roles, first_role)
-                ));
-            }
-            let mut query =
-                sqlx::query(sqlx::AssertSqlSafe(parts.join(" UNION ALL "))).bind(session_id);
-            if !chunk.is_empty() {
-                for i in 0..width {
-                    query = query.bind(repeat(i));
-                }
-                for i in 0..width {
-                    query = query.bind(format!("%{}%", Value::String(repeat(i).clone())));
-                }
-            }
-            if read_ready {
-                query = query.bind(i64::try_from(wanted).unwrap_or(i64::MAX));
-                for role in roles {
-                    query = query.bind(*role as i32);
-                }
-            }
-            for row in query.fetch_all(&mut **tx).await? {
-                let task = task_from_row(&row)?;
-                busy |= !ids.contains(&task.id)
-                    && matches!(task.state, TaskState::Ready | TaskState::Running);
-                if ids.contains(&task.id) {
-                    originals.insert(task.id.clone(), task);
-                } else if task.state == TaskState::Ready {
-                    if !ready.iter().any(|known| known.id == task.id) {
-                        ready.push(task);
-                    }
-                } else if task.depends_on.iter().any(|dep| ids.contains(dep))
-                    && !dependents.iter().any(|known| known.id == task.id)
-                {
-                    dependents.push(task);
-                }
-            }
-        }
-        dependents.sort_by_key(|task| task.position);
+        let Gathered {
+            mut originals,
+            dependents,
+            ready,
+            busy,
+        } = match cache.as_deref() {
+            Some(cache) => cache.gather(&ids, roles, wanted),
+            None => read_batch(tx, session_id, &ids, roles, wanted).await?,
+        };
 
         // The working set, each task once, with its stored form alongside.
         let mut before: Vec<TaskRow> = Vec::new();
@@ -1601,7 +1511,10 @@ impl Store {
                 }
             }
         }
-        let mut loaded = load_tasks_by_id(tx, session_id, &others, &lite_columns()).await?;
+        let mut loaded = match cache.as_deref() {
+            Some(cache) => cache.get_all(&others),
+            None => load_tasks_by_id(tx, session_id, &others, &lite_columns()).await?,
+        };
         for id in &others {
             if let Some(task) = loaded.remove(id) {
                 before.push(task.clone());
@@ -1640,6 +1553,12 @@ impl Store {
             }
         }
         let count = write_changes(tx, session_id, &before, &work, transitions, now).await?;
+        if let Some(cache) = cache {
+            // Written (an optimistic write commits on its own): the cache follows.
+            for task in &work {
+                cache.put(task.clone());
+            }
+        }
         let taken = taken
             .into_iter()
             .map(|(c, i)| (c, work[i].clone()))
@@ -1658,6 +1577,138 @@ impl Store {
             check_end: (!open).then_some(count),
         })
     }
+}
+
+/// What a batch works on: the tasks it completes, their pending dependents, the best ready
+/// tasks for its claims, and whether another task is ready or running.
+#[derive(Debug, Default)]
+pub(crate) struct Gathered {
+    pub(crate) originals: HashMap<String, TaskRow>,
+    /// In plan order.
+    pub(crate) dependents: Vec<TaskRow>,
+    /// In claim order.
+    pub(crate) ready: Vec<TaskRow>,
+    pub(crate) busy: bool,
+}
+
+/// Reads what a batch completing `ids` and claiming `wanted` tasks of `roles` works on, in
+/// one statement (per 128 ids).
+async fn read_batch(
+    tx: &mut Tx,
+    session_id: &str,
+    ids: &[String],
+    roles: &[pb::Role],
+    wanted: usize,
+) -> Result<Gathered, Error> {
+    let mut originals: HashMap<String, TaskRow> = HashMap::with_capacity(ids.len());
+    let mut dependents: Vec<TaskRow> = Vec::new();
+    let mut ready: Vec<TaskRow> = Vec::new();
+    // Per chunk of ids (the first also reads the ready tasks; with no ids, only that): the
+    // tasks, the pending tasks naming one of them among their dependencies (the LIKE is a
+    // coarse filter on the JSON text; the parsed list decides), the best ready tasks.
+    let mut chunks: Vec<&[String]> = ids.chunks(128).collect();
+    if chunks.is_empty() {
+        chunks.push(&[]);
+    }
+    let single = chunks.len() == 1;
+    // Some task outside the batch is ready or running (known with one chunk of ids).
+    let mut busy = false;
+    for (n, chunk) in chunks.into_iter().enumerate() {
+        let read_ready = n == 0 && wanted > 0;
+        if chunk.is_empty() && !read_ready {
+            continue;
+        }
+        let mut parts = Vec::new();
+        let mut next = 2;
+        let mut param = || {
+            let name = format!("${next}");
+            next += 1;
+            name
+        };
+        // Padded (see `padded`): the last id repeats.
+        let width = padded(chunk.len());
+        let repeat = |i: usize| &chunk[i.min(chunk.len().saturating_sub(1))];
+        let these: Vec<String> = if chunk.is_empty() {
+            Vec::new()
+        } else {
+            (0..width).map(|_| param()).collect()
+        };
+        if !chunk.is_empty() {
+            let likes: Vec<String> = (0..width)
+                .map(|_| format!("depends_on LIKE {}", param()))
+                .collect();
+            parts.push(format!(
+                "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id IN ({})",
+                these.join(", ")
+            ));
+            // States are constants in the statement (see `pick_session`).
+            parts.push(format!(
+                "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {} AND ({})",
+                TaskState::Pending as i32,
+                likes.join(" OR ")
+            ));
+        }
+        if single && !chunk.is_empty() {
+            // Whether any other task is ready or running: then the session goes on
+            // whatever this batch does, and needs no end check.
+            parts.push(format!(
+                "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 \
+                 AND state IN ({}, {}) AND id NOT IN ({}) LIMIT 1) o",
+                TaskState::Ready as i32,
+                TaskState::Running as i32,
+                these.join(", ")
+            ));
+        }
+        if read_ready {
+            let state = TaskState::Ready as i32;
+            let limit = param();
+            let first_role: usize = next;
+            parts.push(format!(
+                "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {state}{} \
+                 ORDER BY priority, critical_path DESC, created_at, position LIMIT {limit}) r",
+                role_filter("role", roles, first_role)
+            ));
+        }
+        let mut query =
+            sqlx::query(sqlx::AssertSqlSafe(parts.join(" UNION ALL "))).bind(session_id);
+        if !chunk.is_empty() {
+            for i in 0..width {
+                query = query.bind(repeat(i));
+            }
+            for i in 0..width {
+                query = query.bind(format!("%{}%", Value::String(repeat(i).clone())));
+            }
+        }
+        if read_ready {
+            query = query.bind(i64::try_from(wanted).unwrap_or(i64::MAX));
+            for role in roles {
+                query = query.bind(*role as i32);
+            }
+        }
+        for row in query.fetch_all(&mut **tx).await? {
+            let task = task_from_row(&row)?;
+            busy |= !ids.contains(&task.id)
+                && matches!(task.state, TaskState::Ready | TaskState::Running);
+            if ids.contains(&task.id) {
+                originals.insert(task.id.clone(), task);
+            } else if task.state == TaskState::Ready {
+                if !ready.iter().any(|known| known.id == task.id) {
+                    ready.push(task);
+                }
+            } else if task.depends_on.iter().any(|dep| ids.contains(dep))
+                && !dependents.iter().any(|known| known.id == task.id)
+            {
+                dependents.push(task);
+            }
+        }
+    }
+    dependents.sort_by_key(|task| task.position);
+    Ok(Gathered {
+        originals,
+        dependents,
+        ready,
+        busy,
+    })
 }
 
 /// Ends the session or reports its stall, after `count` transitions that readied nothing.

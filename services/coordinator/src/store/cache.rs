@@ -1,0 +1,153 @@
+//! A session's tasks in memory, for PostgreSQL's optimistic group commits.
+//!
+//! An optimistic batch (see [`Store::optimistic`]) commits only if the session's sequence is
+//! still where the batch found it, and every change to a session's tasks moves the sequence
+//! (a lease-only heartbeat aside, which no batch depends on). So the tasks as the previous
+//! batch of the session's lane left them are exactly what is stored as long as the next
+//! write succeeds: the batch can work on them instead of reading, and its one statement is
+//! its write. When the write loses, the group drops the cache and runs under the lock; the
+//! next batch loads it again.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use troupe_proto::v1::{self as pb, TaskState};
+
+use super::{Gathered, SessionRow, Store, Tx, load_tasks};
+use crate::Error;
+use crate::sched::TaskRow;
+
+/// Sessions with more tasks than this are not kept in memory; their batches read instead.
+const MAX_TASKS: i64 = 20_000;
+
+/// A ready task's place in claim order (as the claim index orders them).
+type ClaimKey = (i32, Reverse<u32>, i64, i64, String);
+
+fn claim_key(task: &TaskRow) -> ClaimKey {
+    (
+        task.priority as i32,
+        Reverse(task.critical_path),
+        task.created_at,
+        task.position,
+        task.id.clone(),
+    )
+}
+
+/// One session's tasks, with the indexes a batch needs.
+#[derive(Debug)]
+pub(crate) struct TaskCache {
+    tasks: HashMap<String, TaskRow>,
+    /// Who names each task among its dependencies (fixed: tasks added later, by fix rounds,
+    /// are written under the lock, which drops the cache).
+    dependents: HashMap<String, Vec<String>>,
+    ready: BTreeSet<ClaimKey>,
+    /// Ready or running.
+    live: HashSet<String>,
+}
+
+impl TaskCache {
+    fn new(rows: Vec<TaskRow>) -> Self {
+        let mut cache = Self {
+            tasks: HashMap::with_capacity(rows.len()),
+            dependents: HashMap::new(),
+            ready: BTreeSet::new(),
+            live: HashSet::new(),
+        };
+        for task in rows {
+            for dep in &task.depends_on {
+                cache
+                    .dependents
+                    .entry(dep.clone())
+                    .or_default()
+                    .push(task.id.clone());
+            }
+            cache.put(task);
+        }
+        cache
+    }
+
+    /// Stores `task` as written.
+    pub(crate) fn put(&mut self, task: TaskRow) {
+        if let Some(old) = self.tasks.get(&task.id)
+            && old.state == TaskState::Ready
+        {
+            self.ready.remove(&claim_key(old));
+        }
+        if task.state == TaskState::Ready {
+            self.ready.insert(claim_key(&task));
+        }
+        if matches!(task.state, TaskState::Ready | TaskState::Running) {
+            self.live.insert(task.id.clone());
+        } else {
+            self.live.remove(&task.id);
+        }
+        self.tasks.insert(task.id.clone(), task);
+    }
+
+    /// The tasks of `ids` that exist.
+    pub(crate) fn get_all(&self, ids: &[String]) -> HashMap<String, TaskRow> {
+        ids.iter()
+            .filter_map(|id| self.tasks.get(id).map(|task| (id.clone(), task.clone())))
+            .collect()
+    }
+
+    /// What the database read of a batch ([`super::read_batch`]) would return.
+    pub(crate) fn gather(&self, ids: &[String], roles: &[pb::Role], wanted: usize) -> Gathered {
+        let originals = self.get_all(ids);
+        let mut dependents: Vec<TaskRow> = Vec::new();
+        for id in ids {
+            for dependent in self.dependents.get(id).into_iter().flatten() {
+                if let Some(task) = self.tasks.get(dependent)
+                    && task.state == TaskState::Pending
+                    && !dependents.iter().any(|known| known.id == task.id)
+                {
+                    dependents.push(task.clone());
+                }
+            }
+        }
+        dependents.sort_by_key(|task| task.position);
+        let ready = self
+            .ready
+            .iter()
+            .filter_map(|key| self.tasks.get(&key.4))
+            .filter(|task| !ids.contains(&task.id))
+            .filter(|task| roles.is_empty() || roles.contains(&task.role))
+            .take(wanted)
+            .cloned()
+            .collect();
+        let batch_live = ids.iter().filter(|id| self.live.contains(*id)).count();
+        Gathered {
+            originals,
+            dependents,
+            ready,
+            busy: self.live.len() > batch_live,
+        }
+    }
+}
+
+impl Store {
+    /// A session's row and, when it is small enough to keep, its tasks: consistent with the
+    /// row's `last_seq` (read on both sides of the tasks; `None` when it moved meanwhile).
+    pub(crate) async fn load_cached(
+        &self,
+        session_id: &str,
+    ) -> Result<(SessionRow, Option<TaskCache>), Error> {
+        let session = self.load_session(session_id).await?;
+        if session.state != pb::SessionState::Active {
+            return Ok((session, None));
+        }
+        let mut tx: Tx = self.begin_read().await?;
+        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
+            .bind(session_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        if count > MAX_TASKS {
+            return Ok((session, None));
+        }
+        let rows = load_tasks(&mut tx, session_id).await?;
+        drop(tx);
+        let again = self.load_session(session_id).await?;
+        let cache = (again.last_seq == session.last_seq).then(|| TaskCache::new(rows));
+        Ok((session, cache))
+    }
+}
