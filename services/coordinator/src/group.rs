@@ -340,11 +340,12 @@ impl GroupCommit {
     }
 
     /// PostgreSQL's fast path for a group of completions and claims of one active eager
-    /// session (a lane's group always has one session): no transaction and no lock, one read
-    /// and one conditional write (see [`Store::optimistic`]), with the session's row from
-    /// the previous group. When the session turns out to have moved on (another coordinator,
-    /// or a write outside the group commit), nothing is written and the group runs under the
-    /// lock.
+    /// session (a lane's group always has one session): no transaction and no lock; the
+    /// session's row and tasks as the previous group left them (read once when there is no
+    /// copy; a session too large to copy reads its batch instead), and one conditional write
+    /// (see [`Store::optimistic`]). When the session turns out to have moved on (another
+    /// coordinator, or a write outside the group commit), nothing is written and the group
+    /// runs under the lock.
     async fn run_optimistic(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
         let session_id = ops[0].session_id();
         if ops

@@ -532,13 +532,14 @@ impl Store {
     }
 
     /// An optimistic write on PostgreSQL, without a transaction or lock: for a group of one
-    /// session whose `last_seq` the caller knows (`session`). Reads see the latest commits;
-    /// the one write (tasks, events and the sequence, in one statement: see `write_events`)
-    /// applies only if the session's `last_seq` is still `last_seq`, and fails with
-    /// [`Error::Contended`] otherwise. Every change to a session moves its sequence, so
-    /// nothing can have changed what the reads saw. That saves `BEGIN`, the lock and `COMMIT`:
-    /// three of a group's five round trips. Anything that needs more than the one statement
-    /// fails with [`Error::Contended`] before writing, for the caller to run under the lock.
+    /// session whose `last_seq` the caller knows (with what it read or holds in memory as of
+    /// that sequence; see [`TaskCache`]). Reads see the latest commits; the one write (tasks,
+    /// events and the sequence, in one statement: see `write_events`) applies only if the
+    /// session's `last_seq` is still `last_seq`, and fails with [`Error::Contended`]
+    /// otherwise. Every change to a session moves its sequence, so nothing can have changed
+    /// what the group worked on. That saves `BEGIN`, the lock and `COMMIT`. Anything that
+    /// needs more than the one statement fails with [`Error::Contended`] before writing, for
+    /// the caller to run under the lock.
     pub(crate) async fn optimistic(&self, session_id: &str, last_seq: u64) -> Result<Tx, Error> {
         Ok(Tx {
             inner: Conn::Auto(self.writer.acquire().await?),
@@ -1439,8 +1440,10 @@ impl Store {
     /// the session's best ready tasks; settling and the claims (which also see the tasks the
     /// completions just readied) happen in memory; one update writes every change. So the
     /// batch costs the same few statements however many operations it holds, and the graph is
-    /// never read whole (a completion can only make its own pending dependents ready). Any
-    /// stale token fails the whole batch (a group then runs each operation alone).
+    /// never read whole (a completion can only make its own pending dependents ready). With
+    /// `cache` (an optimistic group's copy of the session's tasks) there is no read, and the
+    /// copy follows the write. Any stale token fails the whole batch (a group then runs each
+    /// operation alone).
     pub(crate) async fn complete_eager(
         &self,
         tx: &mut Tx,
