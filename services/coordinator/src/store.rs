@@ -634,18 +634,6 @@ impl Store {
     }
 
     /// Returns a session with its repos and tasks.
-    /// A session's row as last committed, without a lock.
-    pub(crate) async fn load_session(&self, session_id: &str) -> Result<SessionRow, Error> {
-        let row = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1"
-        )))
-        .bind(session_id)
-        .fetch_optional(&self.reader)
-        .await?
-        .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
-        session_from_row(&row)
-    }
-
     pub(crate) async fn get_session(&self, session_id: &str) -> Result<SessionView, Error> {
         let mut tx = self.begin_read().await?;
         let session = load_session(&mut tx, session_id).await?;
@@ -1428,8 +1416,8 @@ pub(crate) struct EagerBatch {
     pub(crate) tasks: Vec<TaskRow>,
     /// Each claim's tasks, in the order given.
     pub(crate) claimed: Vec<Vec<Claimed>>,
-    /// `Some(transitions)` when nothing is left ready or running among the tasks it touched:
-    /// the session may have ended or stalled, which [`check_end`] decides.
+    /// `Some(transitions)` when it completed tasks and left no task of the session ready or
+    /// running: the session may have ended or stalled, which [`check_end`] decides.
     pub(crate) check_end: Option<usize>,
 }
 
@@ -1538,15 +1526,7 @@ impl Store {
                     && (roles.is_empty() || roles.contains(&work[i].role))
             })
             .collect();
-        candidates.sort_by_key(|&i| {
-            let task = &work[i];
-            (
-                task.priority as i32,
-                std::cmp::Reverse(task.critical_path),
-                task.created_at,
-                task.position,
-            )
-        });
+        candidates.sort_by_key(|&i| claim_order(&work[i]));
         let mut candidates = candidates.into_iter();
         let mut taken: Vec<(usize, usize)> = Vec::new();
         for (c, claim) in claims.iter().enumerate() {
@@ -1580,6 +1560,17 @@ impl Store {
             check_end: (!open).then_some(count),
         })
     }
+}
+
+/// A ready task's place in claim order: the order of the `tasks_claim` index (and of
+/// [`read_batch`]'s ready tasks) within a session.
+pub(crate) fn claim_order(task: &TaskRow) -> (i32, std::cmp::Reverse<u32>, i64, i64) {
+    (
+        task.priority as i32,
+        std::cmp::Reverse(task.critical_path),
+        task.created_at,
+        task.position,
+    )
 }
 
 /// What a batch works on: the tasks it completes, their pending dependents, the best ready
@@ -1631,12 +1622,8 @@ async fn read_batch(
         // Padded (see `padded`): the last id repeats.
         let width = padded(chunk.len());
         let repeat = |i: usize| &chunk[i.min(chunk.len().saturating_sub(1))];
-        let these: Vec<String> = if chunk.is_empty() {
-            Vec::new()
-        } else {
-            (0..width).map(|_| param()).collect()
-        };
         if !chunk.is_empty() {
+            let these: Vec<String> = (0..width).map(|_| param()).collect();
             let likes: Vec<String> = (0..width)
                 .map(|_| format!("depends_on LIKE {}", param()))
                 .collect();
@@ -1650,17 +1637,17 @@ async fn read_batch(
                 TaskState::Pending as i32,
                 likes.join(" OR ")
             ));
-        }
-        if single && !chunk.is_empty() {
-            // Whether any other task is ready or running: then the session goes on
-            // whatever this batch does, and needs no end check.
-            parts.push(format!(
-                "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 \
-                 AND state IN ({}, {}) AND id NOT IN ({}) LIMIT 1) o",
-                TaskState::Ready as i32,
-                TaskState::Running as i32,
-                these.join(", ")
-            ));
+            if single {
+                // Whether any other task is ready or running: then the session goes on
+                // whatever this batch does, and needs no end check.
+                parts.push(format!(
+                    "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 \
+                     AND state IN ({}, {}) AND id NOT IN ({}) LIMIT 1) o",
+                    TaskState::Ready as i32,
+                    TaskState::Running as i32,
+                    these.join(", ")
+                ));
+            }
         }
         if read_ready {
             let state = TaskState::Ready as i32;

@@ -13,24 +13,18 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use troupe_proto::v1::{self as pb, TaskState};
 
-use super::{Gathered, SessionRow, Store, Tx, load_tasks};
+use super::{Gathered, SessionRow, Store, Tx, claim_order, load_session, load_tasks};
 use crate::Error;
 use crate::sched::TaskRow;
 
 /// Sessions with more tasks than this are not kept in memory; their batches read instead.
 const MAX_TASKS: i64 = 20_000;
 
-/// A ready task's place in claim order (as the claim index orders them).
-type ClaimKey = (i32, Reverse<u32>, i64, i64, String);
+/// A ready task's place in claim order, with its id.
+type ClaimKey = ((i32, Reverse<u32>, i64, i64), String);
 
 fn claim_key(task: &TaskRow) -> ClaimKey {
-    (
-        task.priority as i32,
-        Reverse(task.critical_path),
-        task.created_at,
-        task.position,
-        task.id.clone(),
-    )
+    (claim_order(task), task.id.clone())
 }
 
 /// One session's tasks, with the indexes a batch needs.
@@ -109,7 +103,7 @@ impl TaskCache {
         let ready = self
             .ready
             .iter()
-            .filter_map(|key| self.tasks.get(&key.4))
+            .filter_map(|(_, id)| self.tasks.get(id))
             .filter(|task| !ids.contains(&task.id))
             .filter(|task| roles.is_empty() || roles.contains(&task.role))
             .take(wanted)
@@ -132,11 +126,13 @@ impl Store {
         &self,
         session_id: &str,
     ) -> Result<(SessionRow, Option<TaskCache>), Error> {
-        let session = self.load_session(session_id).await?;
+        // Each statement sees the latest commits (PostgreSQL's default isolation), so the two
+        // reads of the session bracket the tasks' (under one snapshot they agree anyway).
+        let mut tx: Tx = self.begin_read().await?;
+        let session = load_session(&mut tx, session_id).await?;
         if session.state != pb::SessionState::Active {
             return Ok((session, None));
         }
-        let mut tx: Tx = self.begin_read().await?;
         let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
             .bind(session_id)
             .fetch_one(&mut *tx)
@@ -145,8 +141,7 @@ impl Store {
             return Ok((session, None));
         }
         let rows = load_tasks(&mut tx, session_id).await?;
-        drop(tx);
-        let again = self.load_session(session_id).await?;
+        let again = load_session(&mut tx, session_id).await?;
         let cache = (again.last_seq == session.last_seq).then(|| TaskCache::new(rows));
         Ok((session, cache))
     }
