@@ -299,43 +299,35 @@ impl GroupCommit {
 
     /// Runs `ops` in one transaction and answers each; see the module comment for failures.
     async fn run(&self, ops: Vec<Op>) {
-        if self.store.dialect() == Dialect::Postgres {
-            match self.run_optimistic(&ops).await {
-                Ok(outcomes) => {
-                    for (op, outcome) in ops.into_iter().zip(outcomes) {
-                        answer(op, Ok(outcome));
-                    }
-                    return;
-                }
-                Err(GroupError::Commit(err)) => return fail_all(ops, &err),
-                Err(GroupError::Op) => {
-                    for op in ops {
-                        let outcome = self.run_alone(&op).await;
-                        answer(op, outcome);
-                    }
-                    return;
-                }
-                // Under the lock, which also moves the session past the cached entry.
-                Err(GroupError::Contended) => {
-                    self.sessions().remove(ops[0].session_id());
+        let mut result = match self.store.dialect() {
+            Dialect::Postgres => self.run_optimistic(&ops).await,
+            Dialect::Sqlite => Err(GroupError::Contended),
+        };
+        if matches!(result, Err(GroupError::Contended)) && ops.len() > 1 {
+            result = self.run_together(&ops).await;
+        }
+        match result {
+            Ok(outcomes) => {
+                for (op, outcome) in ops.into_iter().zip(outcomes) {
+                    answer(op, Ok(outcome));
                 }
             }
-        }
-        if ops.len() > 1 {
-            match self.run_together(&ops).await {
-                Ok(outcomes) => {
-                    for (op, outcome) in ops.into_iter().zip(outcomes) {
-                        answer(op, Ok(outcome));
-                    }
-                    return;
+            Err(GroupError::Commit(err)) => {
+                tracing::warn!(ops = ops.len(), error = %err, "group commit failed");
+                let message = err.to_string();
+                for op in ops {
+                    answer(
+                        op,
+                        Err(Error::Database(sqlx::Error::Protocol(message.clone()))),
+                    );
                 }
-                Err(GroupError::Commit(err)) => return fail_all(ops, &err),
-                Err(GroupError::Op | GroupError::Contended) => {}
             }
-        }
-        for op in ops {
-            let outcome = self.run_alone(&op).await;
-            answer(op, outcome);
+            Err(GroupError::Op | GroupError::Contended) => {
+                for op in ops {
+                    let outcome = self.run_alone(&op).await;
+                    answer(op, outcome);
+                }
+            }
         }
     }
 
@@ -348,14 +340,15 @@ impl GroupCommit {
     /// runs under the lock.
     async fn run_optimistic(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
         let session_id = ops[0].session_id();
+        // Taken out for the group: a group that fails, or runs under the lock (which moves
+        // the session past the copy), leaves none behind.
+        let cached = self.sessions().remove(session_id);
         if ops
             .iter()
             .any(|op| matches!(op, Op::Heartbeat { .. }) || op.session_id() != session_id)
         {
             return Err(GroupError::Contended);
         }
-        // Taken out for the group: a group that fails leaves none behind.
-        let cached = self.sessions().remove(session_id);
         let Cached {
             mut session,
             mut tasks,
@@ -389,30 +382,32 @@ impl GroupCommit {
             Err(Error::Contended(_)) => return Err(GroupError::Contended),
             Err(_) => return Err(GroupError::Op),
         };
-        if let Some(last) = tx.last_seq(session_id) {
-            session.last_seq = last;
-        }
-        if !tx.wrote {
-            // Nothing checked the cache against the session's sequence: it may be stale (a
+        match end {
+            // Nothing checked the copy against the session's sequence: it may be stale (a
             // fruitless claim, say, of a task readied elsewhere). The next group reads afresh.
-            return finish(outcomes);
-        }
-        {
-            let mut sessions = self.sessions();
-            if sessions.len() >= CACHED_SESSIONS {
-                sessions.clear();
+            _ if !tx.wrote => {}
+            None => {
+                if let Some(last) = tx.last_seq(session_id) {
+                    session.last_seq = last;
+                }
+                let mut sessions = self.sessions();
+                if sessions.len() >= CACHED_SESSIONS {
+                    sessions.clear();
+                }
+                sessions.insert(session_id.to_owned(), Cached { session, tasks });
             }
-            sessions.insert(session_id.to_owned(), Cached { session, tasks });
-        }
-        if let Some((count, now)) = end {
             // Rare (the session may have ended or stalled): decided under the lock, after the
-            // group's own write committed.
-            self.sessions().remove(session_id);
-            self.check_end(session_id, count, now)
+            // group's own write committed, which leaves the copy behind.
+            Some((count, now)) => self
+                .check_end(session_id, count, now)
                 .await
-                .map_err(GroupError::Commit)?;
+                .map_err(GroupError::Commit)?,
         }
-        finish(outcomes)
+        outcomes
+            .into_iter()
+            .map(|outcome| outcome.ok_or_else(mismatch))
+            .collect::<Result<_, _>>()
+            .map_err(GroupError::Commit)
     }
 
     async fn check_end(&self, session_id: &str, count: usize, now: i64) -> Result<(), Error> {
@@ -577,15 +572,6 @@ impl GroupCommit {
     }
 }
 
-/// Every operation's outcome, in order.
-fn finish(outcomes: Vec<Option<Outcome>>) -> Result<Vec<Outcome>, GroupError> {
-    outcomes
-        .into_iter()
-        .map(|outcome| outcome.ok_or_else(mismatch))
-        .collect::<Result<_, _>>()
-        .map_err(GroupError::Commit)
-}
-
 /// Whether a session's completions and claims (asking for `roles`) run as one batch
 /// ([`Store::complete_eager`]): in an active eager session, with every claim asking for the
 /// same roles.
@@ -594,18 +580,6 @@ fn one_batch<'a>(session: &SessionRow, mut roles: impl Iterator<Item = &'a [pb::
     session.mode == troupe_plan::Mode::Eager
         && session.state == pb::SessionState::Active
         && roles.all(|these| Some(these) == first)
-}
-
-/// Answers every operation with `err` (the commit's outcome is unknown).
-fn fail_all(ops: Vec<Op>, err: &Error) {
-    tracing::warn!(ops = ops.len(), error = %err, "group commit failed");
-    let message = err.to_string();
-    for op in ops {
-        answer(
-            op,
-            Err(Error::Database(sqlx::Error::Protocol(message.clone()))),
-        );
-    }
 }
 
 /// Sends an operation its answer (a caller that went away is not waiting for it).
