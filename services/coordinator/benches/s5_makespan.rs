@@ -13,7 +13,13 @@
 //! durations run once with `"mode": "eager"` and once with `"mode": "waves"`. The makespan runs
 //! from `CreateSession` to the last `CompleteTask`; the lower bound LB = max(CP, W/m) uses the
 //! durations the workers observed (claim returned → complete sent), so dispatch overhead
-//! shows up in makespan/LB.
+//! shows up in makespan/LB. `eager/ends` divides by a tighter bound that counts the plan and
+//! validate tasks whole (nothing runs beside them), which LB spreads over the m workers.
+//!
+//! `--estimates` says what the plan tells the scheduler about durations: `none` (it ranks ready
+//! tasks by the length of their chain in tasks), `exact` (each task's `estimate_seconds` is its
+//! real duration, a perfect planner) or `noisy` (the real duration times a lognormal(σ = 0.5)
+//! error with mean 1, drawn from its own seed so the durations stay the same).
 
 mod common;
 
@@ -41,6 +47,9 @@ struct Args {
     /// Seeds per shape (1, 2, ...).
     #[arg(long, default_value_t = 3)]
     seeds: u64,
+    /// `none`, `exact` or `noisy`: the plan's `estimate_seconds` (see the module docs).
+    #[arg(long, default_value = "none")]
+    estimates: String,
     /// Shapes as `NxD@M` (chains × depth @ workers), comma-separated.
     #[arg(long, default_value = "4x3@4,8x4@8,8x4@4,3x5@3")]
     shapes: String,
@@ -72,38 +81,48 @@ fn parse_shapes(text: &str) -> anyhow::Result<Vec<Shape>> {
         .collect()
 }
 
-/// One task of the DAG: id, dependencies, duration in ms.
+/// One task of the DAG: id, dependencies, duration in ms, and the plan's estimate of it.
 #[derive(Debug, Clone)]
 struct Node {
     id: String,
     deps: Vec<String>,
     ms: u64,
+    estimate_ms: Option<f64>,
+}
+
+/// A standard normal draw (Box-Muller).
+fn normal(rng: &mut rand::rngs::StdRng) -> f64 {
+    // 1 - u is in (0, 1]: ln never sees 0.
+    let u: f64 = 1.0 - rng.random::<f64>();
+    let v: f64 = rng.random::<f64>();
+    (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
 }
 
 fn draw(rng: &mut rand::rngs::StdRng, dist: &str, mean_ms: f64) -> anyhow::Result<u64> {
-    // 1 - u is in (0, 1]: ln never sees 0.
-    let u: f64 = 1.0 - rng.random::<f64>();
     let value = match dist {
-        "exponential" => -mean_ms * u.ln(),
-        "lognormal" => {
-            // Box-Muller; mean of lognormal(mu, 1) is exp(mu + 1/2).
-            let v: f64 = rng.random::<f64>();
-            let z = (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos();
-            let mu = mean_ms.ln() - 0.5;
-            (mu + z).exp()
-        }
+        // 1 - u is in (0, 1]: ln never sees 0.
+        "exponential" => -mean_ms * (1.0 - rng.random::<f64>()).ln(),
+        // The mean of lognormal(mu, 1) is exp(mu + 1/2).
+        "lognormal" => (mean_ms.ln() - 0.5 + normal(rng)).exp(),
         other => bail!("unknown --dist {other}"),
     };
     // At least 1 ms, so every task really sleeps.
     Ok(value.max(1.0).round() as u64)
 }
 
-fn dag(shape: Shape, seed: u64, dist: &str, mean_ms: f64) -> anyhow::Result<Vec<Node>> {
+fn dag(
+    shape: Shape,
+    seed: u64,
+    dist: &str,
+    mean_ms: f64,
+    estimates: &str,
+) -> anyhow::Result<Vec<Node>> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut nodes = vec![Node {
         id: "PLAN".to_owned(),
         deps: Vec::new(),
         ms: draw(&mut rng, dist, mean_ms)?,
+        estimate_ms: None,
     }];
     let mut ends = Vec::new();
     for chain in 1..=shape.chains {
@@ -114,6 +133,7 @@ fn dag(shape: Shape, seed: u64, dist: &str, mean_ms: f64) -> anyhow::Result<Vec<
                 id: id.clone(),
                 deps: vec![previous],
                 ms: draw(&mut rng, dist, mean_ms)?,
+                estimate_ms: None,
             });
             previous = id;
         }
@@ -123,27 +143,55 @@ fn dag(shape: Shape, seed: u64, dist: &str, mean_ms: f64) -> anyhow::Result<Vec<
         id: "VALIDATE".to_owned(),
         deps: ends,
         ms: draw(&mut rng, dist, mean_ms)?,
+        estimate_ms: None,
     });
+    let mut errors = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed_e57);
+    for node in &mut nodes {
+        node.estimate_ms = match estimates {
+            "none" => None,
+            "exact" => Some(node.ms as f64),
+            // lognormal(-σ²/2, σ = 0.5) has mean 1.
+            "noisy" => Some(node.ms as f64 * (0.5 * normal(&mut errors) - 0.125).exp()),
+            other => bail!("unknown --estimates {other} (none, exact or noisy)"),
+        };
+    }
     Ok(nodes)
 }
 
-/// LB = max(critical path, total work / m) over `observed` durations (seconds).
-fn lower_bound(nodes: &[Node], observed: &HashMap<String, f64>, workers: usize) -> f64 {
+/// The lower bounds of one run over `observed` durations (seconds).
+struct Bounds {
+    /// LB = max(critical path, total work / m), performance.md's bound.
+    lb: f64,
+    /// LB with the plan and validate tasks counted whole: every other task waits for the
+    /// first and the last waits for every other, so no schedule beats
+    /// first + (the rest of the work) / m + last.
+    ends: f64,
+}
+
+fn bounds(nodes: &[Node], observed: &HashMap<String, f64>, workers: usize) -> Bounds {
+    let took = |node: &Node| observed.get(&node.id).copied().unwrap_or(0.0);
     // Nodes are in topological order.
     let mut finish: HashMap<&str, f64> = HashMap::new();
     let mut total = 0.0;
     for node in nodes {
-        let took = observed.get(&node.id).copied().unwrap_or(0.0);
-        total += took;
+        total += took(node);
         let start = node
             .deps
             .iter()
             .map(|dep| finish.get(dep.as_str()).copied().unwrap_or(0.0))
             .fold(0.0, f64::max);
-        finish.insert(&node.id, start + took);
+        finish.insert(&node.id, start + took(node));
     }
     let critical = finish.values().copied().fold(0.0, f64::max);
-    critical.max(total / workers as f64)
+    let lb = critical.max(total / workers as f64);
+    let (first, last) = match (nodes.first(), nodes.last()) {
+        (Some(first), Some(last)) => (took(first), took(last)),
+        _ => (0.0, 0.0),
+    };
+    Bounds {
+        lb,
+        ends: lb.max(first + last + (total - first - last) / workers as f64),
+    }
 }
 
 #[tokio::main]
@@ -154,54 +202,69 @@ async fn main() -> anyhow::Result<()> {
     let (client, base_dir) = (bench.client.clone(), bench.base_dir.clone());
 
     println!(
-        "S5 db={} dist={} mean={}ms seeds={}",
-        args.db, args.dist, args.mean_ms, args.seeds
+        "S5 db={} dist={} mean={}ms seeds={} estimates={}",
+        args.db, args.dist, args.mean_ms, args.seeds, args.estimates
     );
     println!(
-        "{:<10} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11}",
-        "shape", "seed", "LB(s)", "eager(s)", "waves(s)", "eager/LB", "waves/LB", "waves/eager"
+        "{:<10} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11} {:>10}",
+        "shape",
+        "seed",
+        "LB(s)",
+        "eager(s)",
+        "waves(s)",
+        "eager/LB",
+        "waves/LB",
+        "waves/eager",
+        "eager/ends"
     );
     for shape in shapes {
-        let mut ratios = Vec::new();
+        let name = format!("{}x{}@{}", shape.chains, shape.depth, shape.workers);
+        // Per run: eager/LB, waves/LB, waves/eager, eager/(the bound with the ends whole).
+        let mut ratios: Vec<[f64; 4]> = Vec::new();
         for seed in 1..=args.seeds {
-            let nodes = dag(shape, seed, &args.dist, args.mean_ms as f64)?;
+            let nodes = dag(
+                shape,
+                seed,
+                &args.dist,
+                args.mean_ms as f64,
+                &args.estimates,
+            )?;
             let eager = run(&client, &base_dir, &nodes, shape.workers, "eager").await?;
             let waves = run(&client, &base_dir, &nodes, shape.workers, "waves").await?;
-            let eager_lb = lower_bound(&nodes, &eager.observed, shape.workers);
-            let waves_lb = lower_bound(&nodes, &waves.observed, shape.workers);
-            let row = (
-                eager.makespan / eager_lb,
-                waves.makespan / waves_lb,
+            let eager_lb = bounds(&nodes, &eager.observed, shape.workers);
+            let waves_lb = bounds(&nodes, &waves.observed, shape.workers);
+            let row = [
+                eager.makespan / eager_lb.lb,
+                waves.makespan / waves_lb.lb,
                 waves.makespan / eager.makespan,
-            );
+                eager.makespan / eager_lb.ends,
+            ];
             println!(
-                "{:<10} {:>4} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>11.3}",
-                format!("{}x{}@{}", shape.chains, shape.depth, shape.workers),
-                seed,
-                eager_lb,
-                eager.makespan,
-                waves.makespan,
-                row.0,
-                row.1,
-                row.2
+                "{name:<10} {seed:>4} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>9.3} {:>11.3} {:>10.3}",
+                eager_lb.lb, eager.makespan, waves.makespan, row[0], row[1], row[2], row[3]
             );
             ratios.push(row);
         }
-        let mean = |pick: fn(&(f64, f64, f64)) -> f64| {
-            ratios.iter().map(pick).sum::<f64>() / ratios.len() as f64
+        let mean = |at: usize| ratios.iter().map(|r| r[at]).sum::<f64>() / ratios.len() as f64;
+        // Nearest rank: the smallest ratio at or above 95 % of the runs.
+        let p95 = |at: usize| {
+            let mut column: Vec<f64> = ratios.iter().map(|r| r[at]).collect();
+            column.sort_by(f64::total_cmp);
+            column[(column.len() * 95).div_ceil(100).max(1) - 1]
         };
-        let max = |pick: fn(&(f64, f64, f64)) -> f64| ratios.iter().map(pick).fold(0.0, f64::max);
+        let max = ratios.iter().map(|r| r[0]).fold(0.0, f64::max);
         println!(
-            "{:<10} {:>4} {:>9} {:>9} {:>9} {:>9.3} {:>9.3} {:>11.3}   (max eager/LB {:.3})",
-            format!("{}x{}@{}", shape.chains, shape.depth, shape.workers),
+            "{name:<10} {:>4} {:>9} {:>9} {:>9} {:>9.3} {:>9.3} {:>11.3} {:>10.3}   (p95 eager/LB {:.3}, eager/ends {:.3}; max eager/LB {max:.3})",
             "mean",
             "",
             "",
             "",
-            mean(|r| r.0),
-            mean(|r| r.1),
-            mean(|r| r.2),
-            max(|r| r.0)
+            mean(0),
+            mean(1),
+            mean(2),
+            mean(3),
+            p95(0),
+            p95(3),
         );
     }
     bench.stop().await
@@ -224,8 +287,12 @@ async fn run(
     let tasks: Vec<Value> = nodes
         .iter()
         .map(|node| {
-            json!({"id": node.id, "title": node.id, "role": "executor",
-                   "depends_on": node.deps, "sleep_ms": node.ms})
+            let mut task = json!({"id": node.id, "title": node.id, "role": "executor",
+                   "depends_on": node.deps, "sleep_ms": node.ms});
+            if let Some(ms) = node.estimate_ms {
+                task["estimate_seconds"] = json!(ms / 1000.0);
+            }
+            task
         })
         .collect();
     let plan = json!({"name": format!("s5-{mode}"), "mode": mode,

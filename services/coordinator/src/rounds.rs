@@ -448,6 +448,7 @@ mod tests {
             repo: "app".into(),
             wave: 1,
             critical_path: 1,
+            path_ms: 60_000,
             depends_on: Vec::new(),
             files: Vec::new(),
             spec: spec.as_object().cloned().unwrap_or_default(),

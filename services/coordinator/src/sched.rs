@@ -25,6 +25,9 @@ pub(crate) struct TaskRow {
     pub(crate) repo: String,
     pub(crate) wave: u32,
     pub(crate) critical_path: u32,
+    /// Estimated milliseconds of the longest chain from this task to a sink (the plan's
+    /// `path_ms`): the claim order's rank after priority.
+    pub(crate) path_ms: u64,
     pub(crate) depends_on: Vec<String>,
     pub(crate) files: Vec<pb::FileChange>,
     pub(crate) spec: serde_json::Map<String, serde_json::Value>,
@@ -281,6 +284,7 @@ mod tests {
             repo: "app".into(),
             wave,
             critical_path: 1,
+            path_ms: 60_000,
             depends_on: deps.iter().map(|d| (*d).to_owned()).collect(),
             files: Vec::new(),
             spec: serde_json::Map::new(),

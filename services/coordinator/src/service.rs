@@ -1180,6 +1180,7 @@ fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
             repo: task.repo.clone(),
             wave: task.wave,
             critical_path: task.critical_path,
+            path_ms: task.path_ms,
             depends_on: task.depends_on.clone(),
             files: task
                 .files

@@ -52,10 +52,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "convergence",
         include_str!("migrations/0005_convergence.sql"),
     ),
+    (6, "path ms", include_str!("migrations/0006_path_ms.sql")),
 ];
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
-     wave, critical_path, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
+     wave, critical_path, path_ms, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
      worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
      progress, result, last_error, superseded_by, convergence";
 
@@ -743,7 +744,7 @@ impl Store {
         let sql = format!(
             "SELECT t.session_id FROM tasks t JOIN sessions s ON s.id = t.session_id \
              WHERE t.state = {} AND s.state = {}{role_filter} \
-             ORDER BY t.priority, t.critical_path DESC, t.created_at, t.session_id, t.position LIMIT 1",
+             ORDER BY t.priority, t.path_ms DESC, t.created_at, t.session_id, t.position LIMIT 1",
             TaskState::Ready as i32,
             SessionState::Active as i32
         );
@@ -1564,10 +1565,10 @@ impl Store {
 
 /// A ready task's place in claim order: the order of the `tasks_claim` index (and of
 /// [`read_batch`]'s ready tasks) within a session.
-pub(crate) fn claim_order(task: &TaskRow) -> (i32, std::cmp::Reverse<u32>, i64, i64) {
+pub(crate) fn claim_order(task: &TaskRow) -> (i32, std::cmp::Reverse<u64>, i64, i64) {
     (
         task.priority as i32,
-        std::cmp::Reverse(task.critical_path),
+        std::cmp::Reverse(task.path_ms),
         task.created_at,
         task.position,
     )
@@ -1655,7 +1656,7 @@ async fn read_batch(
             let first_role: usize = next;
             parts.push(format!(
                 "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {state}{} \
-                 ORDER BY priority, critical_path DESC, created_at, position LIMIT {limit}) r",
+                 ORDER BY priority, path_ms DESC, created_at, position LIMIT {limit}) r",
                 role_filter("role", roles, first_role)
             ));
         }
@@ -2550,7 +2551,7 @@ async fn load_claimable(
     // The state is a constant in the statement (see `Store::pick_session`).
     let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {}{role_filter} \
-         ORDER BY priority, critical_path DESC, created_at, position LIMIT $2",
+         ORDER BY priority, path_ms DESC, created_at, position LIMIT $2",
         TaskState::Ready as i32
     )))
     .bind(session_id)
@@ -2604,6 +2605,7 @@ fn task_from_row(row: &AnyRow) -> Result<TaskRow, Error> {
         repo: row.try_get("repo")?,
         wave: to_u32(row.try_get("wave")?),
         critical_path: to_u32(row.try_get("critical_path")?),
+        path_ms: u64::try_from(row.try_get::<i64, _>("path_ms")?).map_err(corrupt)?,
         depends_on: serde_json::from_str(&depends_on).map_err(corrupt)?,
         files: files
             .into_iter()
@@ -2654,9 +2656,9 @@ async fn insert_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
         .collect();
     sqlx::query(
         "INSERT INTO tasks (session_id, id, position, title, description, role, priority, repo, wave, critical_path, \
-         depends_on, files, spec, state, attempt, max_attempts, fencing_token, worker_id, lease_ms, created_at, progress, \
-         finished_at, result) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 0, $15, 0, '', 0, $16, '', $17, $18)",
+         path_ms, depends_on, files, spec, state, attempt, max_attempts, fencing_token, worker_id, lease_ms, created_at, \
+         progress, finished_at, result) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, 0, $16, 0, '', 0, $17, '', $18, $19)",
     )
     .bind(&task.session_id)
     .bind(&task.id)
@@ -2668,6 +2670,7 @@ async fn insert_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
     .bind(&task.repo)
     .bind(i64::from(task.wave))
     .bind(i64::from(task.critical_path))
+    .bind(i64::try_from(task.path_ms).unwrap_or(i64::MAX))
     .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
     .bind(serde_json::to_string(&files).map_err(corrupt)?)
     .bind(Value::Object(task.spec.clone()).to_string())

@@ -22,6 +22,13 @@ pub use validate::{Problem, ProblemKind};
 /// Default number of attempts per task when neither the plan nor the task sets one.
 pub const DEFAULT_MAX_ATTEMPTS: u32 = 2;
 
+/// What a task without `estimate_seconds` or `effort` is expected to take, in milliseconds,
+/// when no task of its plan gives an estimate (otherwise such a task weighs their mean).
+pub const DEFAULT_ESTIMATE_MS: u64 = 60_000;
+
+/// What CCW's `effort` levels are taken to mean, in seconds: small, medium, large.
+pub const EFFORT_SECONDS: [(&str, u64); 3] = [("small", 300), ("medium", 900), ("large", 1800)];
+
 /// Name of the implicit repository of a plan that declares no `repos`.
 pub const IMPLICIT_REPO: &str = "default";
 
@@ -330,11 +337,18 @@ pub struct PlanTask {
     pub max_attempts: u32,
     /// Wall-clock limit the plan sets for one attempt, if any.
     pub timeout_seconds: Option<u32>,
+    /// What the plan expects one attempt to take, in milliseconds (`estimate_seconds`, else
+    /// CCW's `effort`), if it says.
+    pub estimate_ms: Option<u64>,
     /// 1-based wave: 1 for tasks without dependencies, else 1 + the deepest dependency's wave.
     pub wave: u32,
     /// Number of tasks on the longest dependency chain from this task to a task nothing
     /// depends on, this task included (1 for a sink).
     pub critical_path: u32,
+    /// Expected milliseconds of the longest dependency chain from this task to a task nothing
+    /// depends on, this task included: the scheduler's rank ("bottom level"). Tasks without an
+    /// estimate weigh the mean of the plan's estimates, or [`DEFAULT_ESTIMATE_MS`].
+    pub path_ms: u64,
     /// Index of the task in the plan's `tasks` array.
     pub plan_index: usize,
     /// The task object exactly as written in the plan.

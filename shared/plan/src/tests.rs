@@ -368,6 +368,71 @@ fn waves_topological_order_and_critical_path() {
 }
 
 #[test]
+fn estimates_weigh_the_critical_path() {
+    // Two chains from IMPL-1: a long single task against two short ones. Counted in tasks the
+    // short chain is longer; by estimate the long task is.
+    let mut long = task("IMPL-2", &["IMPL-1"]);
+    long["estimate_seconds"] = json!(600);
+    let mut short = task("IMPL-3", &["IMPL-1"]);
+    short["effort"] = json!("small");
+    let mut tail = task("IMPL-4", &["IMPL-3"]);
+    tail["estimate_seconds"] = json!(0.25);
+    let plan = plan(json!({"name": "p", "tasks": [task("IMPL-1", &[]), long, short, tail]}))
+        .expect("valid");
+    let by_id = |id: &str| plan.task(id).expect("task").clone();
+    assert_eq!(by_id("IMPL-2").estimate_ms, Some(600_000));
+    assert_eq!(by_id("IMPL-3").estimate_ms, Some(300_000));
+    assert_eq!(by_id("IMPL-4").estimate_ms, Some(250));
+    assert_eq!(by_id("IMPL-1").estimate_ms, None);
+    assert_eq!(by_id("IMPL-2").path_ms, 600_000);
+    assert_eq!(by_id("IMPL-3").path_ms, 300_250);
+    assert!(by_id("IMPL-2").path_ms > by_id("IMPL-3").path_ms);
+    assert!(by_id("IMPL-2").critical_path < by_id("IMPL-3").critical_path);
+    // IMPL-1 has no estimate: it weighs the mean of the three given ones.
+    assert_eq!(
+        by_id("IMPL-1").path_ms,
+        (600_000 + 300_000 + 250) / 3 + 600_000
+    );
+
+    // Without any estimate every task weighs the default, so the order is the task count's.
+    let plain = plan_of_chain();
+    assert_eq!(
+        plain.task("IMPL-1").expect("task").path_ms,
+        2 * DEFAULT_ESTIMATE_MS
+    );
+}
+
+fn plan_of_chain() -> Plan {
+    plan(json!({"name": "p", "tasks": [task("IMPL-1", &[]), task("IMPL-2", &["IMPL-1"])]}))
+        .expect("valid")
+}
+
+#[test]
+fn bad_estimates_are_refused_together() {
+    let mut negative = task("IMPL-1", &[]);
+    negative["estimate_seconds"] = json!(-3);
+    let mut text = task("IMPL-2", &[]);
+    text["estimate_seconds"] = json!("10m");
+    let mut effort = task("IMPL-3", &[]);
+    effort["effort"] = json!("huge");
+    let err = problems_of(json!({"name": "p", "tasks": [negative, text, effort]}));
+    let messages = messages(&err);
+    assert_eq!(messages.len(), 3, "{messages:?}");
+    assert!(
+        messages[0].contains("invalid estimate_seconds -3"),
+        "{messages:?}"
+    );
+    assert!(
+        messages[1].contains("invalid estimate_seconds \"10m\""),
+        "{messages:?}"
+    );
+    assert!(
+        messages[2].contains("invalid effort \"huge\" (expected small, medium or large)"),
+        "{messages:?}"
+    );
+}
+
+#[test]
 fn wave_is_longest_path_not_shortest() {
     let plan = plan(json!({"name": "p", "tasks": [
         task("IMPL-1", &[]), task("IMPL-2", &["IMPL-1"]), task("IMPL-3", &["IMPL-1", "IMPL-2"])

@@ -7,8 +7,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::{
-    DEFAULT_MAX_ATTEMPTS, FileAction, FileSpec, IMPLICIT_REPO, Mode, OnFailure, Plan, PlanError,
-    PlanTask, Priority, RepoSource, RepoSpec, Role,
+    DEFAULT_ESTIMATE_MS, DEFAULT_MAX_ATTEMPTS, EFFORT_SECONDS, FileAction, FileSpec, IMPLICIT_REPO,
+    Mode, OnFailure, Plan, PlanError, PlanTask, Priority, RepoSource, RepoSpec, Role,
 };
 
 /// Upper bound on attempts, so a typo cannot make a task retry forever.
@@ -677,6 +677,7 @@ fn task(
             }
         },
     };
+    let estimate_ms = estimate(object, owner, problems);
     PlanTask {
         id,
         title,
@@ -689,10 +690,53 @@ fn task(
         focus_paths,
         max_attempts,
         timeout_seconds,
+        estimate_ms,
         wave: 0,
         critical_path: 0,
+        path_ms: 0,
         plan_index: index,
         spec: object.clone(),
+    }
+}
+
+/// Reads a task's expected run time: `estimate_seconds` (a positive number), else CCW's
+/// `effort` (small, medium or large, see [`EFFORT_SECONDS`]).
+fn estimate(object: &Map<String, Value>, owner: &str, problems: &mut Problems) -> Option<u64> {
+    if let Some(value) = object
+        .get("estimate_seconds")
+        .filter(|value| !value.is_null())
+    {
+        // Up to a year: a longer estimate is a unit mistake, not a plan.
+        return match value.as_f64() {
+            Some(secs) if secs > 0.0 && secs <= 31_536_000.0 => Some((secs * 1000.0).ceil() as u64),
+            _ => {
+                problems.push(
+                    ProblemKind::InvalidValue,
+                    format!(
+                        "{owner}: invalid estimate_seconds {value} (expected a positive number of seconds, at most a year)"
+                    ),
+                );
+                None
+            }
+        };
+    }
+    match object.get("effort") {
+        None | Some(Value::Null) => None,
+        Some(value) => {
+            let level = value.as_str().unwrap_or_default().to_ascii_lowercase();
+            match EFFORT_SECONDS.iter().find(|(name, _)| *name == level) {
+                Some((_, secs)) => Some(secs * 1000),
+                None => {
+                    problems.push(
+                        ProblemKind::InvalidValue,
+                        format!(
+                            "{owner}: invalid effort {value} (expected small, medium or large)"
+                        ),
+                    );
+                    None
+                }
+            }
+        }
     }
 }
 
@@ -901,7 +945,7 @@ fn find_cycles(edges: &[Vec<usize>]) -> Vec<Vec<usize>> {
     cycles
 }
 
-/// Fills waves and critical paths and sorts tasks topologically (by wave, then plan order).
+/// Fills waves, critical paths and estimated paths, and sorts tasks topologically (by wave, then plan order).
 /// Requires an acyclic graph with only known dependencies.
 fn order(tasks: &mut [PlanTask]) {
     let index: HashMap<String, usize> = tasks
@@ -947,17 +991,32 @@ fn order(tasks: &mut [PlanTask]) {
             .max()
             .unwrap_or(1);
     }
+    let estimated: Vec<u64> = tasks.iter().filter_map(|task| task.estimate_ms).collect();
+    let unknown = if estimated.is_empty() {
+        DEFAULT_ESTIMATE_MS
+    } else {
+        estimated.iter().sum::<u64>() / estimated.len() as u64
+    };
     let mut critical = vec![1u32; tasks.len()];
+    let mut path_ms = vec![0u64; tasks.len()];
     for &node in topo.iter().rev() {
         critical[node] = dependents[node]
             .iter()
             .map(|&child| critical[child] + 1)
             .max()
             .unwrap_or(1);
+        path_ms[node] = tasks[node].estimate_ms.unwrap_or(unknown).saturating_add(
+            dependents[node]
+                .iter()
+                .map(|&child| path_ms[child])
+                .max()
+                .unwrap_or(0),
+        );
     }
     for (node, task) in tasks.iter_mut().enumerate() {
         task.wave = wave[node];
         task.critical_path = critical[node];
+        task.path_ms = path_ms[node];
     }
     tasks.sort_by_key(|task| (task.wave, task.plan_index));
 }

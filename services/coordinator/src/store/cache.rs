@@ -21,7 +21,7 @@ use crate::sched::TaskRow;
 const MAX_TASKS: i64 = 20_000;
 
 /// A ready task's place in claim order, with its id.
-type ClaimKey = ((i32, Reverse<u32>, i64, i64), String);
+type ClaimKey = ((i32, Reverse<u64>, i64, i64), String);
 
 fn claim_key(task: &TaskRow) -> ClaimKey {
     (claim_order(task), task.id.clone())

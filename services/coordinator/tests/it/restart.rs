@@ -71,6 +71,78 @@ async fn a_restart_keeps_sessions_leases_and_sequences(db: Db) {
     drop(dir);
 }
 
+async fn a_database_from_before_estimates_upgrades_in_place(db: Db) {
+    let harness = Harness::start(db).await;
+    // IMPL-A comes first in plan order, IMPL-B has the longer chain: only the rank tells them
+    // apart.
+    let session = session_id(
+        &harness
+            .create(json!({"name": "upgrade", "tasks": [
+                t("IMPL-A", &[]), t("IMPL-B", &[]), t("IMPL-C", &["IMPL-B"])
+            ]}))
+            .await,
+    );
+    let config = harness.config();
+    let Harness { service, dir, .. } = harness;
+    service.stop().await;
+
+    // Put the schema back as migration 5 left it (no `path_ms`, the old claim indexes).
+    let downgrade = [
+        "DROP INDEX tasks_claim",
+        "DROP INDEX tasks_session_state",
+        "ALTER TABLE tasks DROP COLUMN path_ms",
+        "CREATE INDEX tasks_claim ON tasks (state, role, priority, critical_path DESC, created_at, session_id, position)",
+        "CREATE INDEX tasks_session_state ON tasks (session_id, state, role, priority, critical_path DESC, created_at, position)",
+        "DELETE FROM schema_migrations WHERE version = 6",
+    ];
+    {
+        use sqlx::Connection as _;
+        match &config.database_url {
+            Some(url) => {
+                let mut conn = sqlx::PgConnection::connect(url).await.expect("connect");
+                for sql in downgrade {
+                    sqlx::raw_sql(sql).execute(&mut conn).await.expect(sql);
+                }
+            }
+            None => {
+                let path = config.data_dir.join("troupe.db");
+                let mut conn =
+                    sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+                        .await
+                        .expect("connect");
+                for sql in downgrade {
+                    sqlx::raw_sql(sql).execute(&mut conn).await.expect(sql);
+                }
+            }
+        }
+    }
+
+    let service = TestService::spawn(move |listener, shutdown| {
+        troupe_coordinator::run(config, listener, shutdown)
+    })
+    .await;
+    let mut client = troupe_grpc::coordinator_client(&service.url()).expect("client");
+    let claimed = client
+        .claim_tasks(pb::ClaimTasksRequest {
+            worker_id: "w".into(),
+            roles: vec![Role::Executor as i32],
+            max_tasks: 2,
+            ..Default::default()
+        })
+        .await
+        .expect("claim after the upgrade")
+        .into_inner()
+        .tasks;
+    assert_eq!(ids(&claimed), vec!["IMPL-B", "IMPL-A"]);
+    assert!(
+        claimed
+            .iter()
+            .all(|c| c.task.as_ref().expect("task").session_id == session)
+    );
+    service.stop().await;
+    drop(dir);
+}
+
 #[tokio::test]
 async fn unsupported_database_urls_are_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -88,4 +160,7 @@ async fn unsupported_database_urls_are_refused() {
     assert!(dir.path().join("explicit.db").is_file());
 }
 
-db_tests!(a_restart_keeps_sessions_leases_and_sequences,);
+db_tests!(
+    a_restart_keeps_sessions_leases_and_sequences,
+    a_database_from_before_estimates_upgrades_in_place,
+);

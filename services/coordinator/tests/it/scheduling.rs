@@ -74,6 +74,41 @@ async fn claims_follow_roles_dependencies_and_priority(db: Db) {
     harness.stop().await;
 }
 
+async fn estimates_rank_ready_tasks_by_their_expected_chain(db: Db) {
+    let harness = Harness::start(db).await;
+    // Counted in tasks IMPL-S1 (two to go) would come first. By estimate: LONG 1800 s, then
+    // X (no estimate: the mean of the three given, 800 s), then S1 (300 + 300 s).
+    let created = harness
+        .create(json!({"name": "estimates", "tasks": [
+            {"id": "IMPL-S1", "title": "short", "effort": "small"},
+            {"id": "IMPL-S2", "title": "short tail", "estimate_seconds": 300, "depends_on": ["IMPL-S1"]},
+            {"id": "IMPL-X", "title": "unknown"},
+            {"id": "IMPL-LONG", "title": "long", "estimate_seconds": 1800},
+        ]}))
+        .await;
+    let session = session_id(&created);
+    let first = harness.claim(&[Role::Executor], 1).await;
+    assert_eq!(ids(&first), vec!["IMPL-LONG"]);
+    // The same order through `claimNext`, which PostgreSQL serves from the session's copy.
+    let second = harness.complete_and_claim(&first[0], 1).await;
+    assert_eq!(ids(&second), vec!["IMPL-X"]);
+    let third = harness.complete_and_claim(&second[0], 1).await;
+    assert_eq!(ids(&third), vec!["IMPL-S1"]);
+    let fourth = harness.complete_and_claim(&third[0], 1).await;
+    assert_eq!(ids(&fourth), vec!["IMPL-S2"]);
+    assert!(harness.complete_and_claim(&fourth[0], 1).await.is_empty());
+    assert_eq!(
+        harness
+            .session(&session)
+            .await
+            .session
+            .expect("session")
+            .state(),
+        SessionState::Completed
+    );
+    harness.stop().await;
+}
+
 async fn completing_tasks_advances_the_dag_until_the_session_completes(db: Db) {
     let harness = Harness::start(db).await;
     let created = harness
@@ -813,6 +848,7 @@ async fn messages_interleaved_with_workers_lose_and_repeat_nothing(db: Db) {
 
 db_tests!(
     claims_follow_roles_dependencies_and_priority,
+    estimates_rank_ready_tasks_by_their_expected_chain,
     completing_tasks_advances_the_dag_until_the_session_completes,
     transitive_upstream_is_handed_to_workers,
     stale_fencing_tokens_are_refused,

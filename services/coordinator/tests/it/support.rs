@@ -278,6 +278,33 @@ impl Harness {
             .map(|response| response.into_inner().task.expect("task"))
     }
 
+    /// Completes `claimed` and claims the next `max` executor tasks in the same call
+    /// (`claimNext`), as worker-test.
+    pub(crate) async fn complete_and_claim(
+        &self,
+        claimed: &pb::ClaimedTask,
+        max: u32,
+    ) -> Vec<pb::ClaimedTask> {
+        let task = claimed.task.as_ref().expect("task");
+        self.client()
+            .complete_task(pb::CompleteTaskRequest {
+                session_id: task.session_id.clone(),
+                task_id: task.id.clone(),
+                fencing_token: token(claimed),
+                result: None,
+                claim_next: Some(pb::ClaimTasksRequest {
+                    worker_id: "worker-test".to_owned(),
+                    roles: vec![Role::Executor as i32],
+                    max_tasks: max,
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("complete and claim")
+            .into_inner()
+            .next
+    }
+
     pub(crate) async fn fail(
         &self,
         claimed: &pb::ClaimedTask,

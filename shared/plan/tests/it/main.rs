@@ -132,12 +132,12 @@ fn plans_using_every_field_validate() {
             "tasks": [
                 {"id": "IMPL-1", "title": "a", "description": "d", "priority": "critical",
                  "repo": "lib", "files": [{"path": "src/a.py", "action": "CREATE", "change": "new"}],
-                 "focus_paths": ["src"], "max_attempts": 1, "timeout_seconds": 60,
+                 "focus_paths": ["src"], "max_attempts": 1, "timeout_seconds": 60, "estimate_seconds": 90.5,
                  "convergence": {"criteria": ["works"], "verification": "pytest -q && echo ok"},
                  "agent": {"backend": "command", "command": ["python3", "{plan_dir}/a.py"]},
                  "status": "completed", "extra": {"kept": true}},
                 {"id": "build", "title": "b", "role": "validator", "depends_on": ["IMPL-1"],
-                 "priority": "p2", "convergence": {"verification": ["make", "check"]}},
+                 "priority": "p2", "effort": "Medium", "convergence": {"verification": ["make", "check"]}},
                 {"id": "QARUN-1", "title": "c", "depends_on": ["build"],
                  "test": {"framework": "pytest", "coverage_target": 80}},
                 {"id": "x-1", "title": "d", "role": "test-runner", "priority": null,
@@ -239,6 +239,14 @@ fn malformed_plans_are_refused_by_schema_and_parser() {
         (
             "empty verification argv",
             json!({"name": "p", "tasks": [{"id": "IMPL-1", "title": "x", "convergence": {"verification": []}}]}),
+        ),
+        (
+            "zero estimate",
+            json!({"name": "p", "tasks": [{"id": "IMPL-1", "title": "x", "estimate_seconds": 0}]}),
+        ),
+        (
+            "unknown effort",
+            json!({"name": "p", "tasks": [{"id": "IMPL-1", "title": "x", "effort": "huge"}]}),
         ),
         (
             "zero timeout",
