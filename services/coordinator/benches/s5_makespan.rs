@@ -145,7 +145,7 @@ fn dag(
         ms: draw(&mut rng, dist, mean_ms)?,
         estimate_ms: None,
     });
-    let mut errors = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed_e57);
+    let mut errors = rand::rngs::StdRng::seed_from_u64(seed ^ 0x05ee_de57);
     for node in &mut nodes {
         node.estimate_ms = match estimates {
             "none" => None,
