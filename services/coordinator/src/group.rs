@@ -73,14 +73,14 @@ enum Op {
 }
 
 impl Op {
-    /// The roles a claim (or a completion's `claim_next`) asks for.
-    fn claim_roles(&self) -> Option<&[pb::Role]> {
+    /// A claim's request, or a completion's `claim_next`.
+    fn claim_request(&self) -> Option<&ClaimRequest> {
         match self {
             Op::Claim { request, .. }
             | Op::Complete {
                 claim_next: Some(request),
                 ..
-            } => Some(&request.roles),
+            } => Some(request),
             _ => None,
         }
     }
@@ -364,7 +364,11 @@ impl GroupCommit {
             }
         };
         // Only `complete_eager` writes once (see `run_session`).
-        if !one_batch(&session, ops.iter().filter_map(Op::claim_roles)) {
+        let roles = ops
+            .iter()
+            .filter_map(Op::claim_request)
+            .map(|request| request.roles.as_slice());
+        if !one_batch(&session, roles) {
             return Err(GroupError::Contended);
         }
         let mut tx = self
@@ -511,18 +515,13 @@ impl GroupCommit {
             })
             .collect();
         // Claims, and completions' `claim_next`, in arrival order.
-        let claims: Vec<(usize, ClaimRequest)> = mine()
-            .filter_map(|(i, op)| match op {
-                Op::Claim { request, .. }
-                | Op::Complete {
-                    claim_next: Some(request),
-                    ..
-                } => Some((i, request.clone())),
-                _ => None,
-            })
+        let claims: Vec<(usize, &ClaimRequest)> = mine()
+            .filter_map(|(i, op)| op.claim_request().map(|request| (i, request)))
             .collect();
-        let requests: Vec<ClaimRequest> =
-            claims.iter().map(|(_, request)| request.clone()).collect();
+        let requests: Vec<ClaimRequest> = claims
+            .iter()
+            .map(|(_, request)| ClaimRequest::clone(request))
+            .collect();
         let now = completions
             .iter()
             .map(|(_, _, now)| *now)
