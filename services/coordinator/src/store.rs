@@ -1678,9 +1678,9 @@ async fn read_batch(
         }
         for row in query.fetch_all(&mut **tx).await? {
             let task = task_from_row(&row)?;
-            busy |= !ids.contains(&task.id)
-                && matches!(task.state, TaskState::Ready | TaskState::Running);
-            if ids.contains(&task.id) {
+            let completing = ids.contains(&task.id);
+            busy |= !completing && matches!(task.state, TaskState::Ready | TaskState::Running);
+            if completing {
                 originals.insert(task.id.clone(), task);
             } else if task.state == TaskState::Ready {
                 if !ready.iter().any(|known| known.id == task.id) {
@@ -2222,7 +2222,7 @@ async fn write_events(
                     MUTABLE_COLUMNS.join(", "),
                     task_values(base + 3 * rows, tasks.len())
                 ));
-                ctes.push(format!("upd AS ({})", update_from_v(", bump")));
+                ctes.push(format!("upd AS ({})", *UPDATE_FROM_V_BUMP));
             }
             format!(
                 "INSERT INTO events (session_id, seq, ts, payload) \
@@ -2719,7 +2719,7 @@ async fn update_tasks(tx: &mut Tx, tasks: &[&TaskRow]) -> Result<(), Error> {
             "WITH v (session_id, id, {}) AS (VALUES {}) {}",
             MUTABLE_COLUMNS.join(", "),
             task_values(1, chunk.len()),
-            update_from_v("")
+            *UPDATE_FROM_V
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for task in chunk {
@@ -2735,8 +2735,14 @@ const TASK_ROWS: usize = 200;
 
 type AnyQuery<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>;
 
-/// `UPDATE tasks ... FROM v{also}`, for a `v` of the session id, the id and
-/// [`MUTABLE_COLUMNS`] (and `also`, more from-items, which can veto every row).
+/// `UPDATE tasks ... FROM v`, for a `v` of the session id, the id and [`MUTABLE_COLUMNS`].
+static UPDATE_FROM_V: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| update_from_v(""));
+/// [`UPDATE_FROM_V`] joined with an optimistic write's `bump`, which vetoes every row when the
+/// session's sequence moved (see `write_events`).
+static UPDATE_FROM_V_BUMP: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| update_from_v(", bump"));
+
+/// `UPDATE tasks ... FROM v{also}` (`also`: more from-items), built once per form above.
 fn update_from_v(also: &str) -> String {
     format!(
         "UPDATE tasks SET {} FROM v{also} WHERE tasks.session_id = v.session_id AND tasks.id = v.id",
