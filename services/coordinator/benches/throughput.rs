@@ -66,14 +66,19 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let bench = common::Bench::start(&args.db).await?;
     let (client, base_dir) = (bench.client.clone(), bench.base_dir.clone());
-
-    if args.only.as_deref() != Some("s2") {
-        s1(&client, &base_dir, &args).await?;
+    // Stopped either way: dropping a running bench would hide the error behind a panic.
+    let result = async {
+        if args.only.as_deref() != Some("s2") {
+            s1(&client, &base_dir, &args).await?;
+        }
+        if args.only.as_deref() != Some("s1") {
+            s2(&client, &base_dir, &args).await?;
+        }
+        anyhow::Ok(())
     }
-    if args.only.as_deref() != Some("s1") {
-        s2(&client, &base_dir, &args).await?;
-    }
-    bench.stop().await
+    .await;
+    bench.stop().await?;
+    result
 }
 
 async fn create(

@@ -17,16 +17,18 @@
 //! without locks, which session holds the best ready task for its roles, and queues there;
 //! when others emptied that session first it picks again.
 //!
-//! On PostgreSQL a group of completions and claims of an active eager session first runs
-//! optimistically (see `run_optimistic`): no transaction and no lock, its tasks from the
-//! lane's in-memory copy of the session ([`TaskCache`]), and one statement that writes only
-//! if the session's sequence is still where the copy left it. So such a group costs one round
-//! trip. When the write loses (another coordinator, or a write outside the group commit such
-//! as a message, moved the sequence), nothing was written: the copy is dropped and the group
-//! runs under the lock as above.
+//! A group of completions and claims of one active eager session first runs optimistically
+//! (see `run_optimistic`): no lock, its tasks from the in-memory copy of the session
+//! ([`TaskCache`]) that the session's previous group left, and one write that applies only if
+//! the session's sequence is still where the copy left it: on PostgreSQL one statement
+//! without a transaction, on SQLite one call that opens and commits its own. So such a group
+//! costs one round trip. When the write loses (another coordinator, or a write outside the
+//! group commit such as a message or a failure, moved the sequence), nothing was written: the
+//! copy is dropped and the group runs under the lock as above. Under the lock a group also
+//! works on the copy when the copy is as of the locked sequence (see `run_in`).
 //!
-//! A caller that finds its lane idle runs its operation at once, alone (no added latency
-//! when there is no contention); what queued meanwhile is then run by a spawned task.
+//! A caller that finds its lane idle has its operation run at once, alone (no added latency
+//! when there is no contention), on a task of its own; what queued meanwhile runs next.
 //! When an operation of a group fails (a stale fencing token, say), the whole group is
 //! rolled back and each operation is run again alone, so only that caller sees the error
 //! (cheaper than a `SAVEPOINT` per operation in the common case, where nothing fails).
@@ -119,12 +121,12 @@ pub(crate) struct GroupCommit {
     store: Store,
     /// Lanes with a transaction running (present), with the operations waiting for the next.
     lanes: Arc<Mutex<HashMap<String, Vec<Op>>>>,
-    /// PostgreSQL: sessions as their last optimistic group left them (see `run_optimistic`).
+    /// Sessions as their last group left them (see `run_optimistic` and `run_in`).
     /// Only a session's own lane uses its entry, one group at a time.
     sessions: Arc<Mutex<HashMap<String, Cached>>>,
 }
 
-/// A session (and its tasks, when small enough) as its last optimistic group left them.
+/// A session (and its tasks, when small enough) as its last group left them.
 #[derive(Debug)]
 struct Cached {
     session: SessionRow,
@@ -190,7 +192,7 @@ impl GroupCommit {
                 request: request.clone(),
                 reply,
             };
-            self.submit(self.lane(&session_id), op).await;
+            self.submit(self.lane(&session_id), op);
             let claimed = answer.await.unwrap_or_else(|_| Err(gone()))?;
             if !claimed.is_empty() {
                 return Ok(claimed);
@@ -218,7 +220,7 @@ impl GroupCommit {
             now,
             reply,
         };
-        self.submit(self.lane(session_id), op).await;
+        self.submit(self.lane(session_id), op);
         answer.await.unwrap_or_else(|_| Err(gone()))
     }
 
@@ -243,13 +245,13 @@ impl GroupCommit {
             now,
             reply,
         };
-        self.submit(self.lane(session_id), op).await;
+        self.submit(self.lane(session_id), op);
         answer.await.unwrap_or_else(|_| Err(gone()))
     }
 
     /// Queues `op` behind the running transaction of its lane, or runs it at once when the
-    /// lane is idle. Returns once `op` is queued or answered.
-    async fn submit(&self, lane: String, op: Op) {
+    /// lane is idle. Its answer comes on its reply channel.
+    fn submit(&self, lane: String, op: Op) {
         let lead = {
             let mut lanes = self.lanes();
             match lanes.get_mut(&lane) {
@@ -264,8 +266,17 @@ impl GroupCommit {
             }
         };
         if let Some(op) = lead {
-            let _leader = Leader { group: self, lane };
-            self.run(vec![op]).await;
+            // On a task of its own: a caller that goes away (a client's cancelled call) must
+            // not cut a group short, which on SQLite could leave an optimistic write's
+            // transaction open on the one writer connection.
+            let group = self.clone();
+            tokio::spawn(async move {
+                let _leader = Leader {
+                    group: &group,
+                    lane,
+                };
+                group.run(vec![op]).await;
+            });
         }
     }
 
@@ -299,10 +310,7 @@ impl GroupCommit {
 
     /// Runs `ops` in one transaction and answers each; see the module comment for failures.
     async fn run(&self, ops: Vec<Op>) {
-        let mut result = match self.store.dialect() {
-            Dialect::Postgres => self.run_optimistic(&ops).await,
-            Dialect::Sqlite => Err(GroupError::Contended),
-        };
+        let mut result = self.run_optimistic(&ops).await;
         if matches!(result, Err(GroupError::Contended)) && ops.len() > 1 {
             result = self.run_together(&ops).await;
         }
@@ -331,24 +339,26 @@ impl GroupCommit {
         }
     }
 
-    /// PostgreSQL's fast path for a group of completions and claims of one active eager
+    /// The fast path for a group of completions and claims of one active eager
     /// session (a lane's group always has one session): no transaction and no lock; the
     /// session's row and tasks as the previous group left them (read once when there is no
     /// copy; a session too large to copy reads its batch instead), and one conditional write
     /// (see [`Store::optimistic`]). When the session turns out to have moved on (another
     /// coordinator, or a write outside the group commit), nothing is written and the group
-    /// runs under the lock.
+    /// runs under the lock. A group with heartbeats, or of several sessions (SQLite's one
+    /// lane), runs under the lock at once.
     async fn run_optimistic(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
         let session_id = ops[0].session_id();
-        // Taken out for the group: a group that fails, or runs under the lock (which moves
-        // the session past the copy), leaves none behind.
-        let cached = self.sessions().remove(session_id);
+        // Heartbeats run under the lock, on the copy (see `run_in`).
         if ops
             .iter()
             .any(|op| matches!(op, Op::Heartbeat { .. }) || op.session_id() != session_id)
         {
             return Err(GroupError::Contended);
         }
+        // Taken out for the group: a group that fails, or runs under the lock after losing,
+        // leaves none behind.
+        let cached = self.sessions().remove(session_id);
         let Cached {
             mut session,
             mut tasks,
@@ -386,12 +396,15 @@ impl GroupCommit {
             Err(Error::Contended(_)) => return Err(GroupError::Contended),
             Err(_) => return Err(GroupError::Op),
         };
+        let (wrote, last) = (tx.wrote, tx.last_seq(session_id));
+        // Its connection back first: SQLite has one writer connection, which `check_end` needs.
+        drop(tx);
         match end {
             // Nothing checked the copy against the session's sequence: it may be stale (a
             // fruitless claim, say, of a task readied elsewhere). The next group reads afresh.
-            _ if !tx.wrote => {}
+            _ if !wrote => {}
             None => {
-                if let Some(last) = tx.last_seq(session_id) {
+                if let Some(last) = last {
                     session.last_seq = last;
                 }
                 let mut sessions = self.sessions();
@@ -425,29 +438,50 @@ impl GroupCommit {
     async fn run_together(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
         let mut tx = self.store.begin().await.map_err(|_| GroupError::Op)?;
         // Dropping `tx` on an error rolls the whole group back.
-        let outcomes = self
+        let (outcomes, copies) = self
             .run_in(&mut tx, ops)
             .await
             .map_err(|_| GroupError::Op)?;
         tx.commit().await.map_err(GroupError::Commit)?;
+        self.keep(copies);
         Ok(outcomes)
     }
 
     async fn run_alone(&self, op: &Op) -> Result<Outcome, Error> {
         let mut tx = self.store.begin().await?;
-        let outcome = self
-            .run_in(&mut tx, std::slice::from_ref(op))
-            .await?
-            .pop()
-            .ok_or_else(mismatch)?;
+        let (mut outcomes, copies) = self.run_in(&mut tx, std::slice::from_ref(op)).await?;
+        let outcome = outcomes.pop().ok_or_else(mismatch)?;
         tx.commit().await?;
+        self.keep(copies);
         Ok(outcome)
+    }
+
+    /// Keeps sessions' copies as a committed group left them.
+    fn keep(&self, copies: Vec<(String, Cached)>) {
+        if copies.is_empty() {
+            return;
+        }
+        let mut sessions = self.sessions();
+        if sessions.len() + copies.len() > CACHED_SESSIONS {
+            sessions.clear();
+        }
+        sessions.extend(copies);
     }
 
     /// Runs `ops` inside a transaction, session by session (in order of first appearance):
     /// lock and load the session, then [`Self::run_session`]. Returns the outcomes in the
-    /// order of `ops`.
-    async fn run_in(&self, tx: &mut store::Tx, ops: &[Op]) -> Result<Vec<Outcome>, Error> {
+    /// order of `ops`, and the sessions' copies to keep once the transaction commits.
+    ///
+    /// A session whose operations are one batch of completions and claims works on its copy
+    /// ([`TaskCache`]) instead of reading, when the copy is as of the sequence just locked
+    /// (every change to a session moves it); SQLite loads one when it has none (PostgreSQL
+    /// loads its copies outside the lock, in `run_optimistic`). Groups of heartbeats, and
+    /// SQLite's groups of several sessions, keep their sessions' copies this way.
+    async fn run_in(
+        &self,
+        tx: &mut store::Tx,
+        ops: &[Op],
+    ) -> Result<(Vec<Outcome>, Vec<(String, Cached)>), Error> {
         let mut sessions: Vec<&str> = Vec::new();
         for op in ops {
             if !sessions.contains(&op.session_id()) {
@@ -455,20 +489,44 @@ impl GroupCommit {
             }
         }
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
+        let mut copies = Vec::new();
         for session_id in sessions {
             let mut session =
                 store::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
-            if let Some((count, now)) = self
-                .run_session(tx, &mut session, None, ops, &mut outcomes)
+            let copy = self.sessions().remove(session_id);
+            let mut tasks = match copy {
+                _ if !copyable(&session, ops) => None,
+                Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
+                // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
+                _ if self.store.dialect() == Dialect::Postgres => None,
+                _ => Some(store::load_cache_in(tx, session_id).await?),
+            };
+            match self
+                .run_session(
+                    tx,
+                    &mut session,
+                    tasks.as_mut().and_then(Option::as_mut),
+                    ops,
+                    &mut outcomes,
+                )
                 .await?
             {
-                store::check_end(tx, &mut session, count, now).await?;
+                Some((count, now)) => store::check_end(tx, &mut session, count, now).await?,
+                None => {
+                    if let Some(tasks) = tasks {
+                        if let Some(last) = tx.last_seq(session_id) {
+                            session.last_seq = last;
+                        }
+                        copies.push((session_id.to_owned(), Cached { session, tasks }));
+                    }
+                }
             }
         }
-        outcomes
+        let outcomes = outcomes
             .into_iter()
             .map(|outcome| outcome.ok_or_else(mismatch))
-            .collect()
+            .collect::<Result<_, _>>()?;
+        Ok((outcomes, copies))
     }
 
     /// Runs the operations of `ops` on `session` (loaded; locked unless `tx` is optimistic):
@@ -479,7 +537,7 @@ impl GroupCommit {
         &self,
         tx: &mut store::Tx,
         session: &mut SessionRow,
-        tasks: Option<&mut TaskCache>,
+        mut tasks: Option<&mut TaskCache>,
         ops: &[Op],
         outcomes: &mut [Option<Outcome>],
     ) -> Result<Option<(usize, i64)>, Error> {
@@ -500,9 +558,17 @@ impl GroupCommit {
                 ..
             } = op
             {
-                let beat =
-                    store::heartbeat_in(tx, session_id, task_id, *token, progress, *lease_ms, *now)
-                        .await?;
+                let beat = store::heartbeat_in(
+                    tx,
+                    session_id,
+                    task_id,
+                    *token,
+                    progress,
+                    *lease_ms,
+                    *now,
+                    tasks.as_deref_mut(),
+                )
+                .await?;
                 outcomes[i] = Some(Outcome::Heartbeat(beat));
             }
         }
@@ -569,6 +635,22 @@ impl GroupCommit {
         }
         Ok(check_end.map(|count| (count, now)))
     }
+}
+
+/// Whether `session`'s operations in `ops` may work on, and keep, its in-memory copy: one
+/// batch of completions and claims, and heartbeats (which keep the copy's leases current). A
+/// validator's convergence write-back would change tasks behind the copy's back.
+fn copyable(session: &SessionRow, ops: &[Op]) -> bool {
+    let mine = || ops.iter().filter(|op| op.session_id() == session.id);
+    mine().all(|op| match op {
+        Op::Claim { .. } | Op::Heartbeat { .. } => true,
+        Op::Complete { completion, .. } => !store::writes_convergence(&completion.result),
+    }) && one_batch(
+        session,
+        mine()
+            .filter_map(Op::claim_request)
+            .map(|r| r.roles.as_slice()),
+    )
 }
 
 /// Whether a session's completions and claims (asking for `roles`) run as one batch

@@ -31,7 +31,7 @@ use crate::sched::{self, TaskRow};
 mod cache;
 mod lifecycle;
 
-pub(crate) use cache::TaskCache;
+pub(crate) use cache::{TaskCache, load_cache_in};
 
 /// Schema migrations, applied in order and recorded in `schema_migrations`.
 const MIGRATIONS: &[(i64, &str, &str)] = &[
@@ -133,8 +133,30 @@ impl Tx {
         self.sequences.get(session_id).copied()
     }
 
-    /// Refuses a write that an optimistic [`Tx`] cannot make atomically with its one
-    /// statement: the caller runs the group under the lock instead.
+    /// What a failed write means: on SQLite, an optimistic write's transaction is rolled
+    /// back (the call stopped at the failing statement), and a failed sequence check is
+    /// [`Error::Contended`].
+    async fn failed(&mut self, session_id: &str, from: u64, err: sqlx::Error) -> Error {
+        if self.dialect != Dialect::Sqlite {
+            return err.into();
+        }
+        if let Conn::Auto(conn) = &mut self.inner
+            && let Err(rollback) = sqlx::query("ROLLBACK").execute(&mut **conn).await
+        {
+            // Also when the call failed before its `BEGIN`: nothing is open then.
+            tracing::debug!(error = %rollback, "rollback after a failed optimistic write");
+        }
+        let check = matches!(&err, sqlx::Error::Database(db)
+            if db.message().contains("NOT NULL") && db.message().contains("sessions.last_seq"));
+        if check {
+            moved(session_id, from)
+        } else {
+            err.into()
+        }
+    }
+
+    /// Refuses a write that an optimistic [`Tx`] cannot make atomically with its one write:
+    /// the caller runs the group under the lock instead.
     fn needs_lock(&self, what: &str) -> Result<(), Error> {
         match self.inner {
             Conn::Auto(_) => Err(Error::Contended(format!("{what} needs a transaction"))),
@@ -532,15 +554,16 @@ impl Store {
         })
     }
 
-    /// An optimistic write on PostgreSQL, without a transaction or lock: for a group of one
-    /// session whose `last_seq` the caller knows (with what it read or holds in memory as of
-    /// that sequence; see [`TaskCache`]). Reads see the latest commits; the one write (tasks,
-    /// events and the sequence, in one statement: see `write_events`) applies only if the
-    /// session's `last_seq` is still `last_seq`, and fails with [`Error::Contended`]
-    /// otherwise. Every change to a session moves its sequence, so nothing can have changed
-    /// what the group worked on. That saves `BEGIN`, the lock and `COMMIT`. Anything that
-    /// needs more than the one statement fails with [`Error::Contended`] before writing, for
-    /// the caller to run under the lock.
+    /// An optimistic write, without a lock: for a group of one session whose `last_seq` the
+    /// caller knows (with what it read or holds in memory as of that sequence; see
+    /// [`TaskCache`]). Reads see the latest commits; the one write (tasks, events and the
+    /// sequence: see `write_events`; on PostgreSQL one statement, on SQLite one call that
+    /// opens and commits its own transaction) applies only if the session's `last_seq` is
+    /// still `last_seq`, and fails with [`Error::Contended`] otherwise. Every change to a
+    /// session moves its sequence, so nothing can have changed what the group worked on.
+    /// That saves the lock and the round trips of `BEGIN` and `COMMIT`. Anything that needs
+    /// more than the one write fails with [`Error::Contended`] before writing, for the caller
+    /// to run under the lock.
     pub(crate) async fn optimistic(&self, session_id: &str, last_seq: u64) -> Result<Tx, Error> {
         Ok(Tx {
             inner: Conn::Auto(self.writer.acquire().await?),
@@ -1333,6 +1356,7 @@ impl Store {
 /// Extends a lease and records progress under the session lock, inside a transaction the
 /// caller commits (see [`crate::group`]); returns the new expiry and whether the task was
 /// cancelled.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn heartbeat_in(
     tx: &mut Tx,
     session_id: &str,
@@ -1341,6 +1365,7 @@ pub(crate) async fn heartbeat_in(
     progress: &str,
     lease_ms: Option<i64>,
     now: i64,
+    cache: Option<&mut TaskCache>,
 ) -> Result<(i64, bool), Error> {
     let before = load_task(tx, session_id, task_id).await?;
     if before.fencing_token != token {
@@ -1373,6 +1398,9 @@ pub(crate) async fn heartbeat_in(
         .await?;
     }
     update_task(tx, &task).await?;
+    if let Some(cache) = cache {
+        cache.put(task);
+    }
     Ok((expires_at, false))
 }
 
@@ -1911,6 +1939,12 @@ async fn load_upstream(
     Ok(out)
 }
 
+/// Whether completing with `result` writes convergence onto other tasks (see
+/// [`write_back_convergence`]).
+pub(crate) fn writes_convergence(result: &pb::TaskResult) -> bool {
+    matches!(&result.detail, Some(pb::task_result::Detail::Validation(report)) if !report.upstream_convergence.is_empty())
+}
+
 /// Copies a validator task's per-task criterion results (`upstream_convergence` of its report)
 /// onto the tasks they belong to, so each task's record carries its own `convergence`. Written
 /// in the same transaction as the validator's result; a later validator overwrites it.
@@ -2172,10 +2206,11 @@ async fn write_events(
     const CHUNK: usize = 256;
     // With the session's row held (or an optimistic write's counter known), its counter is
     // known: number the events here and move the counter with the first insert, together
-    // with the tasks' update (PostgreSQL), or in statements of their own (SQLite, which has
-    // no writing CTEs). Else take the numbers from the database first.
+    // with the tasks' update, in one round trip (PostgreSQL: one statement with writing CTEs;
+    // SQLite, which has none: several statements in one call). Else take the numbers from
+    // the database first.
     let known = tx.sequences.get(session_id).copied();
-    let together = known.is_some() && tx.dialect == Dialect::Postgres;
+    let together = known.is_some();
     if !together || count > CHUNK || tasks.len() > TASK_ROWS {
         tx.needs_lock("a write of more than one statement")?;
     }
@@ -2206,42 +2241,60 @@ async fn write_events(
                 format!("($1, ${at}, ${}, ${})", at + 1, at + 2)
             })
             .collect();
-        let mut ctes = Vec::new();
-        let insert = if bump {
-            // The counter moves only from the value the events were numbered from, and the
-            // tasks and events go in only if it moved: under the lock that always holds; an
-            // optimistic write learns from the row count that someone else wrote first.
-            ctes.push(
-                "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 \
-                 WHERE id = $1 AND last_seq = $4 RETURNING id)"
-                    .to_owned(),
-            );
-            if !tasks.is_empty() {
-                ctes.push(format!(
-                    "v (session_id, id, {}) AS (VALUES {})",
-                    MUTABLE_COLUMNS.join(", "),
-                    task_values(base + 3 * rows, tasks.len())
-                ));
-                ctes.push(format!("upd AS ({})", *UPDATE_FROM_V_BUMP));
+        let values = values.join(", ");
+        let v = || {
+            format!(
+                "v (session_id, id, {}) AS (VALUES {})",
+                MUTABLE_COLUMNS.join(", "),
+                task_values(base + 3 * rows, tasks.len())
+            )
+        };
+        let sql = match tx.dialect {
+            Dialect::Postgres if bump => {
+                // The counter moves only from the value the events were numbered from, and
+                // the tasks and events go in only if it moved: under the lock that always
+                // holds; an optimistic write learns from the row count that someone else
+                // wrote first.
+                let mut ctes = vec![
+                    "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 \
+                     WHERE id = $1 AND last_seq = $4 RETURNING id)"
+                        .to_owned(),
+                ];
+                if !tasks.is_empty() {
+                    ctes.push(v());
+                    ctes.push(format!("upd AS ({})", *UPDATE_FROM_V_BUMP));
+                }
+                format!(
+                    "WITH {} INSERT INTO events (session_id, seq, ts, payload) \
+                     SELECT e.* FROM (VALUES {values}) e (session_id, seq, ts, payload), bump",
+                    ctes.join(", ")
+                )
             }
-            format!(
-                "INSERT INTO events (session_id, seq, ts, payload) \
-                 SELECT e.* FROM (VALUES {}) e (session_id, seq, ts, payload), bump",
-                values.join(", ")
-            )
-        } else {
-            format!(
-                "INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
-                values.join(", ")
-            )
+            Dialect::Sqlite if bump => {
+                // An optimistic write (no transaction open) brings its own, so the call is
+                // all or nothing. The counter moves only from the value the events were
+                // numbered from: else its NOT NULL constraint fails the call (see
+                // `Tx::failed`), before anything else is written.
+                let auto = matches!(tx.inner, Conn::Auto(_));
+                let mut sql = String::from(if auto { "BEGIN IMMEDIATE; " } else { "" });
+                sql.push_str(
+                    "UPDATE sessions SET last_seq = CASE last_seq WHEN $4 THEN $2 END, \
+                     updated_at = $3 WHERE id = $1; ",
+                );
+                if !tasks.is_empty() {
+                    sql.push_str(&format!("WITH {} {}; ", v(), *UPDATE_FROM_V));
+                }
+                sql.push_str(&format!(
+                    "INSERT INTO events (session_id, seq, ts, payload) VALUES {values}"
+                ));
+                if auto {
+                    sql.push_str("; COMMIT");
+                }
+                sql
+            }
+            _ => format!("INSERT INTO events (session_id, seq, ts, payload) VALUES {values}"),
         };
-        let with = if ctes.is_empty() {
-            String::new()
-        } else {
-            format!("WITH {} ", ctes.join(", "))
-        };
-        let mut query =
-            sqlx::query(sqlx::AssertSqlSafe(format!("{with}{insert}"))).bind(session_id);
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(session_id);
         let bumped = bump;
         if bump {
             query = query
@@ -2260,27 +2313,23 @@ async fn write_events(
         for task in std::mem::take(&mut tasks) {
             query = bind_task(query, task)?;
         }
-        let written = query.execute(&mut **tx).await?.rows_affected();
-        if bumped && written != rows as u64 {
-            return Err(Error::Contended(format!(
-                "session {session_id} moved past sequence {}",
-                first - 1
-            )));
+        let written = match query.execute(&mut **tx).await {
+            Ok(done) => done.rows_affected(),
+            Err(err) => return Err(tx.failed(session_id, first - 1, err).await),
+        };
+        if bumped && tx.dialect == Dialect::Postgres && written != rows as u64 {
+            return Err(moved(session_id, first - 1));
         }
         tx.wrote = true;
     }
     if known.is_some() {
-        if !together {
-            sqlx::query("UPDATE sessions SET last_seq = $2, updated_at = $3 WHERE id = $1")
-                .bind(session_id)
-                .bind(to_i64(last))
-                .bind(last_ts)
-                .execute(&mut **tx)
-                .await?;
-        }
         tx.sequences.insert(session_id.to_owned(), last);
     }
     Ok(())
+}
+
+fn moved(session_id: &str, from: u64) -> Error {
+    Error::Contended(format!("session {session_id} moved past sequence {from}"))
 }
 
 async fn append_event(tx: &mut Tx, session_id: &str, now: i64, kind: Kind) -> Result<(), Error> {

@@ -1,12 +1,12 @@
-//! A session's tasks in memory, for PostgreSQL's optimistic group commits.
+//! A session's tasks in memory, for the group commit's batches (see [`crate::group`]).
 //!
 //! An optimistic batch (see [`Store::optimistic`]) commits only if the session's sequence is
 //! still where the batch found it, and every change to a session's tasks moves the sequence
-//! (a lease-only heartbeat aside, which no batch depends on). So the tasks as the previous
-//! batch of the session's lane left them are exactly what is stored as long as the next
-//! write succeeds: the batch can work on them instead of reading, and its one statement is
-//! its write. When the write loses, the group drops the cache and runs under the lock; the
-//! next batch loads it again.
+//! (a lease-only heartbeat aside, which the group commit applies to the copy as well). So the
+//! tasks as the previous batch of the session's lane left them are exactly what is stored as
+//! long as the next write succeeds: the batch can work on them instead of reading, and its
+//! one write is all it sends. When the write loses, the group drops the cache and runs under
+//! the lock; the next batch loads it again.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -133,16 +133,32 @@ impl Store {
         if session.state != pb::SessionState::Active {
             return Ok((session, None));
         }
-        let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
-            .bind(session_id)
-            .fetch_one(&mut *tx)
-            .await?;
-        if count > MAX_TASKS {
+        let Some(rows) = load_small(&mut tx, session_id).await? else {
             return Ok((session, None));
-        }
-        let rows = load_tasks(&mut tx, session_id).await?;
+        };
         let again = load_session(&mut tx, session_id).await?;
         let cache = (again.last_seq == session.last_seq).then(|| TaskCache::new(rows));
         Ok((session, cache))
     }
+}
+
+/// The tasks of a session held locked in `tx` (so they are as of its `last_seq`), when it is
+/// small enough to keep in memory.
+pub(crate) async fn load_cache_in(
+    tx: &mut Tx,
+    session_id: &str,
+) -> Result<Option<TaskCache>, Error> {
+    Ok(load_small(tx, session_id).await?.map(TaskCache::new))
+}
+
+/// A session's tasks, unless it has more than [`MAX_TASKS`].
+async fn load_small(tx: &mut Tx, session_id: &str) -> Result<Option<Vec<TaskRow>>, Error> {
+    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
+        .bind(session_id)
+        .fetch_one(&mut **tx)
+        .await?;
+    if count > MAX_TASKS {
+        return Ok(None);
+    }
+    Ok(Some(load_tasks(tx, session_id).await?))
 }

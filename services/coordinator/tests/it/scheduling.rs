@@ -733,6 +733,77 @@ async fn completing_a_task_can_claim_the_next_in_the_same_transaction(db: Db) {
     harness.stop().await;
 }
 
+/// Batches work on an in-memory copy of the session's tasks (both databases), which a write
+/// outside the group commit makes stale: here a failure changes a task between two batches.
+/// The next batch must see the stored task, not the copy: the completion under the old lease
+/// is refused, and the other tasks go on.
+async fn batches_see_what_was_written_outside_them(db: Db) {
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(json!({"name": "outside", "tasks": [
+            t("IMPL-1", &[]),
+            t("IMPL-2", &[]),
+            t("IMPL-3", &[]),
+            t("IMPL-4", &["IMPL-1"]),
+        ]}))
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 3).await;
+    assert_eq!(ids(&claimed), vec!["IMPL-1", "IMPL-2", "IMPL-3"]);
+    // A batch: the completion readies IMPL-4, which its claim takes.
+    let fourth = harness.complete_and_claim(&claimed[0], 1).await;
+    assert_eq!(ids(&fourth), vec!["IMPL-4"]);
+    // Outside the batches, IMPL-2 fails for good.
+    let failed = harness.fail(&claimed[1], false).await;
+    assert_eq!(failed.task.expect("task").state(), TaskState::Failed);
+    // Its old lease no longer completes it, in a batch of its own or with a claim.
+    assert_code(
+        harness
+            .complete_with_token(&claimed[1], token(&claimed[1]), "late")
+            .await,
+        Code::FailedPrecondition,
+        "stale fencing token",
+    );
+    assert_code(
+        harness
+            .client()
+            .complete_task(pb::CompleteTaskRequest {
+                session_id: session.clone(),
+                task_id: "IMPL-2".to_owned(),
+                fencing_token: token(&claimed[1]),
+                result: None,
+                claim_next: Some(pb::ClaimTasksRequest {
+                    worker_id: "worker-test".to_owned(),
+                    roles: vec![Role::Executor as i32],
+                    max_tasks: 1,
+                    ..Default::default()
+                }),
+            })
+            .await,
+        Code::FailedPrecondition,
+        "stale fencing token",
+    );
+    assert_eq!(
+        harness.state_of(&session, "IMPL-2").await,
+        TaskState::Failed
+    );
+    // The rest completes; the session ends failed, every sequence number once.
+    assert!(harness.complete_and_claim(&claimed[2], 1).await.is_empty());
+    assert!(harness.complete_and_claim(&fourth[0], 1).await.is_empty());
+    let view = harness.session(&session).await;
+    let summary = view.session.expect("session");
+    assert_eq!(summary.state(), SessionState::Failed);
+    let sequences: Vec<u64> = harness
+        .events(&session)
+        .await
+        .iter()
+        .map(|event| event.sequence)
+        .collect();
+    let expected: Vec<u64> = (1..=summary.last_sequence).collect();
+    assert_eq!(sequences, expected, "gap-free event sequence");
+    harness.stop().await;
+}
+
 /// Writes outside the group commit (messages here) move the session's sequence between and
 /// during the workers' batches: on PostgreSQL that makes optimistic batches lose their race
 /// and run again under the lock. Nothing is lost, applied twice or numbered twice.
@@ -863,4 +934,5 @@ db_tests!(
     concurrent_worker_calls_commit_together_and_stale_ones_fail_alone,
     completing_a_task_can_claim_the_next_in_the_same_transaction,
     messages_interleaved_with_workers_lose_and_repeat_nothing,
+    batches_see_what_was_written_outside_them,
 );
