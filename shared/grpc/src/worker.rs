@@ -2,11 +2,13 @@
 //!
 //! [`run_worker`] long-polls `ClaimTasks`, runs each claimed task with a [`TaskHandler`] while
 //! heartbeating at a third of the lease, and reports the outcome with `CompleteTask` or
-//! `FailTask` under the lease's fencing token. A heartbeat that says "cancelled" or a lost
-//! lease cancels the task's [`TaskContext`]; a lost lease also drops the result, because the
-//! coordinator has already handed the task to someone else.
+//! `FailTask` under the lease's fencing token. A `CompleteTask` also claims the slot's next
+//! task (`claim_next`), so a busy worker goes from task to task in one call each. A heartbeat
+//! that says "cancelled" or a lost lease cancels the task's [`TaskContext`]; a lost lease also
+//! drops the result, because the coordinator has already handed the task to someone else.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -139,6 +141,43 @@ impl WorkerConfig {
     }
 }
 
+/// What a worker loop did, returned when it stops.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerStats {
+    /// Tasks leased by `ClaimTasks` long-polls.
+    pub claimed: u64,
+    /// Tasks leased by a `CompleteTask`'s `claim_next`.
+    pub claimed_next: u64,
+    /// Tasks whose `CompleteTask` the coordinator took.
+    pub completed: u64,
+    /// Tasks whose `FailTask` the coordinator took.
+    pub failed: u64,
+}
+
+/// [`WorkerStats`] as the loop and its tasks count them.
+#[derive(Debug, Default)]
+struct Counters {
+    claimed: AtomicU64,
+    claimed_next: AtomicU64,
+    completed: AtomicU64,
+    failed: AtomicU64,
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, n: usize) {
+        counter.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            claimed: self.claimed.load(Ordering::Relaxed),
+            claimed_next: self.claimed_next.load(Ordering::Relaxed),
+            completed: self.completed.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// Runs the worker loop when a coordinator URL is configured; otherwise the service only
 /// answers its own RPCs, and this waits for `shutdown`.
 pub async fn run_worker_if_configured<H: TaskHandler>(
@@ -162,7 +201,7 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
     let worker_id = worker_id.unwrap_or_else(|| default_worker_id(role_name));
     let mut config = WorkerConfig::new(url, worker_id, vec![role]);
     config.concurrency = concurrency.max(1);
-    run_worker(config, handler, shutdown).await
+    run_worker(config, handler, shutdown).await.map(drop)
 }
 
 /// Returns `<role>-<hostname>-<pid>`, the default worker id.
@@ -176,14 +215,15 @@ pub fn default_worker_id(role: &str) -> String {
 }
 
 /// Claims and runs tasks with `handler` until `shutdown` is cancelled, then cancels running
-/// tasks and waits up to `drain_timeout` for them to report.
+/// tasks and waits up to `drain_timeout` for them to report. Returns what it did.
 pub async fn run_worker<H: TaskHandler>(
     config: WorkerConfig,
     handler: Arc<H>,
     shutdown: CancellationToken,
-) -> Result<(), Error> {
+) -> Result<WorkerStats, Error> {
     let client = coordinator_client(&config.coordinator_url)?;
     let config = Arc::new(config);
+    let counters = Arc::new(Counters::default());
     let mut running: JoinSet<()> = JoinSet::new();
     let mut backoff = Backoff::new();
     tracing::info!(worker_id = %config.worker_id, roles = ?config.roles, coordinator = %config.coordinator_url, "worker started");
@@ -221,13 +261,16 @@ pub async fn run_worker<H: TaskHandler>(
         match response {
             Ok(response) => {
                 backoff.reset();
-                for task in response.into_inner().tasks {
-                    let run = run_one(
+                let tasks = response.into_inner().tasks;
+                Counters::add(&counters.claimed, tasks.len());
+                for task in tasks {
+                    let run = run_slot(
                         client.clone(),
                         Arc::clone(&config),
                         Arc::clone(&handler),
                         task,
                         shutdown.clone(),
+                        Arc::clone(&counters),
                     );
                     running.spawn(run);
                 }
@@ -252,31 +295,63 @@ pub async fn run_worker<H: TaskHandler>(
         tracing::warn!(worker_id = %config.worker_id, left = running.len(), "tasks did not stop in time, abandoning their leases");
         running.abort_all();
     }
-    tracing::info!(worker_id = %config.worker_id, "worker stopped");
-    Ok(())
+    let stats = counters.stats();
+    tracing::info!(worker_id = %config.worker_id, claimed = stats.claimed, claimed_next = stats.claimed_next, completed = stats.completed, failed = stats.failed, "worker stopped");
+    Ok(stats)
 }
 
+/// One slot of the worker: runs `claimed`, then each task its completion claimed next, until
+/// a completion brings none.
+async fn run_slot<H: TaskHandler>(
+    client: CoordinatorClient,
+    config: Arc<WorkerConfig>,
+    handler: Arc<H>,
+    claimed: ClaimedTask,
+    shutdown: CancellationToken,
+    counters: Arc<Counters>,
+) {
+    let mut queue = std::collections::VecDeque::from([claimed]);
+    while let Some(claimed) = queue.pop_front() {
+        let next = run_one(
+            client.clone(),
+            Arc::clone(&config),
+            Arc::clone(&handler),
+            claimed,
+            shutdown.clone(),
+            &counters,
+        )
+        .await;
+        Counters::add(&counters.claimed_next, next.len());
+        queue.extend(next);
+    }
+}
+
+/// Runs one claimed task; returns the tasks its completion claimed next.
 async fn run_one<H: TaskHandler>(
     client: CoordinatorClient,
     config: Arc<WorkerConfig>,
     handler: Arc<H>,
     claimed: ClaimedTask,
     shutdown: CancellationToken,
-) {
+    counters: &Counters,
+) -> Vec<ClaimedTask> {
     let Some(task) = claimed.task.clone() else {
         tracing::warn!("claimed task without a task body, ignoring");
-        return;
+        return Vec::new();
     };
     let Some(lease) = claimed.lease else {
         tracing::warn!(task_id = %task.id, "claimed task without a lease, ignoring");
-        return;
+        return Vec::new();
     };
     let span = tracing::info_span!("task", session_id = %task.session_id, task_id = %task.id, attempt = lease.attempt);
-    run_leased(client, config, handler, claimed, task, lease, shutdown)
-        .instrument(span)
-        .await;
+    run_leased(
+        client, config, handler, claimed, task, lease, shutdown, counters,
+    )
+    .instrument(span)
+    .await
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_leased<H: TaskHandler>(
     client: CoordinatorClient,
     config: Arc<WorkerConfig>,
@@ -285,7 +360,8 @@ async fn run_leased<H: TaskHandler>(
     task: Task,
     lease: Lease,
     shutdown: CancellationToken,
-) {
+    counters: &Counters,
+) -> Vec<ClaimedTask> {
     let cancel = shutdown.child_token();
     let ctx = TaskContext {
         cancel: cancel.clone(),
@@ -318,25 +394,43 @@ async fn run_leased<H: TaskHandler>(
     };
     if lease_lost.is_cancelled() {
         tracing::warn!("lease lost, dropping the result");
-        return;
+        return Vec::new();
     }
 
     match outcome {
         Ok(result) => {
-            let request = CompleteTaskRequest {
+            // The slot's next task comes with the completion, unless the worker is stopping.
+            let claim_next = (!shutdown.is_cancelled()).then(|| ClaimTasksRequest {
+                worker_id: config.worker_id.clone(),
+                roles: config.roles.iter().map(|role| *role as i32).collect(),
+                capabilities: Vec::new(),
+                max_tasks: 1,
+                wait: None,
+                lease_duration: Some(duration_proto(config.lease)),
+            });
+            let mut request = CompleteTaskRequest {
                 session_id: task.session_id.clone(),
                 task_id: task.id.clone(),
                 fencing_token: lease.fencing_token,
                 result: Some(result),
-                claim_next: None,
+                claim_next,
             };
-            report("CompleteTask", || {
+            let response = report("CompleteTask", || {
                 let mut client = client.clone();
-                let request = request.clone();
-                async move { client.complete_task(request).await.map(|_| ()) }
+                let sent = request.clone();
+                // A retry claims nothing: if the first call committed after all (its answer
+                // lost), the retry is refused as stale, and what the first call claimed waits
+                // out its lease, as with a lost `ClaimTasks` answer.
+                request.claim_next = None;
+                async move { client.complete_task(sent).await }
             })
             .await;
+            let Some(response) = response else {
+                return Vec::new();
+            };
+            Counters::add(&counters.completed, 1);
             tracing::info!("task completed");
+            return response.into_inner().next;
         }
         Err(mut failure) => {
             if shutdown.is_cancelled() {
@@ -351,27 +445,32 @@ async fn run_leased<H: TaskHandler>(
                 error: Some(failure.error),
                 partial_result: failure.partial,
             };
-            report("FailTask", || {
+            if report("FailTask", || {
                 let mut client = client.clone();
                 let request = request.clone();
-                async move { client.fail_task(request).await.map(|_| ()) }
+                async move { client.fail_task(request).await }
             })
-            .await;
+            .await
+            .is_some()
+            {
+                Counters::add(&counters.failed, 1);
+            }
         }
     }
+    Vec::new()
 }
 
 /// Sends a report, retrying transient failures a few times; a refused report (stale token)
-/// is logged once and dropped.
-async fn report<F, Fut>(rpc: &'static str, mut call: F)
+/// is logged once and dropped. Returns the answer, if one came.
+async fn report<F, Fut, T>(rpc: &'static str, mut call: F) -> Option<T>
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), tonic::Status>>,
+    Fut: Future<Output = Result<T, tonic::Status>>,
 {
     let mut backoff = Backoff::new();
     for _ in 0..6 {
         match call().await {
-            Ok(()) => return,
+            Ok(answer) => return Some(answer),
             Err(status) if is_transient(&status) => {
                 let delay = backoff.next();
                 tracing::warn!(rpc, code = ?status.code(), retry_in = ?delay, "report failed, retrying");
@@ -379,7 +478,7 @@ where
             }
             Err(status) => {
                 tracing::warn!(rpc, code = ?status.code(), error = %status.message(), "report refused");
-                return;
+                return None;
             }
         }
     }
@@ -387,6 +486,7 @@ where
         rpc,
         "report failed repeatedly, the lease will expire and the task be retried"
     );
+    None
 }
 
 /// Heartbeats until the lease is lost (then returns); runs forever otherwise, so the caller

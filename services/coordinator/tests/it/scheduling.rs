@@ -733,6 +733,75 @@ async fn completing_a_task_can_claim_the_next_in_the_same_transaction(db: Db) {
     harness.stop().await;
 }
 
+/// The shared worker loop (`troupe_grpc::worker`, which every worker service runs) takes a
+/// chain's next task with the completion that readies it: one call per task after the first
+/// claim.
+async fn the_worker_loop_claims_each_next_task_with_its_completion(db: Db) {
+    use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler, WorkerConfig, WorkerStats};
+
+    struct Quick;
+    impl TaskHandler for Quick {
+        async fn handle(
+            &self,
+            claimed: pb::ClaimedTask,
+            _ctx: TaskContext,
+        ) -> Result<pb::TaskResult, TaskFailure> {
+            Ok(pb::TaskResult {
+                summary: format!("{} done", id_of(&claimed)),
+                ..Default::default()
+            })
+        }
+    }
+
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(json!({"name": "loop", "tasks": [
+            t("IMPL-1", &[]),
+            t("IMPL-2", &["IMPL-1"]),
+            t("IMPL-3", &["IMPL-2"]),
+            t("IMPL-4", &["IMPL-3"]),
+        ]}))
+        .await;
+    let session = session_id(&created);
+    let mut config = WorkerConfig::new(harness.service.url(), "loop-worker", vec![Role::Executor]);
+    config.poll_wait = Duration::from_millis(200);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let worker = tokio::spawn(troupe_grpc::worker::run_worker(
+        config,
+        std::sync::Arc::new(Quick),
+        stop.clone(),
+    ));
+    let finished = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let view = harness.session(&session).await;
+            if view.session.expect("session").state() == SessionState::Completed {
+                return view.tasks;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the session completes");
+    assert!(
+        finished
+            .iter()
+            .all(|task| task.worker_id == "loop-worker" && task.attempt == 1),
+        "{finished:?}"
+    );
+    stop.cancel();
+    let stats = worker.await.expect("join").expect("worker loop");
+    assert_eq!(
+        stats,
+        WorkerStats {
+            claimed: 1,
+            claimed_next: 3,
+            completed: 4,
+            failed: 0,
+        }
+    );
+    harness.stop().await;
+}
+
 /// Batches work on an in-memory copy of the session's tasks (both databases), which a write
 /// outside the group commit makes stale: here a failure changes a task between two batches.
 /// The next batch must see the stored task, not the copy: the completion under the old lease
@@ -935,4 +1004,5 @@ db_tests!(
     completing_a_task_can_claim_the_next_in_the_same_transaction,
     messages_interleaved_with_workers_lose_and_repeat_nothing,
     batches_see_what_was_written_outside_them,
+    the_worker_loop_claims_each_next_task_with_its_completion,
 );
