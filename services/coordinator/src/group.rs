@@ -27,6 +27,10 @@
 //! copy is dropped and the group runs under the lock as above. Under the lock a group also
 //! works on the copy when the copy is as of the locked sequence (see `run_in`).
 //!
+//! A long-polling claim that found nothing parks here ([`GroupCommit::park`]); the next group
+//! that completes tasks takes it as one of its claims, so a task a completion readies is
+//! claimed for a waiting worker in that completion's transaction.
+//!
 //! A caller that finds its lane idle has its operation run at once, alone (no added latency
 //! when there is no contention), on a task of its own; what queued meanwhile runs next.
 //! When an operation of a group fails (a stale fencing token, say), the whole group is
@@ -124,6 +128,49 @@ pub(crate) struct GroupCommit {
     /// Sessions as their last group left them (see `run_optimistic` and `run_in`).
     /// Only a session's own lane uses its entry, one group at a time.
     sessions: Arc<Mutex<HashMap<String, Cached>>>,
+    /// Long-polling claims that found nothing, in arrival order, for the next group that
+    /// completes tasks to claim for (see [`GroupCommit::park`]).
+    parked: Arc<Mutex<Vec<Parked>>>,
+    next_parked: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// A parked claim: its request and where its answer goes once a group took it.
+#[derive(Debug)]
+struct Parked {
+    id: u64,
+    request: ClaimRequest,
+    reply: oneshot::Sender<Result<Vec<Claimed>, Error>>,
+}
+
+/// A claim waiting in [`GroupCommit::park`]; dropping it withdraws it.
+#[derive(Debug)]
+pub(crate) struct ParkedClaim {
+    group: GroupCommit,
+    id: u64,
+    answer: oneshot::Receiver<Result<Vec<Claimed>, Error>>,
+}
+
+impl ParkedClaim {
+    /// What a group that took the claim claimed for it (possibly nothing). Pending while the
+    /// claim is parked.
+    pub(crate) async fn answered(&mut self) -> Result<Vec<Claimed>, Error> {
+        (&mut self.answer).await.unwrap_or_else(|_| Err(gone()))
+    }
+
+    /// Withdraws the claim: nothing when it was still parked; else a group took it, and this
+    /// is its answer (tasks leased to the caller, which must not be dropped).
+    pub(crate) async fn withdraw(mut self) -> Result<Vec<Claimed>, Error> {
+        if self.group.unpark(self.id) {
+            return Ok(Vec::new());
+        }
+        self.answered().await
+    }
+}
+
+impl Drop for ParkedClaim {
+    fn drop(&mut self) {
+        self.group.unpark(self.id);
+    }
 }
 
 /// A session (and its tasks, when small enough) as its last group left them.
@@ -161,7 +208,81 @@ impl GroupCommit {
             store,
             lanes: Arc::default(),
             sessions: Arc::default(),
+            parked: Arc::default(),
+            next_parked: Arc::default(),
         }
+    }
+
+    fn parked(&self) -> MutexGuard<'_, Vec<Parked>> {
+        // A list of waiters: a panic cannot leave it half-changed.
+        self.parked.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Parks a long-polling claim that found nothing. The next group that completes tasks
+    /// takes it, when it asks for the same roles as that group's claims, and claims for it in
+    /// the same transaction: the task a completion readies reaches a waiting worker with that
+    /// one commit, instead of a wake-up, a pick and a second commit.
+    pub(crate) fn park(&self, request: ClaimRequest) -> ParkedClaim {
+        let id = self
+            .next_parked
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (reply, answer) = oneshot::channel();
+        self.parked().push(Parked { id, request, reply });
+        ParkedClaim {
+            group: self.clone(),
+            id,
+            answer,
+        }
+    }
+
+    /// Removes a parked claim; false when a group took it first.
+    fn unpark(&self, id: u64) -> bool {
+        let mut parked = self.parked();
+        match parked.iter().position(|claim| claim.id == id) {
+            Some(at) => {
+                parked.remove(at);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Adds to a group that completes tasks the parked claims that can share its batch: those
+    /// asking for the roles of its claims (or of the first parked claim, when it has none), on
+    /// the session of its first completion.
+    fn take_parked(&self, ops: &mut Vec<Op>) {
+        let Some(session_id) = ops.iter().find_map(|op| match op {
+            Op::Complete { session_id, .. } => Some(session_id.clone()),
+            _ => None,
+        }) else {
+            return;
+        };
+        let mut parked = self.parked();
+        if parked.is_empty() {
+            return;
+        }
+        let roles = ops
+            .iter()
+            .filter(|op| op.session_id() == session_id)
+            .find_map(Op::claim_request)
+            .map_or_else(
+                || parked[0].request.roles.clone(),
+                |request| request.roles.clone(),
+            );
+        let now = crate::convert::now_ms();
+        let (taken, left): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut *parked)
+            .into_iter()
+            .partition(|claim| claim.request.roles == roles);
+        *parked = left;
+        drop(parked);
+        ops.extend(taken.into_iter().map(|claim| Op::Claim {
+            session_id: session_id.clone(),
+            request: ClaimRequest {
+                now,
+                ..claim.request
+            },
+            reply: claim.reply,
+        }));
     }
 
     fn lanes(&self) -> MutexGuard<'_, HashMap<String, Vec<Op>>> {
@@ -309,7 +430,8 @@ impl GroupCommit {
     }
 
     /// Runs `ops` in one transaction and answers each; see the module comment for failures.
-    async fn run(&self, ops: Vec<Op>) {
+    async fn run(&self, mut ops: Vec<Op>) {
+        self.take_parked(&mut ops);
         let mut result = self.run_optimistic(&ops).await;
         if matches!(result, Err(GroupError::Contended)) && ops.len() > 1 {
             result = self.run_together(&ops).await;

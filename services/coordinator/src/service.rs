@@ -640,7 +640,7 @@ impl Coordinator {
         let wait = duration(request.wait, "wait", Duration::ZERO)?.min(MAX_WAIT);
         let deadline = tokio::time::Instant::now() + wait;
         let mut changes = self.claimable.subscribe();
-        loop {
+        let claimed = loop {
             changes.borrow_and_update();
             let claimed = self
                 .group
@@ -649,18 +649,29 @@ impl Coordinator {
                     ..claim.clone()
                 })
                 .await?;
-            if !claimed.is_empty() {
-                self.notify_watchers();
-                return Ok(pb::ClaimTasksResponse {
-                    tasks: claimed_protos(claimed),
-                });
+            if !claimed.is_empty() || tokio::time::Instant::now() >= deadline {
+                break claimed;
             }
-            tokio::select! {
-                changed = changes.changed() => if changed.is_err() { return Ok(pb::ClaimTasksResponse::default()) },
-                () = tokio::time::sleep_until(deadline) => return Ok(pb::ClaimTasksResponse::default()),
-                () = self.stop.cancelled() => return Ok(pb::ClaimTasksResponse::default()),
+            // Parked, a group that completes tasks may claim for it (see `GroupCommit::park`);
+            // else a change wakes it to look again. Once a group took it, its answer counts
+            // whatever woke it: what it claimed is leased to this caller.
+            let mut parked = self.group.park(claim.clone());
+            let (claimed, look_again) = tokio::select! {
+                answer = parked.answered() => (answer?, true),
+                changed = changes.changed() => (parked.withdraw().await?, changed.is_ok()),
+                () = tokio::time::sleep_until(deadline) => (parked.withdraw().await?, false),
+                () = self.stop.cancelled() => (parked.withdraw().await?, false),
+            };
+            if !claimed.is_empty() || !look_again {
+                break claimed;
             }
+        };
+        if !claimed.is_empty() {
+            self.notify_watchers();
         }
+        Ok(pb::ClaimTasksResponse {
+            tasks: claimed_protos(claimed),
+        })
     }
 
     pub(crate) async fn heartbeat(

@@ -521,6 +521,71 @@ async fn long_poll_claim_wakes_when_work_appears(db: Db) {
     harness.stop().await;
 }
 
+/// A long-polling claim that finds nothing parks; the completion that readies a task of its
+/// roles claims it for the waiting worker in the completion's own transaction. A claim whose
+/// wait ran out, or that was answered, is withdrawn: later completions lease it nothing.
+async fn a_waiting_claim_gets_the_task_a_completion_readies(db: Db) {
+    let harness = Harness::start(db).await;
+    let created = harness
+        .create(json!({"name": "handoff", "tasks": [
+            t("IMPL-1", &[]),
+            t("IMPL-2", &["IMPL-1"]),
+            t("IMPL-3", &["IMPL-2"]),
+        ]}))
+        .await;
+    let session = session_id(&created);
+    let first = harness.claim(&[Role::Executor], 1).await;
+    assert_eq!(ids(&first), vec!["IMPL-1"]);
+    // Parks, then its wait runs out.
+    let expired = harness
+        .claim_with(
+            &[Role::Executor],
+            1,
+            Duration::from_millis(200),
+            Duration::from_secs(30),
+        )
+        .await;
+    assert!(expired.is_empty());
+    let waiter = {
+        let mut client = harness.client();
+        tokio::spawn(async move {
+            client
+                .claim_tasks(pb::ClaimTasksRequest {
+                    worker_id: "waiter".into(),
+                    roles: vec![Role::Executor as i32],
+                    max_tasks: 1,
+                    wait: Some(prost_types::Duration {
+                        seconds: 20,
+                        nanos: 0,
+                    }),
+                    ..Default::default()
+                })
+                .await
+        })
+    };
+    // Let it park (were it not parked yet, it would claim IMPL-2 on the wake-up instead).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    harness
+        .complete(&first[0], "first")
+        .await
+        .expect("complete IMPL-1");
+    let second = waiter
+        .await
+        .expect("join")
+        .expect("claim")
+        .into_inner()
+        .tasks;
+    assert_eq!(ids(&second), vec!["IMPL-2"]);
+    assert_eq!(second[0].task.as_ref().expect("task").worker_id, "waiter");
+    // Neither claim is parked any more: what IMPL-2's completion readies stays ready.
+    harness
+        .complete(&second[0], "second")
+        .await
+        .expect("complete IMPL-2");
+    assert_eq!(harness.state_of(&session, "IMPL-3").await, TaskState::Ready);
+    harness.stop().await;
+}
+
 /// Many concurrent worker calls (group commit runs those that queue behind a transaction in
 /// one transaction): every valid completion and heartbeat commits, every stale one (mixed
 /// into the same groups) is refused alone, and the event sequence stays gap-free.
@@ -1000,6 +1065,7 @@ db_tests!(
     waves_mode_waits_for_the_whole_wave,
     cancel_stops_everything_and_tells_running_workers,
     long_poll_claim_wakes_when_work_appears,
+    a_waiting_claim_gets_the_task_a_completion_readies,
     concurrent_worker_calls_commit_together_and_stale_ones_fail_alone,
     completing_a_task_can_claim_the_next_in_the_same_transaction,
     messages_interleaved_with_workers_lose_and_repeat_nothing,
