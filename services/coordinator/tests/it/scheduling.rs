@@ -657,14 +657,7 @@ async fn concurrent_worker_calls_commit_together_and_stale_ones_fail_alone(db: D
         );
         assert_eq!(stored.progress, "working");
     }
-    let sequences: Vec<u64> = harness
-        .events(&session)
-        .await
-        .iter()
-        .map(|event| event.sequence)
-        .collect();
-    let expected: Vec<u64> = (1..=summary.last_sequence).collect();
-    assert_eq!(sequences, expected, "gap-free event sequence");
+    harness.gap_free_events(&summary).await;
     harness.stop().await;
 }
 
@@ -927,14 +920,7 @@ async fn batches_see_what_was_written_outside_them(db: Db) {
     let view = harness.session(&session).await;
     let summary = view.session.expect("session");
     assert_eq!(summary.state(), SessionState::Failed);
-    let sequences: Vec<u64> = harness
-        .events(&session)
-        .await
-        .iter()
-        .map(|event| event.sequence)
-        .collect();
-    let expected: Vec<u64> = (1..=summary.last_sequence).collect();
-    assert_eq!(sequences, expected, "gap-free event sequence");
+    harness.gap_free_events(&summary).await;
     harness.stop().await;
 }
 
@@ -1030,10 +1016,7 @@ async fn messages_interleaved_with_workers_lose_and_repeat_nothing(db: Db) {
     let view = harness.session(&session).await;
     let summary = view.session.expect("session");
     assert_eq!(summary.state(), SessionState::Completed);
-    let events = harness.events(&session).await;
-    let sequences: Vec<u64> = events.iter().map(|event| event.sequence).collect();
-    let expected: Vec<u64> = (1..=summary.last_sequence).collect();
-    assert_eq!(sequences, expected, "gap-free event sequence");
+    let events = harness.gap_free_events(&summary).await;
     let mut completed = std::collections::HashMap::new();
     let mut logged = 0;
     for event in &events {

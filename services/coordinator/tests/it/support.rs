@@ -152,6 +152,16 @@ impl Harness {
         event_log(&mut self.client(), session_id).await
     }
 
+    /// The session's whole event log, after checking that its sequence numbers run from 1 to
+    /// its `last_sequence`, each once.
+    pub(crate) async fn gap_free_events(&self, session: &pb::Session) -> Vec<pb::SessionEvent> {
+        let events = self.events(&session.id).await;
+        let sequences: Vec<u64> = events.iter().map(|event| event.sequence).collect();
+        let expected: Vec<u64> = (1..=session.last_sequence).collect();
+        assert_eq!(sequences, expected, "gap-free event sequence");
+        events
+    }
+
     pub(crate) async fn stop(self) {
         self.service.stop().await;
     }
