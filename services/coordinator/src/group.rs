@@ -180,6 +180,17 @@ struct Cached {
     tasks: Option<TaskCache>,
 }
 
+impl Cached {
+    /// `session` and `tasks` as a group that moved the session's sequence to `last` (when
+    /// the transaction knows it) left them.
+    fn after(mut session: SessionRow, tasks: Option<TaskCache>, last: Option<u64>) -> Self {
+        if let Some(last) = last {
+            session.last_seq = last;
+        }
+        Self { session, tasks }
+    }
+}
+
 /// Sessions kept in [`GroupCommit::sessions`]; beyond that it starts over (a stale or missing
 /// entry costs one read).
 const CACHED_SESSIONS: usize = 1024;
@@ -525,16 +536,10 @@ impl GroupCommit {
             // Nothing checked the copy against the session's sequence: it may be stale (a
             // fruitless claim, say, of a task readied elsewhere). The next group reads afresh.
             _ if !wrote => {}
-            None => {
-                if let Some(last) = last {
-                    session.last_seq = last;
-                }
-                let mut sessions = self.sessions();
-                if sessions.len() >= CACHED_SESSIONS {
-                    sessions.clear();
-                }
-                sessions.insert(session_id.to_owned(), Cached { session, tasks });
-            }
+            None => self.keep(vec![(
+                session_id.to_owned(),
+                Cached::after(session, tasks, last),
+            )]),
             // Rare (the session may have ended or stalled): decided under the lock, after the
             // group's own write committed, which leaves the copy behind.
             Some((count, now)) => self
@@ -636,10 +641,8 @@ impl GroupCommit {
                 Some((count, now)) => store::check_end(tx, &mut session, count, now).await?,
                 None => {
                     if let Some(tasks) = tasks {
-                        if let Some(last) = tx.last_seq(session_id) {
-                            session.last_seq = last;
-                        }
-                        copies.push((session_id.to_owned(), Cached { session, tasks }));
+                        let copy = Cached::after(session, tasks, tx.last_seq(session_id));
+                        copies.push((session_id.to_owned(), copy));
                     }
                 }
             }
