@@ -221,9 +221,14 @@ pub async fn run_worker<H: TaskHandler>(
     handler: Arc<H>,
     shutdown: CancellationToken,
 ) -> Result<WorkerStats, Error> {
-    let client = coordinator_client(&config.coordinator_url)?;
-    let config = Arc::new(config);
-    let counters = Arc::new(Counters::default());
+    let slot = Arc::new(Slot {
+        client: coordinator_client(&config.coordinator_url)?,
+        config: Arc::new(config),
+        handler,
+        shutdown: shutdown.clone(),
+        counters: Counters::default(),
+    });
+    let config = &slot.config;
     let mut running: JoinSet<()> = JoinSet::new();
     let mut backoff = Backoff::new();
     tracing::info!(worker_id = %config.worker_id, roles = ?config.roles, coordinator = %config.coordinator_url, "worker started");
@@ -239,16 +244,9 @@ pub async fn run_worker<H: TaskHandler>(
             }
             continue;
         }
-        let request = ClaimTasksRequest {
-            worker_id: config.worker_id.clone(),
-            roles: config.roles.iter().map(|role| *role as i32).collect(),
-            capabilities: Vec::new(),
-            max_tasks: u32::try_from(free).unwrap_or(u32::MAX),
-            wait: Some(duration_proto(config.poll_wait)),
-            lease_duration: Some(duration_proto(config.lease)),
-        };
+        let request = claim_request(config, free, Some(config.poll_wait));
         let claim = {
-            let mut client = client.clone();
+            let mut client = slot.client.clone();
             async move { client.claim_tasks(request).await }
         };
         // Never abandon a claim in flight: the coordinator may already have leased tasks to
@@ -262,17 +260,9 @@ pub async fn run_worker<H: TaskHandler>(
             Ok(response) => {
                 backoff.reset();
                 let tasks = response.into_inner().tasks;
-                Counters::add(&counters.claimed, tasks.len());
+                Counters::add(&slot.counters.claimed, tasks.len());
                 for task in tasks {
-                    let run = run_slot(
-                        client.clone(),
-                        Arc::clone(&config),
-                        Arc::clone(&handler),
-                        task,
-                        shutdown.clone(),
-                        Arc::clone(&counters),
-                    );
-                    running.spawn(run);
+                    running.spawn(run_slot(Arc::clone(&slot), task));
                 }
             }
             Err(status) => {
@@ -295,46 +285,45 @@ pub async fn run_worker<H: TaskHandler>(
         tracing::warn!(worker_id = %config.worker_id, left = running.len(), "tasks did not stop in time, abandoning their leases");
         running.abort_all();
     }
-    let stats = counters.stats();
+    let stats = slot.counters.stats();
     tracing::info!(worker_id = %config.worker_id, claimed = stats.claimed, claimed_next = stats.claimed_next, completed = stats.completed, failed = stats.failed, "worker stopped");
     Ok(stats)
 }
 
-/// One slot of the worker: runs `claimed`, then each task its completion claimed next, until
-/// a completion brings none.
-async fn run_slot<H: TaskHandler>(
+/// What a worker loop's slots share.
+struct Slot<H> {
     client: CoordinatorClient,
     config: Arc<WorkerConfig>,
     handler: Arc<H>,
-    claimed: ClaimedTask,
     shutdown: CancellationToken,
-    counters: Arc<Counters>,
-) {
+    counters: Counters,
+}
+
+/// A `ClaimTasks` request of this worker for up to `max` tasks.
+fn claim_request(config: &WorkerConfig, max: usize, wait: Option<Duration>) -> ClaimTasksRequest {
+    ClaimTasksRequest {
+        worker_id: config.worker_id.clone(),
+        roles: config.roles.iter().map(|role| *role as i32).collect(),
+        capabilities: Vec::new(),
+        max_tasks: u32::try_from(max).unwrap_or(u32::MAX),
+        wait: wait.map(duration_proto),
+        lease_duration: Some(duration_proto(config.lease)),
+    }
+}
+
+/// One slot of the worker: runs `claimed`, then each task its completion claimed next, until
+/// a completion brings none.
+async fn run_slot<H: TaskHandler>(slot: Arc<Slot<H>>, claimed: ClaimedTask) {
     let mut queue = std::collections::VecDeque::from([claimed]);
     while let Some(claimed) = queue.pop_front() {
-        let next = run_one(
-            client.clone(),
-            Arc::clone(&config),
-            Arc::clone(&handler),
-            claimed,
-            shutdown.clone(),
-            &counters,
-        )
-        .await;
-        Counters::add(&counters.claimed_next, next.len());
+        let next = run_one(&slot, claimed).await;
+        Counters::add(&slot.counters.claimed_next, next.len());
         queue.extend(next);
     }
 }
 
 /// Runs one claimed task; returns the tasks its completion claimed next.
-async fn run_one<H: TaskHandler>(
-    client: CoordinatorClient,
-    config: Arc<WorkerConfig>,
-    handler: Arc<H>,
-    claimed: ClaimedTask,
-    shutdown: CancellationToken,
-    counters: &Counters,
-) -> Vec<ClaimedTask> {
+async fn run_one<H: TaskHandler>(slot: &Slot<H>, claimed: ClaimedTask) -> Vec<ClaimedTask> {
     let Some(task) = claimed.task.clone() else {
         tracing::warn!("claimed task without a task body, ignoring");
         return Vec::new();
@@ -344,24 +333,24 @@ async fn run_one<H: TaskHandler>(
         return Vec::new();
     };
     let span = tracing::info_span!("task", session_id = %task.session_id, task_id = %task.id, attempt = lease.attempt);
-    run_leased(
-        client, config, handler, claimed, task, lease, shutdown, counters,
-    )
-    .instrument(span)
-    .await
+    run_leased(slot, claimed, task, lease)
+        .instrument(span)
+        .await
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn run_leased<H: TaskHandler>(
-    client: CoordinatorClient,
-    config: Arc<WorkerConfig>,
-    handler: Arc<H>,
+    slot: &Slot<H>,
     claimed: ClaimedTask,
     task: Task,
     lease: Lease,
-    shutdown: CancellationToken,
-    counters: &Counters,
 ) -> Vec<ClaimedTask> {
+    let Slot {
+        client,
+        config,
+        handler,
+        shutdown,
+        counters,
+    } = slot;
     let cancel = shutdown.child_token();
     let ctx = TaskContext {
         cancel: cancel.clone(),
@@ -371,7 +360,7 @@ async fn run_leased<H: TaskHandler>(
     let lease_lost = CancellationToken::new();
     let heartbeat = heartbeat_loop(
         client.clone(),
-        Arc::clone(&config),
+        Arc::clone(config),
         task.session_id.clone(),
         task.id.clone(),
         lease.fencing_token,
@@ -400,14 +389,7 @@ async fn run_leased<H: TaskHandler>(
     match outcome {
         Ok(result) => {
             // The slot's next task comes with the completion, unless the worker is stopping.
-            let claim_next = (!shutdown.is_cancelled()).then(|| ClaimTasksRequest {
-                worker_id: config.worker_id.clone(),
-                roles: config.roles.iter().map(|role| *role as i32).collect(),
-                capabilities: Vec::new(),
-                max_tasks: 1,
-                wait: None,
-                lease_duration: Some(duration_proto(config.lease)),
-            });
+            let claim_next = (!shutdown.is_cancelled()).then(|| claim_request(config, 1, None));
             let mut request = CompleteTaskRequest {
                 session_id: task.session_id.clone(),
                 task_id: task.id.clone(),
