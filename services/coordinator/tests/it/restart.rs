@@ -3,7 +3,6 @@
 use serde_json::json;
 use troupe_coordinator::{App, Config, Error};
 use troupe_proto::v1::{self as pb, Role, TaskState};
-use troupe_testkit::TestService;
 
 use crate::support::{Db, Harness, db_tests, ids, session_id, t, token};
 
@@ -23,15 +22,8 @@ async fn a_restart_keeps_sessions_leases_and_sequences(db: Db) {
         .session
         .expect("session")
         .last_sequence;
-    let config = harness.config();
-    let Harness { service, dir, .. } = harness;
-    service.stop().await;
-
-    let service = TestService::spawn(move |listener, shutdown| {
-        troupe_coordinator::run(config, listener, shutdown)
-    })
-    .await;
-    let mut client = troupe_grpc::coordinator_client(&service.url()).expect("client");
+    let harness = harness.restart(async |_| {}).await;
+    let mut client = harness.client();
     let view = client
         .get_session(pb::GetSessionRequest {
             session_id: session.clone(),
@@ -67,8 +59,7 @@ async fn a_restart_keeps_sessions_leases_and_sequences(db: Db) {
         .into_inner()
         .tasks;
     assert_eq!(ids(&next), vec!["IMPL-2"]);
-    service.stop().await;
-    drop(dir);
+    harness.stop().await;
 }
 
 async fn a_database_from_before_estimates_upgrades_in_place(db: Db) {
@@ -82,12 +73,8 @@ async fn a_database_from_before_estimates_upgrades_in_place(db: Db) {
             ]}))
             .await,
     );
-    let config = harness.config();
-    let Harness { service, dir, .. } = harness;
-    service.stop().await;
-
     // Put the schema back as migration 5 left it (no `path_ms`, the old claim indexes).
-    let downgrade = [
+    let statements = [
         "DROP INDEX tasks_claim",
         "DROP INDEX tasks_session_state",
         "ALTER TABLE tasks DROP COLUMN path_ms",
@@ -95,12 +82,12 @@ async fn a_database_from_before_estimates_upgrades_in_place(db: Db) {
         "CREATE INDEX tasks_session_state ON tasks (session_id, state, role, priority, critical_path DESC, created_at, position)",
         "DELETE FROM schema_migrations WHERE version = 6",
     ];
-    {
+    let downgrade = async |config: &troupe_coordinator::Config| {
         use sqlx::Connection as _;
         match &config.database_url {
             Some(url) => {
                 let mut conn = sqlx::PgConnection::connect(url).await.expect("connect");
-                for sql in downgrade {
+                for sql in statements {
                     sqlx::raw_sql(sql).execute(&mut conn).await.expect(sql);
                 }
             }
@@ -110,19 +97,15 @@ async fn a_database_from_before_estimates_upgrades_in_place(db: Db) {
                     sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
                         .await
                         .expect("connect");
-                for sql in downgrade {
+                for sql in statements {
                     sqlx::raw_sql(sql).execute(&mut conn).await.expect(sql);
                 }
             }
         }
-    }
-
-    let service = TestService::spawn(move |listener, shutdown| {
-        troupe_coordinator::run(config, listener, shutdown)
-    })
-    .await;
-    let mut client = troupe_grpc::coordinator_client(&service.url()).expect("client");
-    let claimed = client
+    };
+    let harness = harness.restart(downgrade).await;
+    let claimed = harness
+        .client()
         .claim_tasks(pb::ClaimTasksRequest {
             worker_id: "w".into(),
             roles: vec![Role::Executor as i32],
@@ -139,8 +122,7 @@ async fn a_database_from_before_estimates_upgrades_in_place(db: Db) {
             .iter()
             .all(|c| c.task.as_ref().expect("task").session_id == session)
     );
-    service.stop().await;
-    drop(dir);
+    harness.stop().await;
 }
 
 #[tokio::test]

@@ -90,6 +90,19 @@ macro_rules! db_tests {
 }
 pub(crate) use db_tests;
 
+/// Starts a coordinator on `config`, with a client of it.
+async fn spawn(
+    config: troupe_coordinator::Config,
+    tuning: troupe_coordinator::Tuning,
+) -> (TestService, Client) {
+    let service = TestService::spawn(move |listener, shutdown| {
+        troupe_coordinator::run_tuned(config, tuning, listener, shutdown)
+    })
+    .await;
+    let client = troupe_grpc::coordinator_client(&service.url()).expect("client");
+    (service, client)
+}
+
 /// A coordinator running on its own data directory, next to a sample repository.
 pub(crate) struct Harness {
     pub(crate) client: Client,
@@ -120,11 +133,7 @@ impl Harness {
         let database_url = db.database_url().await;
         let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
         config.database_url.clone_from(&database_url);
-        let service = TestService::spawn(move |listener, shutdown| {
-            troupe_coordinator::run_tuned(config, tuning, listener, shutdown)
-        })
-        .await;
-        let client = troupe_grpc::coordinator_client(&service.url()).expect("client");
+        let (service, client) = spawn(config, tuning).await;
         Self {
             client,
             service,
@@ -133,6 +142,36 @@ impl Harness {
             base_commit,
             database_url,
             _log: log,
+        }
+    }
+
+    /// Stops this coordinator, runs `between` on its configuration while it is down, and
+    /// starts a new one on the same data directory and database.
+    pub(crate) async fn restart(
+        self,
+        between: impl AsyncFnOnce(&troupe_coordinator::Config),
+    ) -> Self {
+        let config = self.config();
+        let Self {
+            service,
+            dir,
+            base_dir,
+            base_commit,
+            database_url,
+            _log,
+            ..
+        } = self;
+        service.stop().await;
+        between(&config).await;
+        let (service, client) = spawn(config, troupe_coordinator::Tuning::default()).await;
+        Self {
+            client,
+            service,
+            dir,
+            base_dir,
+            base_commit,
+            database_url,
+            _log,
         }
     }
 
