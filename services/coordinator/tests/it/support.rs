@@ -152,26 +152,13 @@ impl Harness {
         between: impl AsyncFnOnce(&troupe_coordinator::Config),
     ) -> Self {
         let config = self.config();
-        let Self {
-            service,
-            dir,
-            base_dir,
-            base_commit,
-            database_url,
-            _log,
-            ..
-        } = self;
-        service.stop().await;
+        self.service.stop().await;
         between(&config).await;
         let (service, client) = spawn(config, troupe_coordinator::Tuning::default()).await;
         Self {
             client,
             service,
-            dir,
-            base_dir,
-            base_commit,
-            database_url,
-            _log,
+            ..self
         }
     }
 
