@@ -928,9 +928,22 @@ async fn batches_see_what_was_written_outside_them(db: Db) {
 /// during the workers' batches: on PostgreSQL that makes optimistic batches lose their race
 /// and run again under the lock. Nothing is lost, applied twice or numbered twice.
 async fn messages_interleaved_with_workers_lose_and_repeat_nothing(db: Db) {
+    burn_down_pairs(db, 24, 6, 4, 40).await;
+}
+
+/// Eight workers and nothing else: batches of several completions and claims on the
+/// session's copy, whose EXEC claims read their upstream right after their batch's write.
+/// Every task completes once, upstream results are all there and the sequence is gap-free.
+async fn eight_workers_complete_each_task_once_with_its_upstream(db: Db) {
+    burn_down_pairs(db, 48, 24, 8, 0).await;
+}
+
+/// `workers` workers (`claimNext`) burn down `impls` independent tasks and `execs` tasks
+/// that each wait for two of them, while `messages` messages are logged.
+async fn burn_down_pairs(db: Db, impls: usize, execs: usize, workers: usize, messages: usize) {
     let harness = Harness::start(db).await;
-    let mut tasks: Vec<_> = (1..=24).map(|i| t(&format!("IMPL-{i}"), &[])).collect();
-    for i in 1..=6 {
+    let mut tasks: Vec<_> = (1..=impls).map(|i| t(&format!("IMPL-{i}"), &[])).collect();
+    for i in 1..=execs {
         let deps = [format!("IMPL-{}", 2 * i - 1), format!("IMPL-{}", 2 * i)];
         let deps: Vec<&str> = deps.iter().map(String::as_str).collect();
         tasks.push(t(&format!("EXEC-{i}"), &deps));
@@ -954,6 +967,25 @@ async fn messages_interleaved_with_workers_lose_and_repeat_nothing(db: Db) {
                 )
                 .await;
             while let Some(claimed) = next.pop() {
+                // An EXEC task's claim reads its upstream after its batch's write: it sees
+                // both IMPL tasks' results, also when the write went out behind another.
+                if id_of(&claimed).starts_with("EXEC") {
+                    let mut upstream: Vec<(&str, bool)> = claimed
+                        .upstream
+                        .iter()
+                        .map(|up| {
+                            let by = up.result.as_ref().map(|r| r.summary.as_str());
+                            let by_someone = by.is_some_and(|s| s.starts_with(&up.task_id));
+                            (up.task_id.as_str(), by_someone)
+                        })
+                        .collect();
+                    upstream.sort();
+                    let i: usize = id_of(&claimed)["EXEC-".len()..].parse().expect("number");
+                    let (a, b) = (format!("IMPL-{}", 2 * i - 1), format!("IMPL-{}", 2 * i));
+                    let mut want = vec![(a.as_str(), true), (b.as_str(), true)];
+                    want.sort();
+                    assert_eq!(upstream, want, "upstream of {}", id_of(&claimed));
+                }
                 let response = harness
                     .client()
                     .complete_task(pb::CompleteTaskRequest {
@@ -990,8 +1022,8 @@ async fn messages_interleaved_with_workers_lose_and_repeat_nothing(db: Db) {
             done
         }
     };
-    let messages = async {
-        for n in 0..40 {
+    let logging = async {
+        for n in 0..messages {
             harness
                 .client()
                 .log_message(pb::LogMessageRequest {
@@ -1006,10 +1038,10 @@ async fn messages_interleaved_with_workers_lose_and_repeat_nothing(db: Db) {
             tokio::task::yield_now().await;
         }
     };
-    let (done, ()) = tokio::join!(futures::future::join_all((0..4).map(worker)), messages);
+    let (done, ()) = tokio::join!(futures::future::join_all((0..workers).map(worker)), logging);
     assert_eq!(
         done.iter().sum::<usize>(),
-        30,
+        impls + execs,
         "each task completed once: {done:?}"
     );
 
@@ -1028,9 +1060,9 @@ async fn messages_interleaved_with_workers_lose_and_repeat_nothing(db: Db) {
             _ => {}
         }
     }
-    assert_eq!(completed.len(), 30);
+    assert_eq!(completed.len(), impls + execs);
     assert!(completed.values().all(|&n| n == 1), "{completed:?}");
-    assert_eq!(logged, 40);
+    assert_eq!(logged, messages);
     harness.stop().await;
 }
 
@@ -1052,6 +1084,7 @@ db_tests!(
     concurrent_worker_calls_commit_together_and_stale_ones_fail_alone,
     completing_a_task_can_claim_the_next_in_the_same_transaction,
     messages_interleaved_with_workers_lose_and_repeat_nothing,
+    eight_workers_complete_each_task_once_with_its_upstream,
     batches_see_what_was_written_outside_them,
     the_worker_loop_claims_each_next_task_with_its_completion,
 );
