@@ -14,6 +14,8 @@ pub(crate) struct Bench {
     shutdown: CancellationToken,
     server: JoinHandle<Result<(), troupe_coordinator::Error>>,
     runtime: Option<tokio::runtime::Runtime>,
+    /// PostgreSQL: the server's URL and the run's schema, dropped by [`Bench::stop`].
+    schema: Option<(String, String)>,
     _dir: tempfile::TempDir,
 }
 
@@ -22,7 +24,7 @@ impl Bench {
     pub(crate) async fn start(db: &str) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
-        config.database_url = match db {
+        let schema = match db {
             "sqlite" => None,
             "postgres" => {
                 let url = std::env::var("TROUPE_BENCH_DATABASE_URL")
@@ -30,7 +32,9 @@ impl Bench {
                     .context(
                         "set TROUPE_BENCH_DATABASE_URL (or source scripts/setup/20-postgres.sh)",
                     )?;
-                Some(fresh_schema(&url).await?)
+                let schema = fresh_schema(&url).await?;
+                config.database_url = Some(in_schema(&url, &schema));
+                Some((url, schema))
             }
             other => bail!("unknown --db {other}"),
         };
@@ -72,6 +76,7 @@ impl Bench {
             shutdown,
             server,
             runtime: Some(runtime),
+            schema,
             _dir: dir,
         })
     }
@@ -82,6 +87,14 @@ impl Bench {
         (&mut self.server).await??;
         if let Some(runtime) = self.runtime.take() {
             runtime.shutdown_background();
+        }
+        // Each run's tables would otherwise pile up in the benchmark database.
+        if let Some((url, schema)) = self.schema.take() {
+            use sqlx::Connection as _;
+            let mut conn = sqlx::PgConnection::connect(&url).await?;
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
+                .execute(&mut conn)
+                .await?;
         }
         Ok(())
     }
@@ -99,6 +112,7 @@ fn git(dir: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Creates an empty schema for one run and returns its name.
 async fn fresh_schema(url: &str) -> anyhow::Result<String> {
     use sqlx::Connection as _;
     let schema = format!("bench_{}", uuid::Uuid::new_v4().simple());
@@ -106,10 +120,13 @@ async fn fresh_schema(url: &str) -> anyhow::Result<String> {
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
         .execute(&mut conn)
         .await?;
+    Ok(schema)
+}
+
+/// `url` with `schema` as its search path.
+fn in_schema(url: &str, schema: &str) -> String {
     let separator = if url.contains('?') { '&' } else { '?' };
-    Ok(format!(
-        "{url}{separator}options=-c%20search_path%3D{schema}"
-    ))
+    format!("{url}{separator}options=-c%20search_path%3D{schema}")
 }
 
 /// Fails unless the session ended completed (a benchmark that lost or failed a task measured
