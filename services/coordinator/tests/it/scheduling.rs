@@ -968,7 +968,7 @@ async fn burn_down_pairs(db: Db, impls: usize, execs: usize, workers: usize, mes
                 .await;
             while let Some(claimed) = next.pop() {
                 // An EXEC task's claim reads its upstream after its batch's write: it sees
-                // both IMPL tasks' results, also when the write went out behind another.
+                // both IMPL tasks' results.
                 if id_of(&claimed).starts_with("EXEC") {
                     let mut upstream: Vec<(&str, bool)> = claimed
                         .upstream
