@@ -44,6 +44,10 @@ struct Args {
     /// (`claim_next`), instead of a separate `ClaimTasks`.
     #[arg(long)]
     claim_next: bool,
+    /// S1: also log a message to the session every this many milliseconds while it burns
+    /// down (a team's message bus next to its workers); 0 logs none.
+    #[arg(long, default_value_t = 0)]
+    message_every_ms: u64,
     /// S2: latency samples.
     #[arg(long, default_value_t = 300)]
     samples: usize,
@@ -171,13 +175,40 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
             anyhow::Ok(())
         });
     }
+    let logger = (args.message_every_ms > 0).then(|| {
+        let mut client = client.clone();
+        let (done, total, session) = (Arc::clone(&done), args.tasks, session.clone());
+        let every = Duration::from_millis(args.message_every_ms);
+        tokio::spawn(async move {
+            let mut logged = 0_u64;
+            let mut tick = tokio::time::interval(every);
+            while done.load(Ordering::Relaxed) < total {
+                tick.tick().await;
+                client
+                    .log_message(pb::LogMessageRequest {
+                        session_id: session.clone(),
+                        from: "bench".to_owned(),
+                        r#type: "progress".to_owned(),
+                        summary: format!("note {logged}"),
+                        ..Default::default()
+                    })
+                    .await?;
+                logged += 1;
+            }
+            anyhow::Ok(logged)
+        })
+    });
     while let Some(result) = workers.join_next().await {
         result??;
     }
     let elapsed = start.elapsed();
+    let messages = match logger {
+        Some(logger) => format!(" messages={}", logger.await??),
+        None => String::new(),
+    };
     common::expect_completed(client, session).await?;
     println!(
-        "S1 db={} tasks={} workers={} batch={}{}: {:.2}s, {:.0} tasks/s",
+        "S1 db={} tasks={} workers={} batch={}{}: {:.2}s, {:.0} tasks/s{messages}",
         args.db,
         args.tasks,
         args.workers,

@@ -305,6 +305,19 @@ impl GroupCommit {
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// A message (one event, no task changed) moved `session_id`'s sequence to `sequence`:
+    /// the session's copy, when it is as of the sequence just before, is as good as of
+    /// `sequence`, so the next batch still runs on it instead of losing its sequence check
+    /// and reading the session again. A copy a running group holds is not in the map: that
+    /// group loses its check, as it would anyway.
+    pub(crate) fn message_logged(&self, session_id: &str, sequence: u64) {
+        if let Some(copy) = self.sessions().get_mut(session_id)
+            && copy.session.last_seq + 1 == sequence
+        {
+            copy.session.last_seq = sequence;
+        }
+    }
+
     /// SQLite: one lane (one writer); PostgreSQL: the session's.
     fn lane(&self, session_id: &str) -> String {
         match self.store.dialect() {

@@ -880,8 +880,9 @@ impl Coordinator {
                     data: Some(data),
                     idempotency_key: Some(format!("capability_gap:{role}:{since}")),
                 };
-                let (_, created) = self.store.log_message(&session_id, message, now).await?;
+                let (message, created) = self.store.log_message(&session_id, message, now).await?;
                 if created {
+                    self.group.message_logged(&session_id, message.sequence);
                     tracing::warn!(session_id = %session_id, role, "capability gap");
                     logged += 1;
                 }
@@ -1006,10 +1007,14 @@ impl Coordinator {
             data: request.data.as_ref().map(struct_to_json),
             idempotency_key: Some(request.idempotency_key).filter(|key| !key.is_empty()),
         };
-        let (message, _) = self
+        let (message, created) = self
             .store
             .log_message(&request.session_id, message, now_ms())
             .await?;
+        if created {
+            self.group
+                .message_logged(&request.session_id, message.sequence);
+        }
         self.notify();
         Ok(pb::LogMessageResponse {
             message: Some(message),
@@ -1074,6 +1079,9 @@ impl Coordinator {
             .store
             .update_state(&request.session_id, &request.role, data, now_ms())
             .await?;
+        // Role state is not part of the copy either.
+        self.group
+            .message_logged(&request.session_id, message.sequence);
         self.notify();
         Ok(pb::UpdateStateResponse {
             state: Some(json_to_struct(&state)),

@@ -880,9 +880,27 @@ async fn batches_see_what_was_written_outside_them(db: Db) {
     // A batch: the completion readies IMPL-4, which its claim takes.
     let fourth = harness.complete_and_claim(&claimed[0], 1).await;
     assert_eq!(ids(&fourth), vec!["IMPL-4"]);
-    // Outside the batches, IMPL-2 fails for good.
+    // A message moves the sequence and changes no task: the batches' copy stays good.
+    let note = |summary: &str| pb::LogMessageRequest {
+        session_id: session.clone(),
+        from: "coordinator".into(),
+        summary: summary.into(),
+        ..Default::default()
+    };
+    harness
+        .client()
+        .log_message(note("between batches"))
+        .await
+        .expect("log");
+    // Outside the batches, IMPL-2 fails for good; a message after that does not make the
+    // copy from before the failure look current.
     let failed = harness.fail(&claimed[1], false).await;
     assert_eq!(failed.task.expect("task").state(), TaskState::Failed);
+    harness
+        .client()
+        .log_message(note("after the failure"))
+        .await
+        .expect("log");
     // Its old lease no longer completes it, in a batch of its own or with a claim.
     assert_code(
         harness
