@@ -191,6 +191,10 @@ impl Cached {
     }
 }
 
+/// How often an optimistic group writes before it runs under the lock, when only messages
+/// beat it (see `run_optimistic`).
+const OPTIMISTIC_TRIES: u32 = 3;
+
 /// Sessions kept in [`GroupCommit::sessions`]; beyond that it starts over (a stale or missing
 /// entry costs one read).
 const CACHED_SESSIONS: usize = 1024;
@@ -527,20 +531,36 @@ impl GroupCommit {
         if !one_batch(&session, roles) {
             return Err(GroupError::Contended);
         }
-        let mut tx = self
-            .store
-            .optimistic(session_id, session.last_seq)
-            .await
-            .map_err(|_| GroupError::Contended)?;
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
-        let end = match self
-            .run_session(&mut tx, &mut session, tasks.as_mut(), ops, &mut outcomes)
-            .await
-        {
-            Ok(end) => end,
-            Err(err) if tx.wrote => return Err(GroupError::Commit(err)),
-            Err(Error::Contended(_)) => return Err(GroupError::Contended),
-            Err(_) => return Err(GroupError::Op),
+        let mut tries = 0;
+        let (end, tx) = loop {
+            let mut tx = self
+                .store
+                .optimistic(session_id, session.last_seq)
+                .await
+                .map_err(|_| GroupError::Contended)?;
+            match self
+                .run_session(&mut tx, &mut session, tasks.as_mut(), ops, &mut outcomes)
+                .await
+            {
+                Ok(end) => break (end, tx),
+                Err(err) if tx.wrote => return Err(GroupError::Commit(err)),
+                Err(Error::Contended(_)) => {
+                    drop(tx);
+                    tries += 1;
+                    // Lost to messages only (a busy message bus): nothing it worked on
+                    // changed, and a failed write leaves the copy as it was, so it tries
+                    // again as of the new sequence instead of reading the session afresh.
+                    match self.only_messages_since(session_id, session.last_seq).await {
+                        Some(last) if tries < OPTIMISTIC_TRIES => {
+                            session.last_seq = last;
+                            outcomes.fill_with(|| None);
+                        }
+                        _ => return Err(GroupError::Contended),
+                    }
+                }
+                Err(_) => return Err(GroupError::Op),
+            }
         };
         let (wrote, last) = (tx.wrote, tx.last_seq(session_id));
         // Its connection back first: SQLite has one writer connection, which `check_end` needs.
@@ -565,6 +585,30 @@ impl GroupCommit {
             .map(|outcome| outcome.ok_or_else(mismatch))
             .collect::<Result<_, _>>()
             .map_err(GroupError::Commit)
+    }
+
+    /// When every event recorded after `after` is a message (which changes no task), the
+    /// sequence of the last: a copy as of `after` is as good as of it. `None` when anything
+    /// else was recorded, or nothing (the write lost for another reason).
+    async fn only_messages_since(&self, session_id: &str, after: u64) -> Option<u64> {
+        const MOST: u32 = 64;
+        let events = self
+            .store
+            .events_after(session_id, after, MOST + 1)
+            .await
+            .ok()?;
+        if events.is_empty() || events.len() > MOST as usize {
+            return None;
+        }
+        let mut last = after;
+        for event in events {
+            let message = matches!(event.kind, Some(pb::session_event::Kind::Message(_)));
+            if !message || event.sequence != last + 1 {
+                return None;
+            }
+            last = event.sequence;
+        }
+        Some(last)
     }
 
     async fn check_end(&self, session_id: &str, count: usize, now: i64) -> Result<(), Error> {
