@@ -26,8 +26,9 @@
 //! group commit such as a message or a failure, moved the sequence), nothing was written. If
 //! only messages came in between (they change no task), the group writes again on the same
 //! copy as of the new sequence; otherwise the copy is dropped and the group runs under the
-//! lock as above. A message logged while the copy sits between groups moves the copy along. Under the lock a group also
-//! works on the copy when the copy is as of the locked sequence (see `run_in`).
+//! lock as above. A message logged while the copy sits between groups moves the copy along.
+//! Under the lock a group also works on the copy when the copy is as of the locked sequence
+//! (see `run_in`).
 //!
 //! A long-polling claim that found nothing parks here ([`GroupCommit::park`]); the next group
 //! that completes tasks takes it as one of its claims, so a task a completion readies is
