@@ -880,9 +880,8 @@ impl Coordinator {
                     data: Some(data),
                     idempotency_key: Some(format!("capability_gap:{role}:{since}")),
                 };
-                let (message, created) = self.store.log_message(&session_id, message, now).await?;
+                let (_, created) = self.log(&session_id, message, now).await?;
                 if created {
-                    self.group.message_logged(&session_id, message.sequence);
                     tracing::warn!(session_id = %session_id, role, "capability gap");
                     logged += 1;
                 }
@@ -1007,18 +1006,27 @@ impl Coordinator {
             data: request.data.as_ref().map(struct_to_json),
             idempotency_key: Some(request.idempotency_key).filter(|key| !key.is_empty()),
         };
-        let (message, created) = self
-            .store
-            .log_message(&request.session_id, message, now_ms())
-            .await?;
-        if created {
-            self.group
-                .message_logged(&request.session_id, message.sequence);
-        }
+        let (message, _) = self.log(&request.session_id, message, now_ms()).await?;
         self.notify();
         Ok(pb::LogMessageResponse {
             message: Some(message),
         })
+    }
+
+    /// Logs a message (or finds the one with its idempotency key, and `false`), and moves the
+    /// group commit's copy of the session along with a new one (see
+    /// [`GroupCommit::message_logged`]).
+    async fn log(
+        &self,
+        session_id: &str,
+        message: NewMessage,
+        now: i64,
+    ) -> Result<(pb::Message, bool), Error> {
+        let (message, created) = self.store.log_message(session_id, message, now).await?;
+        if created {
+            self.group.message_logged(session_id, message.sequence);
+        }
+        Ok((message, created))
     }
 
     pub(crate) async fn list_messages(

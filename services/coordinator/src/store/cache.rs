@@ -5,8 +5,9 @@
 //! (a lease-only heartbeat aside, which the group commit applies to the copy as well). So the
 //! tasks as the previous batch of the session's lane left them are exactly what is stored as
 //! long as the next write succeeds: the batch can work on them instead of reading, and its
-//! one write is all it sends. When the write loses, the group drops the cache and runs under
-//! the lock; the next batch loads it again.
+//! one write is all it sends. When the write loses to messages only (they change no task),
+//! the batch writes again on the same copy; otherwise the group drops the cache and runs
+//! under the lock, and the next batch loads it again.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
