@@ -9,16 +9,17 @@
 //!
 //! S1 burn-down: one session of `--tasks` independent no-op tasks drained by `--workers`
 //! concurrent workers claiming up to `--batch` tasks per `ClaimTasks`, completing each with
-//! `CompleteTask`. S2 pickup latency: a worker long-polls `ClaimTasks` while a task it waits
-//! for is completed; the sample is from sending `CompleteTask` to the long-poll returning the
-//! task that became ready (it includes the CompleteTask round trip). `--s2-shape pairs` (the
+//! `CompleteTask`; the rate is over the time from the first claim to the last completion.
+//! S2 pickup latency: a worker long-polls `ClaimTasks` while a task it waits for is
+//! completed; the sample is from sending `CompleteTask` to the long-poll returning the task
+//! that became ready (it includes the CompleteTask round trip). `--s2-shape pairs` (the
 //! default): each ready task has one dependency; `--s2-shape chain`: one chain, whose n-th
 //! claim also carries the n-1 upstream results (so it grows with `--samples`).
 
 mod common;
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -142,11 +143,14 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         .collect();
     let session = create(client, base_dir, "s1", tasks).await?;
     let done = Arc::new(AtomicUsize::new(0));
+    // The rate runs to the last completion, as graphile-worker's burn-down does (its queue
+    // is empty): by then the other workers wait in a long poll that nothing will answer.
+    let finished = Arc::new(OnceLock::new());
     let start = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
     for w in 0..args.workers {
         let mut client = client.clone();
-        let done = Arc::clone(&done);
+        let (done, finished) = (Arc::clone(&done), Arc::clone(&finished));
         let total = args.tasks;
         let batch = args.batch;
         let claim_next = args.claim_next;
@@ -169,7 +173,9 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
                     let then = (claim_next && i == last)
                         .then(|| claim_request(&worker, batch, Duration::ZERO));
                     next = complete_then(&mut client, task, then).await?;
-                    done.fetch_add(1, Ordering::Relaxed);
+                    if done.fetch_add(1, Ordering::Relaxed) + 1 == total {
+                        finished.get_or_init(|| start.elapsed());
+                    }
                 }
             }
             anyhow::Ok(())
@@ -201,7 +207,9 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
     while let Some(result) = workers.join_next().await {
         result??;
     }
-    let elapsed = start.elapsed();
+    let elapsed = *finished
+        .get()
+        .ok_or_else(|| anyhow::anyhow!("the workers stopped before the last completion"))?;
     let messages = match logger {
         Some(logger) => format!(" messages={}", logger.await??),
         None => String::new(),
