@@ -66,12 +66,18 @@ pub struct Tuning {
     /// a role have had no worker claiming that role for this many seconds.
     #[arg(long, env = "TROUPE_CAPABILITY_GAP_SECONDS", default_value_t = 60.0)]
     pub capability_gap_seconds: f64,
+    /// Weigh a new session's tasks that give no estimate by what tasks of their role took in
+    /// this many of the newest sessions (the median of their last completed attempts); 0
+    /// weighs them by the plan alone.
+    #[arg(long, env = "TROUPE_LEARN_FROM_SESSIONS", default_value_t = 10)]
+    pub learn_from_sessions: u32,
 }
 
 impl Default for Tuning {
     fn default() -> Self {
         Self {
             capability_gap_seconds: 60.0,
+            learn_from_sessions: 10,
         }
     }
 }
@@ -116,7 +122,12 @@ impl App {
         };
         tracing::info!(data_dir = %data_dir.display(), "coordinator store open");
         Ok(Self {
-            inner: Arc::new(Coordinator::new(store, data_dir, capability_gap)),
+            inner: Arc::new(Coordinator::new(
+                store,
+                data_dir,
+                capability_gap,
+                tuning.learn_from_sessions,
+            )),
         })
     }
 

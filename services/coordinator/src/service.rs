@@ -50,6 +50,9 @@ pub(crate) struct Coordinator {
     stop: CancellationToken,
     /// Ready tasks of a role no worker claimed for this long are a capability gap.
     capability_gap: Duration,
+    /// How many of the newest sessions a new session's tasks without estimates learn their
+    /// roles' durations from (0: they weigh what the plan says alone).
+    learn_from_sessions: u32,
     /// When this coordinator started (unix ms): the floor of "unserved since".
     started_at: i64,
     /// When each worker was last recorded in the store, to write that at most every few seconds.
@@ -211,7 +214,12 @@ struct ResolvedRepo {
 }
 
 impl Coordinator {
-    pub(crate) fn new(store: Store, data_dir: PathBuf, capability_gap: Duration) -> Self {
+    pub(crate) fn new(
+        store: Store,
+        data_dir: PathBuf,
+        capability_gap: Duration,
+        learn_from_sessions: u32,
+    ) -> Self {
         let (changes, _) = watch::channel(0);
         let (claimable, _) = watch::channel(0);
         Self {
@@ -222,6 +230,7 @@ impl Coordinator {
             claimable,
             stop: CancellationToken::new(),
             capability_gap,
+            learn_from_sessions,
             started_at: now_ms(),
             workers_seen: Mutex::new(HashMap::new()),
             origin: uuid::Uuid::new_v4().simple().to_string(),
@@ -356,7 +365,19 @@ impl Coordinator {
         &self,
         request: pb::CreateSessionRequest,
     ) -> Result<pb::CreateSessionResponse, Error> {
-        let plan = Plan::from_json(&request.plan_json)?;
+        let mut plan = Plan::from_json(&request.plan_json)?;
+        // Tasks without an estimate rank by what their role took lately (see the README's
+        // plan format), so a chain of quick checks does not go before slower work.
+        let learned = self
+            .store
+            .learned_durations(self.learn_from_sessions)
+            .await?;
+        plan.weigh_by_role(
+            &learned
+                .into_iter()
+                .filter_map(|(role, ms)| Some((troupe_plan::Role::from_proto(role)?, ms)))
+                .collect(),
+        );
         let loop_problems: Vec<String> = plan
             .tasks
             .iter()

@@ -358,6 +358,11 @@ pub(crate) struct Store {
 /// Channel of the PostgreSQL notifications that wake other coordinators' long polls.
 pub(crate) const CHANGES_CHANNEL: &str = "troupe_changes";
 
+/// How many of their newest completed tasks it learns from.
+const LEARNED_TASKS: u32 = 500;
+/// How many completed tasks a role needs before its median counts.
+const LEARNED_MIN: usize = 3;
+
 /// Serialises concurrent migrations of coordinators starting together on one PostgreSQL.
 const MIGRATION_LOCK: i64 = 0x7472_6f75_7065;
 
@@ -1324,6 +1329,44 @@ impl Store {
         let state = SessionState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?;
         let last: i64 = row.try_get("last_seq")?;
         Ok((state, u64::try_from(last).unwrap_or(0)))
+    }
+
+    /// What each role's tasks took lately: the median, in milliseconds, of the last attempt
+    /// (the one that succeeded) of the newest [`LEARNED_TASKS`] completed tasks in the
+    /// `sessions` newest sessions, for roles with at least [`LEARNED_MIN`] of them.
+    /// It reads only those sessions' tasks (through the sessions' creation index and the
+    /// tasks' primary key), however long the history.
+    pub(crate) async fn learned_durations(
+        &self,
+        sessions: u32,
+    ) -> Result<HashMap<pb::Role, u64>, Error> {
+        if sessions == 0 {
+            return Ok(HashMap::new());
+        }
+        let mut conn = self.reader.acquire().await?;
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT role, finished_at - started_at AS took FROM tasks \
+             WHERE session_id IN (SELECT id FROM sessions ORDER BY created_at DESC LIMIT {sessions}) \
+             AND state = $1 AND started_at IS NOT NULL AND finished_at IS NOT NULL \
+             ORDER BY finished_at DESC LIMIT {LEARNED_TASKS}"
+        )))
+        .bind(TaskState::Completed as i32)
+        .fetch_all(&mut *conn)
+        .await?;
+        let mut took: HashMap<pb::Role, Vec<u64>> = HashMap::new();
+        for row in rows {
+            let role = pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?;
+            let ms = u64::try_from(row.try_get::<i64, _>("took")?).unwrap_or(0);
+            took.entry(role).or_default().push(ms);
+        }
+        Ok(took
+            .into_iter()
+            .filter(|(_, took)| took.len() >= LEARNED_MIN)
+            .map(|(role, mut took)| {
+                took.sort_unstable();
+                (role, took[took.len() / 2])
+            })
+            .collect())
     }
 
     /// Returns up to `limit` events with a sequence greater than `after`, in order.

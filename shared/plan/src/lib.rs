@@ -347,7 +347,8 @@ pub struct PlanTask {
     pub critical_path: u32,
     /// Expected milliseconds of the longest dependency chain from this task to a task nothing
     /// depends on, this task included: the scheduler's rank ("bottom level"). Tasks without an
-    /// estimate weigh the mean of the plan's estimates, or [`DEFAULT_ESTIMATE_MS`].
+    /// estimate weigh what their role took lately when known ([`Plan::weigh_by_role`]), else
+    /// the mean of the plan's estimates, else [`DEFAULT_ESTIMATE_MS`].
     pub path_ms: u64,
     /// Index of the task in the plan's `tasks` array.
     pub plan_index: usize,
@@ -378,6 +379,13 @@ impl Plan {
     /// Parses and validates a JSON plan, reporting every problem found.
     pub fn from_json(text: &str) -> Result<Self, PlanError> {
         validate::parse(text)
+    }
+
+    /// Weighs the tasks that give no estimate by what tasks of their role took lately, in
+    /// milliseconds, where `learned` knows (the coordinator learns it from finished tasks),
+    /// and recomputes every task's `path_ms`. Roles it does not know weigh as before.
+    pub fn weigh_by_role(&mut self, learned: &HashMap<Role, u64>) {
+        validate::weigh(&mut self.tasks, learned);
     }
 
     /// Returns the default repository (the first declared).

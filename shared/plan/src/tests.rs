@@ -402,6 +402,37 @@ fn estimates_weigh_the_critical_path() {
     );
 }
 
+#[test]
+fn learned_role_durations_weigh_tasks_without_estimates() {
+    // Three validators in a chain against two executors: counted in tasks (and with no
+    // estimates, by the default weight) the validators' chain comes first; weighed by what
+    // each role took lately, the executors' does.
+    let mut chains = plan(json!({"name": "p", "tasks": [
+        task("VALIDATE-1", &[]), task("VALIDATE-2", &["VALIDATE-1"]), task("VALIDATE-3", &["VALIDATE-2"]),
+        task("IMPL-1", &[]), task("IMPL-2", &["IMPL-1"]),
+    ]}))
+    .expect("valid");
+    let path = |plan: &Plan, id: &str| plan.task(id).expect("task").path_ms;
+    assert!(path(&chains, "VALIDATE-1") > path(&chains, "IMPL-1"));
+    chains.weigh_by_role(&HashMap::from([
+        (Role::Validator, 2_000),
+        (Role::Executor, 90_000),
+    ]));
+    assert_eq!(path(&chains, "VALIDATE-1"), 6_000);
+    assert_eq!(path(&chains, "VALIDATE-3"), 2_000);
+    assert_eq!(path(&chains, "IMPL-1"), 180_000);
+    // A role nothing was learned for keeps the plan's weight; a task's own estimate wins.
+    let mut mixed = plan_of_chain();
+    let before = path(&mixed, "IMPL-1");
+    mixed.weigh_by_role(&HashMap::from([(Role::TestRunner, 1)]));
+    assert_eq!(path(&mixed, "IMPL-1"), before);
+    let mut own = task("IMPL-1", &[]);
+    own["estimate_seconds"] = json!(10);
+    let mut estimated = plan(json!({"name": "p", "tasks": [own]})).expect("valid");
+    estimated.weigh_by_role(&HashMap::from([(Role::Executor, 1)]));
+    assert_eq!(path(&estimated, "IMPL-1"), 10_000);
+}
+
 fn plan_of_chain() -> Plan {
     plan(json!({"name": "p", "tasks": [task("IMPL-1", &[]), task("IMPL-2", &["IMPL-1"])]}))
         .expect("valid")

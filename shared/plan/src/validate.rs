@@ -945,7 +945,8 @@ fn find_cycles(edges: &[Vec<usize>]) -> Vec<Vec<usize>> {
     cycles
 }
 
-/// Fills waves, critical paths and estimated paths, and sorts tasks topologically (by wave, then plan order).
+/// Fills waves, critical paths and estimated paths, and sorts tasks topologically (by wave,
+/// then plan order).
 /// Requires an acyclic graph with only known dependencies.
 fn order(tasks: &mut [PlanTask]) {
     let index: HashMap<String, usize> = tasks
@@ -991,32 +992,57 @@ fn order(tasks: &mut [PlanTask]) {
             .max()
             .unwrap_or(1);
     }
-    let estimated: Vec<u64> = tasks.iter().filter_map(|task| task.estimate_ms).collect();
-    let unknown = if estimated.is_empty() {
-        DEFAULT_ESTIMATE_MS
-    } else {
-        estimated.iter().sum::<u64>() / estimated.len() as u64
-    };
     let mut critical = vec![1u32; tasks.len()];
-    let mut path_ms = vec![0u64; tasks.len()];
     for &node in topo.iter().rev() {
         critical[node] = dependents[node]
             .iter()
             .map(|&child| critical[child] + 1)
             .max()
             .unwrap_or(1);
-        path_ms[node] = tasks[node].estimate_ms.unwrap_or(unknown).saturating_add(
-            dependents[node]
-                .iter()
-                .map(|&child| path_ms[child])
-                .max()
-                .unwrap_or(0),
-        );
     }
     for (node, task) in tasks.iter_mut().enumerate() {
         task.wave = wave[node];
         task.critical_path = critical[node];
-        task.path_ms = path_ms[node];
     }
     tasks.sort_by_key(|task| (task.wave, task.plan_index));
+    weigh(tasks, &HashMap::new());
+}
+
+/// Fills `path_ms` of tasks in topological order: a task weighs its own estimate, else what
+/// tasks of its role took lately (`learned`), else the mean of the plan's estimates, else
+/// [`DEFAULT_ESTIMATE_MS`].
+pub(crate) fn weigh(tasks: &mut [PlanTask], learned: &HashMap<Role, u64>) {
+    let estimated: Vec<u64> = tasks.iter().filter_map(|task| task.estimate_ms).collect();
+    let unknown = if estimated.is_empty() {
+        DEFAULT_ESTIMATE_MS
+    } else {
+        estimated.iter().sum::<u64>() / estimated.len() as u64
+    };
+    let index: HashMap<&str, usize> = tasks
+        .iter()
+        .enumerate()
+        .map(|(position, task)| (task.id.as_str(), position))
+        .collect();
+    let mut dependents: Vec<Vec<usize>> = vec![Vec::new(); tasks.len()];
+    for (node, task) in tasks.iter().enumerate() {
+        for dep in &task.depends_on {
+            if let Some(&dep) = index.get(dep.as_str()) {
+                dependents[dep].push(node);
+            }
+        }
+    }
+    // Dependents come after their dependencies, so theirs are known when a task's is summed.
+    let mut path_ms = vec![0u64; tasks.len()];
+    for node in (0..tasks.len()).rev() {
+        let task = &tasks[node];
+        let own = task
+            .estimate_ms
+            .or_else(|| learned.get(&task.role).copied())
+            .unwrap_or(unknown);
+        let tail = dependents[node].iter().map(|&child| path_ms[child]).max();
+        path_ms[node] = own.saturating_add(tail.unwrap_or(0));
+    }
+    for (task, path) in tasks.iter_mut().zip(path_ms) {
+        task.path_ms = path;
+    }
 }

@@ -109,6 +109,63 @@ async fn estimates_rank_ready_tasks_by_their_expected_chain(db: Db) {
     harness.stop().await;
 }
 
+async fn tasks_without_estimates_rank_by_what_their_role_took_lately(db: Db) {
+    let harness = Harness::start(db).await;
+    // The executors' chain is now the longer one by what each role took (3 × 250 ms against
+    // 4 × a few ms), so it goes first.
+    assert_eq!(after_history(&harness).await, "IMPL-1");
+    // A task's own estimate still outranks what its role took.
+    let estimated = harness
+        .create(json!({"name": "estimated", "tasks": [
+            {"id": "VALIDATE-1", "title": "slow check", "estimate_seconds": 60},
+            t("IMPL-1", &[]),
+        ]}))
+        .await;
+    let estimated = session_id(&estimated);
+    let mut next = harness.claim(&[Role::Executor, Role::Validator], 3).await;
+    next.retain(|task| task.task.as_ref().expect("task").session_id == estimated);
+    assert_eq!(ids(&next), vec!["VALIDATE-1", "IMPL-1"]);
+    harness.stop().await;
+}
+
+async fn learning_durations_can_be_turned_off(db: Db) {
+    let tuning = troupe_coordinator::Tuning {
+        learn_from_sessions: 0,
+        ..Default::default()
+    };
+    let harness = Harness::start_tuned(db, tuning).await;
+    assert_eq!(after_history(&harness).await, "VALIDATE-1");
+    harness.stop().await;
+}
+
+/// Runs a plan of four validators in a chain and three executors in another, none with an
+/// estimate, where each executor takes 250 ms and each validator next to nothing; then
+/// creates it again and returns the task its first claim gets.
+async fn after_history(harness: &Harness) -> String {
+    let chains = json!({"name": "learned", "tasks": [
+        t("VALIDATE-1", &[]), t("VALIDATE-2", &["VALIDATE-1"]),
+        t("VALIDATE-3", &["VALIDATE-2"]), t("VALIDATE-4", &["VALIDATE-3"]),
+        t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("IMPL-3", &["IMPL-2"]),
+    ]});
+    let both = [Role::Executor, Role::Validator];
+    // No history: counted in tasks, the validators' chain goes first.
+    harness.create(chains.clone()).await;
+    let mut claimed = harness.claim(&both, 1).await;
+    assert_eq!(ids(&claimed), vec!["VALIDATE-1"]);
+    while let Some(task) = claimed.first() {
+        if task.task.as_ref().expect("task").role() == Role::Executor {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        harness.complete(task, "done").await.expect("complete");
+        claimed = harness.claim(&both, 1).await;
+    }
+    let created = harness.create(chains).await;
+    let first = harness.claim(&both, 1).await;
+    let task = first[0].task.as_ref().expect("task");
+    assert_eq!(task.session_id, session_id(&created));
+    task.id.clone()
+}
+
 async fn completing_tasks_advances_the_dag_until_the_session_completes(db: Db) {
     let harness = Harness::start(db).await;
     let created = harness
@@ -1087,6 +1144,8 @@ async fn burn_down_pairs(db: Db, impls: usize, execs: usize, workers: usize, mes
 db_tests!(
     claims_follow_roles_dependencies_and_priority,
     estimates_rank_ready_tasks_by_their_expected_chain,
+    tasks_without_estimates_rank_by_what_their_role_took_lately,
+    learning_durations_can_be_turned_off,
     completing_tasks_advances_the_dag_until_the_session_completes,
     transitive_upstream_is_handed_to_workers,
     stale_fencing_tokens_are_refused,

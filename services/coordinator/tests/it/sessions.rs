@@ -316,6 +316,7 @@ async fn capability_gap_is_warned_and_names_a_covering_role(db: Db) {
         db,
         troupe_coordinator::Tuning {
             capability_gap_seconds: 1.0,
+            ..Default::default()
         },
     )
     .await;
