@@ -20,6 +20,14 @@
 //! tasks by the length of their chain in tasks), `exact` (each task's `estimate_seconds` is its
 //! real duration, a perfect planner) or `noisy` (the real duration times a lognormal(σ = 0.5)
 //! error with mean 1, drawn from its own seed so the durations stay the same).
+//!
+//! `--roles mixed` gives the chains two kinds of work: odd chains are executors whose tasks take
+//! 1.6 × the mean, even chains validators at 0.4 × (the plan task is an executor and the
+//! validate task a validator, at the mean); the workers claim both roles. Counted in tasks every
+//! chain is as long as the next, so without estimates only what the coordinator learned of
+//! each role's durations (`--learn-from-sessions`, its default 10; 0 turns learning off) tells
+//! the long chains from the short. `--warmup` first runs seed 0's DAG once, unmeasured, so the
+//! first measured run has a history to learn from.
 
 mod common;
 
@@ -50,6 +58,15 @@ struct Args {
     /// `none`, `exact` or `noisy`: the plan's `estimate_seconds` (see the module docs).
     #[arg(long, default_value = "none")]
     estimates: String,
+    /// `executor` (every task) or `mixed` (see the module docs).
+    #[arg(long, default_value = "executor")]
+    roles: String,
+    /// The coordinator's `--learn-from-sessions`.
+    #[arg(long, default_value_t = 10)]
+    learn_from_sessions: u32,
+    /// Run seed 0's DAG once, eagerly and unmeasured, before the measured runs.
+    #[arg(long)]
+    warmup: bool,
     /// Shapes as `NxD@M` (chains × depth @ workers), comma-separated.
     #[arg(long, default_value = "4x3@4,8x4@8,8x4@4,3x5@3")]
     shapes: String,
@@ -81,10 +98,11 @@ fn parse_shapes(text: &str) -> anyhow::Result<Vec<Shape>> {
         .collect()
 }
 
-/// One task of the DAG: id, dependencies, duration in ms, and the plan's estimate of it.
+/// One task of the DAG: id, role, dependencies, duration in ms, and the plan's estimate of it.
 #[derive(Debug, Clone)]
 struct Node {
     id: String,
+    role: &'static str,
     deps: Vec<String>,
     ms: u64,
     estimate_ms: Option<f64>,
@@ -110,16 +128,24 @@ fn draw(rng: &mut rand::rngs::StdRng, dist: &str, mean_ms: f64) -> anyhow::Resul
     Ok(value.max(1.0).round() as u64)
 }
 
-fn dag(
-    shape: Shape,
-    seed: u64,
-    dist: &str,
-    mean_ms: f64,
-    estimates: &str,
-) -> anyhow::Result<Vec<Node>> {
+/// The DAG of `shape` with the durations of `seed`, as `args` asks.
+fn dag(shape: Shape, seed: u64, args: &Args) -> anyhow::Result<Vec<Node>> {
+    let (dist, mean_ms) = (args.dist.as_str(), args.mean_ms as f64);
+    let mixed = match args.roles.as_str() {
+        "executor" => false,
+        "mixed" => true,
+        other => bail!("unknown --roles {other} (executor or mixed)"),
+    };
+    // A chain's role and mean duration.
+    let chain_kind = |chain: usize| match (mixed, chain % 2) {
+        (false, _) => ("executor", mean_ms),
+        (true, 1) => ("executor", mean_ms * 1.6),
+        (true, _) => ("validator", mean_ms * 0.4),
+    };
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut nodes = vec![Node {
         id: "PLAN".to_owned(),
+        role: "executor",
         deps: Vec::new(),
         ms: draw(&mut rng, dist, mean_ms)?,
         estimate_ms: None,
@@ -127,12 +153,14 @@ fn dag(
     let mut ends = Vec::new();
     for chain in 1..=shape.chains {
         let mut previous = "PLAN".to_owned();
+        let (role, chain_mean) = chain_kind(chain);
         for step in 1..=shape.depth {
             let id = format!("IMPL-{chain}-{step}");
             nodes.push(Node {
                 id: id.clone(),
+                role,
                 deps: vec![previous],
-                ms: draw(&mut rng, dist, mean_ms)?,
+                ms: draw(&mut rng, dist, chain_mean)?,
                 estimate_ms: None,
             });
             previous = id;
@@ -141,13 +169,14 @@ fn dag(
     }
     nodes.push(Node {
         id: "VALIDATE".to_owned(),
+        role: if mixed { "validator" } else { "executor" },
         deps: ends,
         ms: draw(&mut rng, dist, mean_ms)?,
         estimate_ms: None,
     });
     let mut errors = rand::rngs::StdRng::seed_from_u64(seed ^ 0x05ee_de57);
     for node in &mut nodes {
-        node.estimate_ms = match estimates {
+        node.estimate_ms = match args.estimates.as_str() {
             "none" => None,
             "exact" => Some(node.ms as f64),
             // lognormal(-σ²/2, σ = 0.5) has mean 1.
@@ -198,12 +227,23 @@ fn bounds(nodes: &[Node], observed: &HashMap<String, f64>, workers: usize) -> Bo
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let shapes = parse_shapes(&args.shapes)?;
-    let bench = common::Bench::start(&args.db).await?;
+    let tuning = troupe_coordinator::Tuning {
+        learn_from_sessions: args.learn_from_sessions,
+        ..Default::default()
+    };
+    let bench = common::Bench::start(&args.db, tuning).await?;
     let (client, base_dir) = (bench.client.clone(), bench.base_dir.clone());
 
     println!(
-        "S5 db={} dist={} mean={}ms seeds={} estimates={}",
-        args.db, args.dist, args.mean_ms, args.seeds, args.estimates
+        "S5 db={} dist={} mean={}ms seeds={} estimates={} roles={} learn-from-sessions={}{}",
+        args.db,
+        args.dist,
+        args.mean_ms,
+        args.seeds,
+        args.estimates,
+        args.roles,
+        args.learn_from_sessions,
+        if args.warmup { " warmup" } else { "" }
     );
     println!(
         "{:<10} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9} {:>11} {:>10}",
@@ -217,18 +257,22 @@ async fn main() -> anyhow::Result<()> {
         "waves/eager",
         "eager/ends"
     );
+    for &shape in shapes.iter().take(usize::from(args.warmup)) {
+        run(
+            &client,
+            &base_dir,
+            &dag(shape, 0, &args)?,
+            shape.workers,
+            "eager",
+        )
+        .await?;
+    }
     for shape in shapes {
         let name = format!("{}x{}@{}", shape.chains, shape.depth, shape.workers);
         // Per run: eager/LB, waves/LB, waves/eager, eager/(the bound with the ends whole).
         let mut ratios: Vec<[f64; 4]> = Vec::new();
         for seed in 1..=args.seeds {
-            let nodes = dag(
-                shape,
-                seed,
-                &args.dist,
-                args.mean_ms as f64,
-                &args.estimates,
-            )?;
+            let nodes = dag(shape, seed, &args)?;
             let eager = run(&client, &base_dir, &nodes, shape.workers, "eager").await?;
             let waves = run(&client, &base_dir, &nodes, shape.workers, "waves").await?;
             let eager_lb = bounds(&nodes, &eager.observed, shape.workers);
@@ -287,7 +331,7 @@ async fn run(
     let tasks: Vec<Value> = nodes
         .iter()
         .map(|node| {
-            let mut task = json!({"id": node.id, "title": node.id, "role": "executor",
+            let mut task = json!({"id": node.id, "title": node.id, "role": node.role,
                    "depends_on": node.deps, "sleep_ms": node.ms});
             if let Some(ms) = node.estimate_ms {
                 task["estimate_seconds"] = json!(ms / 1000.0);
@@ -317,7 +361,7 @@ async fn run(
                 let claimed = client
                     .claim_tasks(pb::ClaimTasksRequest {
                         worker_id: worker.clone(),
-                        roles: vec![Role::Executor as i32],
+                        roles: vec![Role::Executor as i32, Role::Validator as i32],
                         max_tasks: 1,
                         wait: prost_types::Duration::try_from(Duration::from_millis(250)).ok(),
                         lease_duration: prost_types::Duration::try_from(Duration::from_secs(60))

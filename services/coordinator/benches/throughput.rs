@@ -69,7 +69,7 @@ type Client = troupe_grpc::CoordinatorClient;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let bench = common::Bench::start(&args.db).await?;
+    let bench = common::Bench::start(&args.db, troupe_coordinator::Tuning::default()).await?;
     let (client, base_dir) = (bench.client.clone(), bench.base_dir.clone());
     // Stopped either way: dropping a running bench would hide the error behind a panic.
     let result = async {

@@ -1364,7 +1364,8 @@ impl Store {
             .filter(|(_, took)| took.len() >= LEARNED_MIN)
             .map(|(role, mut took)| {
                 took.sort_unstable();
-                (role, took[took.len() / 2])
+                // At least 1 ms, so chains of a role that takes no time still rank by length.
+                (role, took[took.len() / 2].max(1))
             })
             .collect())
     }

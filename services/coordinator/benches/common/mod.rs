@@ -20,8 +20,11 @@ pub(crate) struct Bench {
 }
 
 impl Bench {
-    /// Starts a coordinator on `db` (`sqlite` or `postgres`).
-    pub(crate) async fn start(db: &str) -> anyhow::Result<Self> {
+    /// Starts a coordinator on `db` (`sqlite` or `postgres`) with `tuning`.
+    pub(crate) async fn start(
+        db: &str,
+        tuning: troupe_coordinator::Tuning,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
         let schema = match db {
@@ -52,7 +55,12 @@ impl Bench {
             let _on = runtime.enter();
             tokio::net::TcpListener::from_std(listener)?
         };
-        let server = runtime.spawn(troupe_coordinator::run(config, listener, shutdown.clone()));
+        let server = runtime.spawn(troupe_coordinator::run_tuned(
+            config,
+            tuning,
+            listener,
+            shutdown.clone(),
+        ));
         let repo = dir.path().join("plan/repo");
         std::fs::create_dir_all(&repo)?;
         git(&repo, &["init", "-q"])?;
