@@ -358,7 +358,7 @@ pub(crate) struct Store {
 /// Channel of the PostgreSQL notifications that wake other coordinators' long polls.
 pub(crate) const CHANGES_CHANNEL: &str = "troupe_changes";
 
-/// How many of their newest completed tasks it learns from.
+/// How many of the newest completed tasks [`Store::learned_durations`] learns from.
 const LEARNED_TASKS: u32 = 500;
 /// How many completed tasks a role needs before its median counts.
 const LEARNED_MIN: usize = 3;
