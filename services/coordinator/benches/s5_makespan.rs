@@ -257,15 +257,11 @@ async fn main() -> anyhow::Result<()> {
         "waves/eager",
         "eager/ends"
     );
-    for &shape in shapes.iter().take(usize::from(args.warmup)) {
-        run(
-            &client,
-            &base_dir,
-            &dag(shape, 0, &args)?,
-            shape.workers,
-            "eager",
-        )
-        .await?;
+    if args.warmup
+        && let Some(&shape) = shapes.first()
+    {
+        let nodes = dag(shape, 0, &args)?;
+        run(&client, &base_dir, &nodes, shape.workers, "eager").await?;
     }
     for shape in shapes {
         let name = format!("{}x{}@{}", shape.chains, shape.depth, shape.workers);

@@ -366,18 +366,6 @@ impl Coordinator {
         request: pb::CreateSessionRequest,
     ) -> Result<pb::CreateSessionResponse, Error> {
         let mut plan = Plan::from_json(&request.plan_json)?;
-        // Tasks without an estimate rank by what their role took lately (see the README's
-        // plan format), so a chain of quick checks does not go before slower work.
-        let learned = self
-            .store
-            .learned_durations(self.learn_from_sessions)
-            .await?;
-        plan.weigh_by_role(
-            &learned
-                .into_iter()
-                .filter_map(|(role, ms)| Some((troupe_plan::Role::from_proto(role)?, ms)))
-                .collect(),
-        );
         let loop_problems: Vec<String> = plan
             .tasks
             .iter()
@@ -389,6 +377,14 @@ impl Coordinator {
                 loop_problems.join("\n")
             )));
         }
+        // Tasks without an estimate rank by what their role took lately (see the README's
+        // plan format), so a chain of quick checks does not go before slower work.
+        plan.weigh_by_role(
+            &self
+                .store
+                .learned_durations(self.learn_from_sessions)
+                .await?,
+        );
         let base_dir = if request.base_dir.is_empty() {
             None
         } else {

@@ -20,7 +20,7 @@ use serde_json::{Map, Value};
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::sqlite::SqliteConnectOptions;
 use sqlx::{Any, AnyPool, ConnectOptions as _, Row, Transaction};
-use troupe_plan::{Mode, OnFailure};
+use troupe_plan::{Mode, OnFailure, Role};
 use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
 
 use crate::Error;
@@ -1339,7 +1339,7 @@ impl Store {
     pub(crate) async fn learned_durations(
         &self,
         sessions: u32,
-    ) -> Result<HashMap<pb::Role, u64>, Error> {
+    ) -> Result<HashMap<Role, u64>, Error> {
         if sessions == 0 {
             return Ok(HashMap::new());
         }
@@ -1353,9 +1353,12 @@ impl Store {
         .bind(TaskState::Completed as i32)
         .fetch_all(&mut *conn)
         .await?;
-        let mut took: HashMap<pb::Role, Vec<u64>> = HashMap::new();
+        let mut took: HashMap<Role, Vec<u64>> = HashMap::new();
         for row in rows {
             let role = pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?;
+            let Some(role) = Role::from_proto(role) else {
+                continue;
+            };
             let ms = u64::try_from(row.try_get::<i64, _>("took")?).unwrap_or(0);
             took.entry(role).or_default().push(ms);
         }
