@@ -50,6 +50,11 @@ impl Git {
 
     /// Runs `git <args>` and returns its output whatever the exit code.
     pub(crate) async fn run(&self, args: &[&str]) -> Result<Output, Error> {
+        self.run_for(args, GIT_TIMEOUT).await
+    }
+
+    /// Runs `git <args>` with a wall-clock limit of `timeout` (a push bounded by a lease).
+    pub(crate) async fn run_for(&self, args: &[&str], timeout: Duration) -> Result<Output, Error> {
         let cmd = Command::new("git")
             .args(GIT_CONFIG.iter().copied())
             .args(args.iter().copied())
@@ -60,7 +65,7 @@ impl Git {
             .env("GIT_AUTHOR_EMAIL", "troupe@localhost")
             .env("GIT_COMMITTER_NAME", "troupe")
             .env("GIT_COMMITTER_EMAIL", "troupe@localhost")
-            .timeout(GIT_TIMEOUT)
+            .timeout(timeout)
             .max_output_bytes(16 * 1024 * 1024);
         let output = cmd.run(&CancellationToken::new()).await?;
         if output.termination != troupe_process::Termination::Exited {

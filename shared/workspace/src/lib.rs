@@ -1,5 +1,6 @@
-//! Git plumbing for troupe: repositories, session and task branches, per-task worktrees,
-//! commits, and integration of a task's commit into a session branch.
+//! Git plumbing for troupe: remotes and the worker's mirrors of them, session and task
+//! branches, per-task worktrees, commits, and exactly-once integration of a task's commit into
+//! a session branch on the remote ([`fence`]).
 //!
 //! Everything goes through the `git` binary (as an argv vector, via troupe-process) in one
 //! module, with hooks disabled, no prompts, a fixed troupe identity and an allow-listed
@@ -7,7 +8,10 @@
 //! merge with `git merge-tree --write-tree` + `git commit-tree`, then moves the branch with a
 //! compare-and-swap `git update-ref`, retrying when another integration won the race.
 
+pub mod fence;
 mod git;
+mod mirror;
+mod remote;
 mod template;
 
 use std::collections::HashMap;
@@ -17,7 +21,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use tracing::{debug, info};
 
+pub use crate::fence::{Attempt, Claim, Held, Landed, Lease, Publication, Unleased};
 use crate::git::{Git, failure};
+pub use crate::mirror::{Mirror, Mirrors};
+pub use crate::remote::Remote;
 
 /// How often [`Repo::integrate`] retries after losing a compare-and-swap race.
 const INTEGRATE_ATTEMPTS: usize = 32;
@@ -25,14 +32,20 @@ const INTEGRATE_ATTEMPTS: usize = 32;
 /// How often a `git worktree add` that raced with another process is tried.
 const WORKTREE_ATTEMPTS: usize = 5;
 
-/// One lock per repository (by canonical path) for worktree bookkeeping in this process.
-fn worktree_lock(root: &Path) -> Arc<tokio::sync::Mutex<()>> {
-    static LOCKS: OnceLock<Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>> = OnceLock::new();
+/// One lock per purpose and repository in this process: worktree bookkeeping, a mirror's
+/// fetches, a mirror's creation.
+pub(crate) fn lock_for(purpose: &'static str, root: &Path) -> Arc<tokio::sync::Mutex<()>> {
+    type Locks = Mutex<HashMap<(&'static str, PathBuf), Arc<tokio::sync::Mutex<()>>>>;
+    static LOCKS: OnceLock<Locks> = OnceLock::new();
     let locks = LOCKS.get_or_init(Mutex::default);
     let mut locks = locks
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    Arc::clone(locks.entry(root.to_path_buf()).or_default())
+    Arc::clone(locks.entry((purpose, root.to_path_buf())).or_default())
+}
+
+fn worktree_lock(root: &Path) -> Arc<tokio::sync::Mutex<()>> {
+    lock_for("worktree", root)
 }
 
 /// Errors of this crate.
@@ -103,6 +116,48 @@ pub enum Error {
     /// Running git failed (not installed, timeout).
     #[error(transparent)]
     Process(#[from] troupe_process::Error),
+    /// A repository address that is neither an absolute path nor a supported URL.
+    #[error("invalid repository `{remote}`: {why}")]
+    InvalidRemote {
+        /// The address, with any credentials removed.
+        remote: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// The remote could not be read or written (unreachable, no such repository, refused
+    /// credentials).
+    #[error("repository {remote} is unreachable: {detail}")]
+    Unreachable {
+        /// The remote.
+        remote: String,
+        /// What git said.
+        detail: String,
+    },
+    /// The remote refused a push for a reason other than a lost race (a hook, a protected
+    /// branch, permissions).
+    #[error("{remote} refused the push: {detail}")]
+    PushRejected {
+        /// The remote.
+        remote: String,
+        /// The refusal as git reported it.
+        detail: String,
+    },
+    /// A newer attempt of the task holds its fence: this attempt's work must not land.
+    #[error("attempt of {task} superseded: fencing token {ours} is behind the remote's {theirs}")]
+    Superseded {
+        /// Task id.
+        task: String,
+        /// This attempt's token.
+        ours: u64,
+        /// The token on the remote's fence.
+        theirs: u64,
+    },
+    /// The lease ran out before the commit could be published.
+    #[error("the lease of {task} ran out before its commit was published")]
+    LeaseExpired {
+        /// Task id.
+        task: String,
+    },
     /// File system error (template copy, worktree clean-up).
     #[error("i/o error on {}: {source}", path.display())]
     Io {
@@ -245,9 +300,39 @@ impl Repo {
         Self::open(&dest).await
     }
 
-    /// The work tree's top directory (canonical).
+    /// A bare repository at `path` (a mirror), trusted to exist.
+    pub(crate) fn bare(path: PathBuf) -> Self {
+        Self {
+            git: Git::new(&path),
+            root: path,
+        }
+    }
+
+    pub(crate) fn git(&self) -> &Git {
+        &self.git
+    }
+
+    /// The work tree's top directory (canonical), or a mirror's directory.
     pub fn path(&self) -> &Path {
         &self.root
+    }
+
+    /// Where a full ref (`refs/…`) points, or `None` when it does not exist.
+    pub async fn ref_head(&self, full_ref: &str) -> Result<Option<Oid>, Error> {
+        let spec = format!("{full_ref}^{{commit}}");
+        let args = [
+            "rev-parse",
+            "--verify",
+            "--quiet",
+            "--end-of-options",
+            &spec,
+        ];
+        let output = self.git.run(&args).await?;
+        match output.exit_code {
+            Some(0) => Ok(Some(parse_oid(&output.stdout_text(), "git rev-parse")?)),
+            Some(1) => Ok(None),
+            _ => Err(failure(&args, &output)),
+        }
     }
 
     /// Resolves a commit-ish to a commit id.
@@ -276,7 +361,7 @@ impl Repo {
         parse_oid(&output.stdout_text(), "git rev-parse")
     }
 
-    async fn check_branch_name(&self, name: &str) -> Result<String, Error> {
+    pub(crate) async fn check_branch_name(&self, name: &str) -> Result<String, Error> {
         let full = format!("refs/heads/{name}");
         let output = self.git.run(&["check-ref-format", &full]).await?;
         if name.starts_with('-') || !output.success() {
@@ -542,7 +627,12 @@ impl Repo {
     }
 
     /// A merge commit of `ours` and `theirs` built without a work tree.
-    async fn merge_commit(&self, ours: &Oid, theirs: &Oid, message: &str) -> Result<Oid, Error> {
+    pub(crate) async fn merge_commit(
+        &self,
+        ours: &Oid,
+        theirs: &Oid,
+        message: &str,
+    ) -> Result<Oid, Error> {
         let args = [
             "merge-tree",
             "--write-tree",
@@ -643,5 +733,7 @@ impl Worktree {
     }
 }
 
+#[cfg(test)]
+mod fence_tests;
 #[cfg(test)]
 mod tests;
