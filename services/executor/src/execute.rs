@@ -14,7 +14,10 @@ use tracing::{info, warn};
 use troupe_backends::{BackendError, BackendsConfig, ResumeFrom, RunOutcome, RunSpec};
 use troupe_grpc::worker::TaskFailure;
 use troupe_proto::v1::{ErrorKind, ImplementationReport, TaskResult, task_result};
-use troupe_workspace::{Oid, Repo, Worktree};
+use troupe_workspace::{
+    Attempt, Claim, Held, Landed, Lease, Mirror, Mirrors, Oid, Publication, Remote, Unleased,
+    Worktree,
+};
 
 use crate::Error;
 use crate::mode::{self, CliExecution, Resolved};
@@ -26,13 +29,17 @@ use crate::validation;
 /// Where an attempt's commit goes.
 #[derive(Debug, Clone)]
 pub enum Target {
-    /// Start from the session branch's current head, commit on the task branch
-    /// (`troupe-task/<session>/<task>`), integrate into the session branch.
+    /// Start from the session branch's current head on the remote (or the session's base
+    /// commit while the branch does not exist yet), commit, and land the commit on the session
+    /// branch and the task branch (`troupe-task/<session>/<task>`) under the task's fence.
     Session {
         /// The session branch, `troupe/<session>`.
         branch: String,
+        /// The commit the session started from.
+        base: Option<Oid>,
     },
-    /// Start from `base_ref`, commit on `branch` (which must not exist); no integration.
+    /// Start from `base_ref`, push the commit to the new `branch` (which must not exist on the
+    /// remote); no integration.
     Direct {
         /// Commit-ish to start from.
         base_ref: String,
@@ -46,8 +53,8 @@ pub enum Target {
 pub struct Job {
     /// The plan task object.
     pub spec: Map<String, Value>,
-    /// Repository path.
-    pub repo_path: PathBuf,
+    /// The repository's remote (a local path is a remote on this machine).
+    pub remote: Remote,
     /// The plan's name for the repository (`{repo}`).
     pub repo_name: String,
     /// Session id (`direct` outside sessions).
@@ -62,12 +69,40 @@ pub struct Job {
     pub upstream: Vec<UpstreamNote>,
     /// Where the commit goes.
     pub target: Target,
+    /// The coordinator's lease on this attempt, confirmed before publishing; `None` outside
+    /// one (a direct run, a test).
+    pub lease: Option<Arc<dyn Lease>>,
+    /// The lease's fencing token; 0 outside a lease, where the attempt number serves.
+    pub fencing_token: u64,
+}
+
+impl Job {
+    /// This job's attempt, as the task's fence knows it.
+    fn fence(&self, task_id: &str) -> Attempt {
+        let attempt = self.attempt.max(1);
+        Attempt {
+            session: self.session_id.clone(),
+            task: task_id.to_owned(),
+            attempt,
+            token: if self.fencing_token > 0 {
+                self.fencing_token
+            } else {
+                u64::from(attempt)
+            },
+        }
+    }
+
+    /// The lease to confirm before publishing.
+    fn lease(&self) -> Arc<dyn Lease> {
+        self.lease.clone().unwrap_or_else(|| Arc::new(Unleased))
+    }
 }
 
 /// Runs tasks in worktrees under a data directory.
 #[derive(Debug, Clone)]
 pub struct Executor {
     data_dir: PathBuf,
+    mirrors: Mirrors,
     config: Arc<BackendsConfig>,
     options: Arc<Options>,
 }
@@ -145,7 +180,7 @@ fn failure(kind: ErrorKind, message: impl Into<String>, retryable: bool) -> Task
     TaskFailure::new(kind, message, retryable)
 }
 
-fn workspace_failure(err: troupe_workspace::Error) -> TaskFailure {
+pub(crate) fn workspace_failure(err: troupe_workspace::Error) -> TaskFailure {
     use troupe_workspace::Error as W;
     match err {
         W::NotARepo { .. } | W::UnknownRevision { .. } | W::InvalidBranchName { .. } => {
@@ -157,6 +192,13 @@ fn workspace_failure(err: troupe_workspace::Error) -> TaskFailure {
             true,
         )
         .with_details(paths),
+        // The coordinator has already handed the task to the newer attempt.
+        W::Superseded { .. } | W::LeaseExpired { .. } => {
+            failure(ErrorKind::Superseded, err.to_string(), false)
+        }
+        W::Unreachable { .. } | W::PushRejected { .. } | W::InvalidRemote { .. } => {
+            failure(ErrorKind::Repository, err.to_string(), true)
+        }
         other => failure(ErrorKind::Internal, other.to_string(), true),
     }
 }
@@ -206,6 +248,79 @@ fn short(oid: &Oid) -> &str {
     &oid.as_str()[..12]
 }
 
+/// A unique enough name for one direct run (time and process).
+fn uuid_like() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{nanos:x}-{}", std::process::id())
+}
+
+/// The task id of `job`: its own, else the spec's `id`.
+pub(crate) fn job_task_id(job: &Job) -> String {
+    job.task_id
+        .clone()
+        .filter(|id| !id.is_empty())
+        .or_else(|| {
+            job.spec
+                .get("id")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .unwrap_or_default()
+}
+
+/// Where a session attempt starts: the session branch's head on the remote (the claim just
+/// fetched it), else the session's base commit.
+pub(crate) async fn session_start(
+    mirror: &Mirror,
+    session: &str,
+    session_branch: &str,
+    base: Option<&Oid>,
+) -> Result<Oid, TaskFailure> {
+    mirror
+        .fetch_session_branch(session, session_branch)
+        .await
+        .map_err(workspace_failure)?;
+    if let Some(head) = mirror
+        .repo()
+        .branch_head(session_branch)
+        .await
+        .map_err(workspace_failure)?
+    {
+        return Ok(head);
+    }
+    let Some(base) = base else {
+        return Err(failure(
+            ErrorKind::InvalidTask,
+            format!(
+                "session branch `{session_branch}` does not exist on {} and the claim names no base commit",
+                mirror.remote()
+            ),
+            false,
+        ));
+    };
+    mirror
+        .ensure_commit(base, None)
+        .await
+        .map_err(workspace_failure)?;
+    Ok(base.clone())
+}
+
+/// The files a landed commit changed against its first parent.
+async fn landed_files(mirror: &Mirror, commit: &Oid) -> Result<Vec<String>, TaskFailure> {
+    let parent = mirror
+        .repo()
+        .resolve(&format!("{commit}^"))
+        .await
+        .map_err(workspace_failure)?;
+    mirror
+        .repo()
+        .changed_paths(&parent, commit)
+        .await
+        .map_err(workspace_failure)
+}
+
 /// What the agent produced in the worktree.
 struct Produced {
     commit: Option<Oid>,
@@ -222,7 +337,12 @@ struct Prepared {
     resolved: Resolved,
     cli: Option<CliExecution>,
     read_only: bool,
-    repo: Repo,
+    /// The worker's mirror of the remote, where worktrees and commits are made.
+    mirror: Mirror,
+    /// The remote, for the validator (which fetches the attempt's commit from it).
+    remote: Remote,
+    /// The fenced attempt (`None` for a direct run), for the commit's trailers.
+    attempt: Option<Attempt>,
     base: Oid,
     /// The branch checked out in the worktree.
     branch: String,
@@ -230,6 +350,19 @@ struct Prepared {
     run_key: PathBuf,
     placeholders: BTreeMap<String, String>,
     upstream: Vec<UpstreamNote>,
+}
+
+impl Prepared {
+    /// The ref that shares this attempt's commit with the validator before it lands.
+    fn attempt_ref(&self) -> String {
+        match &self.attempt {
+            Some(attempt) => format!(
+                "refs/troupe/attempt/{}/{}/{}",
+                attempt.session, attempt.task, attempt.attempt
+            ),
+            None => format!("refs/troupe/attempt/direct/{}", self.branch),
+        }
+    }
 }
 
 fn partial(report: &ImplementationReport, summary: String) -> TaskResult {
@@ -257,21 +390,55 @@ impl Executor {
         config: BackendsConfig,
         options: Options,
     ) -> Self {
+        let data_dir = data_dir.into();
         Self {
-            data_dir: data_dir.into(),
+            mirrors: Mirrors::new(data_dir.join("mirrors")),
+            data_dir,
             config: Arc::new(config),
             options: Arc::new(options),
         }
     }
 
+    /// Removes what a previous run of this executor left in its data directory: worktrees of
+    /// attempts that died with it (their tasks are retried elsewhere or by this process, from
+    /// the remote). Call once at start, while nothing runs.
+    pub async fn recover(&self) -> Result<usize, Error> {
+        let worktrees = self.worktrees();
+        let mut removed = 0;
+        if tokio::fs::try_exists(&worktrees).await.unwrap_or(false) {
+            let mut sessions =
+                tokio::fs::read_dir(&worktrees)
+                    .await
+                    .map_err(|source| Error::Io {
+                        path: worktrees.clone(),
+                        source,
+                    })?;
+            while let Ok(Some(entry)) = sessions.next_entry().await {
+                removed += std::fs::read_dir(entry.path()).map_or(0, Iterator::count);
+            }
+            tokio::fs::remove_dir_all(&worktrees)
+                .await
+                .map_err(|source| Error::Io {
+                    path: worktrees.clone(),
+                    source,
+                })?;
+        }
+        self.mirrors.prune_worktrees().await?;
+        if removed > 0 {
+            info!(removed, "removed worktrees left by an earlier run");
+        }
+        Ok(removed)
+    }
+
+    /// Where attempts' worktrees are made: `<data_dir>/worktrees/tasks/<session>/<task>-<n>`
+    /// (the validator and test-runner keep theirs beside it when they share the data dir).
+    fn worktrees(&self) -> PathBuf {
+        self.data_dir.join("worktrees").join("tasks")
+    }
+
     /// The executor's options.
     pub fn options(&self) -> &Options {
         &self.options
-    }
-
-    /// The data directory (worktrees, attempts, sessions, phases).
-    pub(crate) fn data_dir(&self) -> &Path {
-        &self.data_dir
     }
 
     /// The phase directory when `job` is an EXEC task naming a `phase`.
@@ -297,8 +464,10 @@ impl Executor {
         troupe_backends::probe_all_with(&self.config).await
     }
 
-    /// Runs one attempt of a session task: worktree on the task branch from the session
-    /// branch head, backend, commit, scope check, integration into the session branch.
+    /// Runs one attempt of a session task: claims the task's fence on the remote, makes a
+    /// worktree from the session branch's head, runs the backend, commits, checks scope, and
+    /// lands the commit on the session branch exactly once. A task an earlier attempt already
+    /// landed (its completion was lost) is reported from that landing, not run again.
     #[tracing::instrument(skip_all, fields(session_id = %job.session_id, task_id = job.task_id.as_deref().unwrap_or_default(), attempt = job.attempt))]
     pub async fn execute(
         &self,
@@ -308,6 +477,7 @@ impl Executor {
     ) -> Result<TaskResult, TaskFailure> {
         let Target::Session {
             branch: session_branch,
+            base,
         } = job.target.clone()
         else {
             return Err(failure(
@@ -316,37 +486,77 @@ impl Executor {
                 false,
             ));
         };
-        match Self::phase_of(&job) {
-            Some(Ok(dir)) => {
-                return self
-                    .execute_phase(job, dir, session_branch, cancel, progress)
-                    .await;
-            }
-            Some(Err(message)) => return Err(failure(ErrorKind::InvalidTask, message, false)),
-            None => {}
-        }
-        let repo = Repo::open(&job.repo_path)
+        let mirror = self
+            .mirrors
+            .open(&job.remote)
             .await
             .map_err(workspace_failure)?;
-        let base = repo
-            .branch_head(&session_branch)
+        let task_id = job_task_id(&job);
+        let phase = match Self::phase_of(&job) {
+            Some(Err(message)) => return Err(failure(ErrorKind::InvalidTask, message, false)),
+            Some(Ok(dir)) => Some(dir),
+            None => None,
+        };
+        progress("claiming the task's fence".to_owned());
+        let mut held = match mirror
+            .claim(&job.fence(&task_id))
             .await
             .map_err(workspace_failure)?
-            .ok_or_else(|| {
-                failure(
-                    ErrorKind::InvalidTask,
-                    format!("session branch `{session_branch}` does not exist"),
-                    false,
-                )
-            })?;
-        let prepared = self.prepare(job, repo, base, |_, task_id, session| {
-            task_branch(session, task_id)
-        })?;
+        {
+            Claim::Held(held) => held,
+            Claim::Landed(landed) => {
+                return self
+                    .adopt(&mirror, &task_id, &session_branch, &landed)
+                    .await;
+            }
+        };
+        if let Some(dir) = phase {
+            return self
+                .execute_phase(job, dir, session_branch, &mirror, &held, cancel, progress)
+                .await;
+        }
+        let base = session_start(&mirror, &job.session_id, &session_branch, base.as_ref()).await?;
+        self.run_attempt(job, &mirror, &mut held, None, base, cancel, progress)
+            .await
+    }
+
+    /// One attempt's work under `held`, from `base` to a landed commit. `part` names an EXEC
+    /// phase's task when this is one.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn run_attempt(
+        &self,
+        job: Job,
+        mirror: &Mirror,
+        held: &mut Held,
+        part: Option<&str>,
+        base: Oid,
+        cancel: &CancellationToken,
+        progress: Progress<'_>,
+    ) -> Result<TaskResult, TaskFailure> {
+        let Target::Session {
+            branch: session_branch,
+            base: session_base,
+        } = job.target.clone()
+        else {
+            return Err(failure(
+                ErrorKind::Internal,
+                "run_attempt() needs a session target",
+                false,
+            ));
+        };
+        let lease = job.lease();
+        let attempt = held.attempt().clone();
+        let prepared = self.prepare(
+            job,
+            mirror,
+            base,
+            Some(attempt.clone()),
+            |_, task_id, session| task_branch(session, task_id),
+        )?;
         let produced = self.produce(&prepared, cancel, progress).await?;
         let Prepared {
             spec,
             task_id,
-            repo,
             base,
             branch,
             ..
@@ -362,13 +572,21 @@ impl Executor {
                 detail: Some(task_result::Detail::Implementation(produced.report)),
             });
         };
-        progress(format!("integrating into {session_branch}"));
+        progress(format!("landing on {session_branch}"));
         let message = format!("troupe: integrate {task_id} ({})", spec.title);
-        let integration = match repo.integrate(&session_branch, &commit, &message).await {
+        let publication = Publication {
+            session_branch: &session_branch,
+            base: session_base.as_ref().unwrap_or(&base),
+            commit: &commit,
+            task_branch: Some(&branch),
+            message: &message,
+            part,
+        };
+        let integration = match mirror.publish(held, &publication, lease.as_ref()).await {
             Ok(integration) => integration,
             Err(err) => {
                 let summary = format!(
-                    "{task_id}: committed {} on {branch} but could not integrate",
+                    "{task_id}: committed {} but could not land it on {session_branch}",
                     short(&commit)
                 );
                 let result = TaskResult {
@@ -380,7 +598,7 @@ impl Executor {
                 return Err(workspace_failure(err).with_partial(result));
             }
         };
-        info!(commit = %integration.commit, fast_forward = integration.fast_forward, files = produced.files.len(), "task integrated");
+        info!(commit = %integration.commit, fast_forward = integration.fast_forward, files = produced.files.len(), attempt = attempt.attempt, "task landed");
         Ok(TaskResult {
             summary: format!(
                 "{task_id}: {} file(s) changed by `{}`, integrated into {session_branch} at {} ({})",
@@ -401,9 +619,47 @@ impl Executor {
         })
     }
 
-    /// Runs a task outside any session: creates `branch` at `base_ref`, commits the agent's
-    /// change there, and integrates nothing. A failed run leaves no branch behind.
-    #[tracing::instrument(skip_all, fields(repo = %job.repo_path.display()))]
+    /// The result of a task an earlier attempt landed: what is on the branch, not a new run.
+    pub(crate) async fn adopt(
+        &self,
+        mirror: &Mirror,
+        task_id: &str,
+        session_branch: &str,
+        landed: &Landed,
+    ) -> Result<TaskResult, TaskFailure> {
+        let mut files = landed_files(mirror, &landed.commit).await?;
+        // As a fresh run reports them: the agent's files, not troupe's summary.
+        if let Some(dir) = self.options.summary_dir.as_deref() {
+            let prefix = format!("{}/", dir.trim_end_matches('/'));
+            files.retain(|file| !file.starts_with(&prefix));
+        }
+        let note = format!(
+            "attempt {} had already landed this task at {} (its completion never reached the coordinator); not run again",
+            landed.attempt,
+            short(&landed.head)
+        );
+        info!(task_id, landed_by = landed.attempt, head = %landed.head, "adopting an earlier landing");
+        Ok(TaskResult {
+            summary: format!(
+                "{task_id}: {} file(s) changed, integrated into {session_branch} at {} by attempt {}",
+                files.len(),
+                short(&landed.head),
+                landed.attempt
+            ),
+            commit: landed.head.to_string(),
+            task_branch: String::new(),
+            files_modified: files,
+            warnings: vec![note],
+            detail: Some(task_result::Detail::Implementation(ImplementationReport {
+                backend_reason: "landed by an earlier attempt".to_owned(),
+                ..ImplementationReport::default()
+            })),
+        })
+    }
+
+    /// Runs a task outside any session: creates `branch` on the remote at the agent's commit
+    /// made from `base_ref`, and integrates nothing. A failed run leaves no branch behind.
+    #[tracing::instrument(skip_all, fields(remote = %job.remote))]
     pub async fn execute_direct(
         &self,
         job: Job,
@@ -414,59 +670,40 @@ impl Executor {
                 "execute_direct() needs a direct target".to_owned(),
             ));
         };
-        let repo = Repo::open(&job.repo_path).await?;
+        let mirror = self.mirrors.open(&job.remote).await?;
         let base_ref = if base_ref.is_empty() {
             "HEAD".to_owned()
         } else {
             base_ref
         };
-        let base = repo.resolve(&base_ref).await?;
-        if let Some(current) = repo.branch_head(&branch).await? {
+        let full = format!("refs/heads/{branch}");
+        if let Some(current) = mirror.remote_head(&full).await? {
             return Err(Error::BranchExists {
                 branch,
                 current: current.to_string(),
             });
         }
-        match Self::phase_of(&job) {
-            Some(Ok(dir)) => {
-                // The new branch plays the session branch: every phase task integrates into it.
-                repo.create_branch(&branch, &base).await?;
-                let result = self
-                    .execute_phase(job, dir, branch.clone(), cancel, &|_| {})
-                    .await;
-                if result.is_err()
-                    && let Ok(Some(current)) = repo.branch_head(&branch).await
-                    && let Err(err) = repo.delete_branch(&branch, &current).await
-                {
-                    warn!(branch = %branch, error = %err, "could not delete the branch of a failed phase");
-                }
-                return result.map_err(|f| Error::Task(Box::new(f)));
-            }
-            Some(Err(message)) => return Err(Error::InvalidArgument(message)),
-            None => {}
+        let base = mirror.fetch_rev(&base_ref).await?;
+        if let Some(Err(message)) = Self::phase_of(&job) {
+            return Err(Error::InvalidArgument(message));
+        }
+        if let Some(Ok(dir)) = Self::phase_of(&job) {
+            return self
+                .execute_direct_phase(job, dir, branch, &mirror, base, cancel)
+                .await;
         }
         let prepared = self
-            .prepare(job, repo, base, move |_, _, _| branch.clone())
+            .prepare(job, &mirror, base, None, move |_, _, _| branch.clone())
             .map_err(|f| Error::Task(Box::new(f)))?;
-        let produced = match self.produce(&prepared, cancel, &|_| {}).await {
-            Ok(produced) => produced,
-            Err(failure) => {
-                // The branch was ours; leave the repository as we found it.
-                if let Ok(Some(current)) = prepared.repo.branch_head(&prepared.branch).await
-                    && let Err(err) = prepared
-                        .repo
-                        .delete_branch(&prepared.branch, &current)
-                        .await
-                {
-                    warn!(branch = %prepared.branch, error = %err, "could not delete the branch of a failed run");
-                }
-                return Err(Error::Task(Box::new(failure)));
-            }
-        };
+        let produced = self
+            .produce(&prepared, cancel, &|_| {})
+            .await
+            .map_err(|failure| Error::Task(Box::new(failure)))?;
         let commit = produced
             .commit
             .clone()
             .unwrap_or_else(|| prepared.base.clone());
+        mirror.push_new_branch(&prepared.branch, &commit).await?;
         Ok(TaskResult {
             summary: match &produced.commit {
                 Some(commit) => format!(
@@ -490,11 +727,74 @@ impl Executor {
         })
     }
 
+    /// An EXEC phase outside any session: the new branch plays the session branch, and the
+    /// phase's tasks land on it under a fence of this run alone, which is removed afterwards
+    /// (as is the branch when the phase fails).
+    async fn execute_direct_phase(
+        &self,
+        job: Job,
+        dir: PathBuf,
+        branch: String,
+        mirror: &Mirror,
+        base: Oid,
+        cancel: &CancellationToken,
+    ) -> Result<TaskResult, Error> {
+        let task_id = job_task_id(&job);
+        let session_job = Job {
+            session_id: format!("direct-{}", uuid_like()),
+            target: Target::Session {
+                branch: branch.clone(),
+                base: Some(base),
+            },
+            ..job
+        };
+        let fence = session_job.fence(&task_id);
+        let held = match mirror.claim(&fence).await? {
+            Claim::Held(held) => held,
+            Claim::Landed(_) => {
+                return Err(Error::InvalidArgument(format!(
+                    "fence {} of a fresh run is already landed",
+                    fence.fence_ref()
+                )));
+            }
+        };
+        let result = self
+            .execute_phase(
+                session_job,
+                dir,
+                branch.clone(),
+                mirror,
+                &held,
+                cancel,
+                &|_| {},
+            )
+            .await;
+        let mut leftovers = vec![fence.fence_ref()];
+        if result.is_err() {
+            leftovers.push(format!("refs/heads/{branch}"));
+        }
+        for full in leftovers {
+            if let Err(err) = async {
+                mirror.fetch(&[format!("+{full}:{full}")]).await?;
+                match mirror.repo().ref_head(&full).await? {
+                    Some(at) => mirror.delete_ref(&full, &at).await.map(drop),
+                    None => Ok(()),
+                }
+            }
+            .await
+            {
+                warn!(git_ref = %full, error = %err, "could not remove what a direct phase left");
+            }
+        }
+        result.map_err(|f| Error::Task(Box::new(f)))
+    }
+
     fn prepare(
         &self,
         job: Job,
-        repo: Repo,
+        mirror: &Mirror,
         base: Oid,
+        attempt: Option<Attempt>,
         branch_for: impl FnOnce(&TaskSpec, &str, &str) -> String,
     ) -> Result<Prepared, TaskFailure> {
         let spec = TaskSpec::parse(&job.spec).map_err(|problems| {
@@ -542,7 +842,9 @@ impl Executor {
             resolved,
             cli,
             read_only,
-            repo,
+            mirror: mirror.clone(),
+            remote: job.remote,
+            attempt,
             base,
             branch,
             run_key,
@@ -559,7 +861,7 @@ impl Executor {
         progress: Progress<'_>,
     ) -> Result<Produced, TaskFailure> {
         let attempt_dir = self.data_dir.join("attempts").join(&p.run_key);
-        let mut worktree_path = self.data_dir.join("worktrees").join(&p.run_key);
+        let mut worktree_path = self.worktrees().join(&p.run_key);
         tokio::fs::create_dir_all(&attempt_dir)
             .await
             .map_err(|err| io_failure(&attempt_dir, &err))?;
@@ -572,7 +874,7 @@ impl Executor {
         if let Some(cli) = &p.cli
             && let Some(parent) = cli.from.first()
             && let Some((saved, _)) = self.load_session(&p.session_id, parent)
-            && saved.cwd.starts_with(self.data_dir.join("worktrees"))
+            && saved.cwd.starts_with(self.worktrees())
             && let Some(above) = saved.cwd.parent()
         {
             tokio::fs::create_dir_all(above)
@@ -591,15 +893,18 @@ impl Executor {
         if !claimed {
             // A crashed earlier run may have left this exact worktree behind. (A claimed path
             // is the empty directory just made: removing it would give the claim away.)
-            p.repo
+            p.mirror
+                .repo()
                 .remove_worktree(&worktree_path)
                 .await
                 .map_err(workspace_failure)?;
         }
-        progress(format!("creating worktree on {}", p.branch));
+        progress(format!("creating worktree at {}", short(&p.base)));
+        // Detached: a worktree of a dead attempt never holds a branch another attempt needs.
         let worktree = match p
-            .repo
-            .add_worktree(&worktree_path, &p.branch, &p.base)
+            .mirror
+            .repo()
+            .add_detached_worktree(&worktree_path, &p.base)
             .await
         {
             Ok(worktree) => worktree,
@@ -640,7 +945,7 @@ impl Executor {
                 .await
         }
         .await;
-        if let Err(err) = p.repo.remove_worktree(&worktree_path).await {
+        if let Err(err) = p.mirror.repo().remove_worktree(&worktree_path).await {
             warn!(path = %worktree_path.display(), error = %err, "could not remove worktree");
         }
         result
@@ -740,7 +1045,7 @@ impl Executor {
             }
             if continuable && warning.is_none() {
                 // Passing the resume anyway fails (gemini, qwen) or hangs (opencode).
-                let why = if saved.cwd.starts_with(self.data_dir.join("worktrees")) {
+                let why = if saved.cwd.starts_with(self.worktrees()) {
                     "is in use"
                 } else {
                     "is outside this executor's worktrees"
@@ -988,8 +1293,12 @@ impl Executor {
         let mut commit: Option<Oid> = None;
         let mut round = 0u32;
         let (commit, files, validation) = loop {
+            let message = match &p.attempt {
+                Some(attempt) => format!("{}: {title}\n\n{}", p.task_id, attempt.trailers()),
+                None => format!("{}: {title}", p.task_id),
+            };
             let made = worktree
-                .commit_all(&format!("{}: {title}", p.task_id))
+                .commit_all(&message)
                 .await
                 .map_err(workspace_failure)?;
             // A feedback round that changed nothing keeps the previous commit.
@@ -1015,7 +1324,8 @@ impl Executor {
             };
             commit = Some(current.clone());
             let files = p
-                .repo
+                .mirror
+                .repo()
                 .changed_paths(&p.base, &current)
                 .await
                 .map_err(workspace_failure)?;
@@ -1045,14 +1355,25 @@ impl Executor {
                 break (current, files, None);
             };
             progress("self-validating through the validator".to_owned());
-            let checked = validation::validate(
-                url,
-                &p.repo.path().display().to_string(),
-                current.as_str(),
-                p.base.as_str(),
-                spec,
-            )
-            .await;
+            // The validator reads the commit from the remote, as any other worker would.
+            let shared = p
+                .mirror
+                .push_ref(&p.attempt_ref(), &current)
+                .await
+                .map_err(workspace_failure);
+            let checked = match shared {
+                Ok(()) => {
+                    validation::validate(
+                        url,
+                        p.remote.as_str(),
+                        current.as_str(),
+                        p.base.as_str(),
+                        spec,
+                    )
+                    .await
+                }
+                Err(failure) => Err(failure.error.message),
+            };
             let checked = match checked {
                 Ok(checked) => checked,
                 Err(err) => {

@@ -29,9 +29,11 @@ impl From<Error> for Status {
                     ErrorKind::try_from(failure.error.kind).unwrap_or(ErrorKind::Unspecified);
                 let code = match kind {
                     ErrorKind::InvalidTask => Code::InvalidArgument,
-                    ErrorKind::NotInstalled | ErrorKind::Auth | ErrorKind::OutOfScope => {
-                        Code::FailedPrecondition
-                    }
+                    ErrorKind::NotInstalled
+                    | ErrorKind::Auth
+                    | ErrorKind::OutOfScope
+                    | ErrorKind::Superseded => Code::FailedPrecondition,
+                    ErrorKind::Repository => Code::Unavailable,
                     ErrorKind::RateLimited | ErrorKind::Quota => Code::ResourceExhausted,
                     ErrorKind::Timeout => Code::DeadlineExceeded,
                     ErrorKind::Crash
@@ -54,8 +56,13 @@ impl From<Error> for Status {
             }
             Error::Workspace(inner) => match inner {
                 troupe_workspace::Error::NotARepo { .. }
+                | troupe_workspace::Error::InvalidRemote { .. }
                 | troupe_workspace::Error::InvalidBranchName { .. } => {
                     Status::invalid_argument(message)
+                }
+                troupe_workspace::Error::Unreachable { .. } => Status::unavailable(message),
+                troupe_workspace::Error::PushRejected { .. } => {
+                    Status::failed_precondition(message)
                 }
                 troupe_workspace::Error::UnknownRevision { .. }
                 | troupe_workspace::Error::BranchMissing { .. } => Status::not_found(message),
@@ -86,12 +93,11 @@ impl ExecutorService {
 }
 
 fn job_from_request(request: ExecuteTaskRequest) -> Result<Job, Error> {
-    let repo_path = PathBuf::from(&request.repo_path);
-    if request.repo_path.is_empty() || !repo_path.is_absolute() {
-        return Err(Error::InvalidArgument(
-            "repo_path must be an absolute path".to_owned(),
-        ));
-    }
+    let remote = troupe_workspace::Remote::parse(&request.repo_path).map_err(|err| {
+        Error::InvalidArgument(format!(
+            "repo_path must be an absolute path or a git URL: {err}"
+        ))
+    })?;
     let spec = request
         .task
         .as_ref()
@@ -114,14 +120,10 @@ fn job_from_request(request: ExecuteTaskRequest) -> Result<Job, Error> {
             "base_dir must be an absolute path".to_owned(),
         ));
     }
-    let repo_name = repo_path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
     Ok(Job {
         spec,
-        repo_path,
-        repo_name,
+        repo_name: remote.name().to_owned(),
+        remote,
         session_id: "direct".to_owned(),
         task_id: Some(task_id),
         attempt: 1,
@@ -131,6 +133,8 @@ fn job_from_request(request: ExecuteTaskRequest) -> Result<Job, Error> {
             base_ref: request.base_ref,
             branch,
         },
+        lease: None,
+        fencing_token: 0,
     })
 }
 

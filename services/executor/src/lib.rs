@@ -114,6 +114,7 @@ pub enum Error {
 pub struct App {
     config: Config,
     executor: Arc<Executor>,
+    _lock: Arc<troupe_grpc::DataDirLock>,
 }
 
 impl App {
@@ -139,12 +140,25 @@ impl App {
             phase_concurrency: config.phase_concurrency,
             summary_dir: Some(config.summary_dir.trim().to_owned()).filter(|d| !d.is_empty()),
         };
+        let lock = troupe_grpc::lock_data_dir(&config.data_dir, "executor").map_err(|source| {
+            Error::Io {
+                path: config.data_dir.clone(),
+                source,
+            }
+        })?;
         let executor = Arc::new(Executor::with_options(
             config.data_dir.clone(),
             backends,
             options,
         ));
-        Ok(Self { config, executor })
+        // Worktrees of attempts that died with an earlier run: their tasks come back from the
+        // coordinator and start over from the remote.
+        executor.recover().await?;
+        Ok(Self {
+            config,
+            executor,
+            _lock: Arc::new(lock),
+        })
     }
 
     /// The executor, for in-process callers.

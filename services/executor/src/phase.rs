@@ -12,8 +12,9 @@
 //! conflicts with a task of the same wave is run once more from the new session head. A
 //! failed task does not stop its wave or later waves,
 //! but every task depending on it (directly or not) is skipped; the phase then fails, naming
-//! the failed and skipped tasks. Completed tasks are remembered under
-//! `<data_dir>/phases/<session>/<EXEC id>/`, so a retry of the EXEC task does not redo them.
+//! the failed and skipped tasks. Every task lands under the EXEC task's fence on the remote,
+//! which records it as a part, so a retry of the EXEC task (on any executor) skips the tasks an
+//! earlier attempt landed, and a stale attempt lands nothing once a newer one has begun.
 
 // `TaskFailure` is the worker protocol's error; see execute.rs.
 #![allow(clippy::result_large_err)]
@@ -23,7 +24,6 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Mutex;
 
 use futures::StreamExt;
-use prost::Message;
 use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -31,9 +31,9 @@ use troupe_grpc::worker::TaskFailure;
 use troupe_proto::v1::{
     ErrorKind, ImplementationReport, PhaseTaskOutcome, TaskError, TaskResult, Usage, task_result,
 };
-use troupe_workspace::{Oid, Repo};
+use troupe_workspace::{Held, Landed, Mirror};
 
-use crate::execute::path_component;
+use crate::execute::{job_task_id, session_start};
 use crate::{Executor, Job, Progress, Target, UpstreamNote};
 
 /// One task file of a phase.
@@ -234,61 +234,46 @@ impl Board {
 }
 
 impl Executor {
-    fn phase_state_dir(&self, session_id: &str, exec_id: &str) -> PathBuf {
-        self.data_dir()
-            .join("phases")
-            .join(path_component(session_id))
-            .join(path_component(exec_id))
-    }
-
-    /// A sub-task completed by an earlier attempt of this EXEC task, still in the branch.
-    async fn earlier_result(
+    /// The result of a part an earlier attempt of the EXEC task landed.
+    async fn landed_part(
         &self,
-        dir: &Path,
-        task_id: &str,
-        repo: &Repo,
+        mirror: &Mirror,
+        id: &str,
         branch: &str,
-    ) -> Option<TaskResult> {
-        let bytes = tokio::fs::read(dir.join(format!("{}.pb", path_component(task_id))))
-            .await
-            .ok()?;
-        let result = TaskResult::decode(bytes.as_slice()).ok()?;
-        let commit = Oid::parse(&result.commit)?;
-        let head = repo.branch_head(branch).await.ok()??;
-        repo.is_ancestor(&commit, &head)
-            .await
-            .ok()?
-            .then_some(result)
+        landed: &Landed,
+    ) -> Result<TaskResult, TaskFailure> {
+        let mut result = self.adopt(mirror, id, branch, landed).await?;
+        result.warnings.clear();
+        result.commit = landed.commit.to_string();
+        result.summary = format!(
+            "{id}: {} file(s) changed, integrated into {branch} at {}",
+            result.files_modified.len(),
+            &landed.head.as_str()[..12]
+        );
+        Ok(result)
     }
 
     /// Runs an EXEC phase into the session branch `branch`.
     #[tracing::instrument(skip_all, fields(session_id = %job.session_id, task_id = job.task_id.as_deref().unwrap_or_default(), phase = %dir.display()))]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn execute_phase(
         &self,
         job: Job,
         dir: PathBuf,
         branch: String,
+        mirror: &Mirror,
+        held: &Held,
         cancel: &CancellationToken,
         progress: Progress<'_>,
     ) -> Result<TaskResult, TaskFailure> {
         let started = std::time::Instant::now();
-        let exec_id = job
-            .task_id
-            .clone()
-            .filter(|id| !id.is_empty())
-            .or_else(|| {
-                job.spec
-                    .get("id")
-                    .and_then(Value::as_str)
-                    .map(str::to_owned)
-            })
-            .unwrap_or_default();
+        let exec_id = job_task_id(&job);
         let tasks = load_phase(&dir).map_err(invalid)?;
         let waves = waves(&tasks).map_err(invalid)?;
-        let repo = Repo::open(&job.repo_path)
-            .await
-            .map_err(|err| invalid(err.to_string()))?;
-        let state_dir = self.phase_state_dir(&job.session_id, &exec_id);
+        let session_base = match &job.target {
+            Target::Session { base, .. } => base.clone(),
+            Target::Direct { .. } => None,
+        };
         let phase_value = job.spec.get("phase").cloned();
         let concurrency = self.options().phase_concurrency.max(1);
         let total = waves.len();
@@ -357,7 +342,7 @@ impl Executor {
                 }
                 let job = Job {
                     spec,
-                    repo_path: job.repo_path.clone(),
+                    remote: job.remote.clone(),
                     repo_name: job.repo_name.clone(),
                     session_id: job.session_id.clone(),
                     task_id: Some(task.id.clone()),
@@ -366,13 +351,15 @@ impl Executor {
                     upstream: context.clone(),
                     target: Target::Session {
                         branch: branch.clone(),
+                        base: session_base.clone(),
                     },
+                    lease: job.lease.clone(),
+                    fencing_token: job.fencing_token,
                 };
                 let board = &board;
                 let ids = &ids;
-                let repo = &repo;
-                let state_dir = &state_dir;
                 let branch = &branch;
+                let session_base = session_base.as_ref();
                 async move {
                     let id = task.id.clone();
                     let set = |status: &'static str| {
@@ -381,12 +368,34 @@ impl Executor {
                             progress(b.note(w, total, ids));
                         }
                     };
-                    if let Some(result) = self.earlier_result(state_dir, &id, repo, branch).await {
+                    if let Some(landed) = held.landed_part(&id) {
                         set("done");
-                        return (i, Ok(result), true);
+                        let result = self.landed_part(mirror, &id, branch, landed).await;
+                        return (i, result, true);
                     }
                     set("running");
-                    let mut result = self.execute(job.clone(), cancel, &|_| {}).await;
+                    // Each run starts from the session head as it is now, and lands under the
+                    // EXEC task's fence (a clone: parts of one attempt follow each other's
+                    // markers).
+                    let run = |job: Job| {
+                        let (id, mut held) = (id.clone(), held.clone());
+                        async move {
+                            let base =
+                                session_start(mirror, &job.session_id, branch, session_base)
+                                    .await?;
+                            self.run_attempt(
+                                job,
+                                mirror,
+                                &mut held,
+                                Some(&id),
+                                base,
+                                cancel,
+                                &|_| {},
+                            )
+                            .await
+                        }
+                    };
+                    let mut result = run(job.clone()).await;
                     // Crashes, timeouts and rate limits were already retried by the backend
                     // loop; a merge conflict with a task of the same wave is what a fresh
                     // attempt from the new session head fixes.
@@ -400,7 +409,7 @@ impl Executor {
                             attempt: job.attempt + 1,
                             ..job
                         };
-                        result = self.execute(retry, cancel, &|_| {}).await;
+                        result = run(retry).await;
                     }
                     set(if result.is_ok() { "done" } else { "failed" });
                     (i, result, false)
@@ -416,20 +425,6 @@ impl Executor {
                 let wave_number = u32::try_from(w + 1).unwrap_or(u32::MAX);
                 match result {
                     Ok(result) => {
-                        if !earlier {
-                            let saved = async {
-                                tokio::fs::create_dir_all(&state_dir).await?;
-                                tokio::fs::write(
-                                    state_dir.join(format!("{}.pb", path_component(&task.id))),
-                                    result.encode_to_vec(),
-                                )
-                                .await
-                            }
-                            .await;
-                            if let Err(err) = saved {
-                                warn!(task_id = %task.id, error = %err, "could not remember a completed phase task");
-                            }
-                        }
                         let report = report_of(&result);
                         add(&mut usage, report.and_then(|r| r.usage.as_ref()));
                         if let Some(report) = report {
@@ -454,7 +449,7 @@ impl Executor {
                             .map(|v| v.convergence_met.clone())
                             .unwrap_or_default();
                         let summary = if earlier {
-                            format!("{} (completed by an earlier attempt)", result.summary)
+                            format!("{} (landed by an earlier attempt)", result.summary)
                         } else {
                             result.summary.clone()
                         };
@@ -502,7 +497,10 @@ impl Executor {
             }
         }
 
-        let head = repo.branch_head(&branch).await.ok().flatten();
+        let head = match mirror.fetch_session_branch(&job.session_id, &branch).await {
+            Ok(()) => mirror.repo().branch_head(&branch).await.ok().flatten(),
+            Err(_) => None,
+        };
         let completed = outcomes.iter().filter(|o| o.state == "completed").count();
         let lines: Vec<String> = outcomes
             .iter()

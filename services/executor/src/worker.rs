@@ -74,6 +74,10 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
     } else {
         repo.branch
     };
+    let remote = troupe_workspace::Remote::parse(&repo.path)
+        .map_err(|err| invalid(&format!("repository {}: {err}", repo.name)))?;
+    let base = troupe_workspace::Oid::parse(&repo.base_commit);
+    let fencing_token = claim.lease.as_ref().map_or(0, |lease| lease.fencing_token);
     let upstream = claim
         .upstream
         .into_iter()
@@ -91,14 +95,17 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
         .collect();
     Ok(Job {
         spec,
-        repo_path: PathBuf::from(repo.path),
+        remote,
         repo_name: repo.name,
         session_id: task.session_id,
         task_id: Some(task.id),
         attempt,
         plan_dir: (!claim.plan_dir.is_empty()).then(|| PathBuf::from(claim.plan_dir)),
         upstream,
-        target: Target::Session { branch },
+        target: Target::Session { branch, base },
+        // Until the worker loop confirms leases on demand, fences alone keep landings exactly once.
+        lease: None,
+        fencing_token,
     })
 }
 
@@ -164,7 +171,7 @@ mod tests {
             job.spec["files"],
             serde_json::json!([{"path": "r.py", "action": "create", "change": "new"}])
         );
-        assert!(matches!(job.target, Target::Session { ref branch } if branch == "troupe/s1"));
+        assert!(matches!(job.target, Target::Session { ref branch, .. } if branch == "troupe/s1"));
         assert_eq!(job.plan_dir, Some(PathBuf::from("/plans/q")));
         assert_eq!(job.upstream[0].task_id, "IMPL-1");
         assert_eq!(job.upstream[0].files, ["core.py"]);

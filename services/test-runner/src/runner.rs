@@ -201,6 +201,11 @@ impl Runner {
         }
     }
 
+    /// The runner's mirrors of remotes (`<data_dir>/mirrors`), where fixes leave from.
+    pub fn mirrors(&self) -> troupe_workspace::Mirrors {
+        troupe_workspace::Mirrors::new(self.data_dir.join("mirrors"))
+    }
+
     /// Where a run's reports go.
     pub fn out_dir(&self, run_id: &str) -> PathBuf {
         self.data_dir.join("test-runs").join(run_id)

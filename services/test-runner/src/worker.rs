@@ -16,7 +16,7 @@ use troupe_proto::v1::{
     ClaimedTask, ErrorKind, FixScope, LogMessageRequest, TaskResult, TestFramework, TestOutcome,
     TestRunReport, UpdateStateRequest, task_result,
 };
-use troupe_workspace::{Oid, Repo};
+use troupe_workspace::{Attempt, Claim, Oid, Publication, Remote, Repo, Unleased};
 
 use crate::runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner, outcome_name};
 use crate::{Error, FixSpec, detect};
@@ -135,6 +135,41 @@ impl TestRunHandler {
                 )));
             }
         };
+        // The task's fence on the remote: a stale attempt's fixes never land, and fixes an
+        // earlier attempt landed (its completion lost) are not landed again.
+        let remote = Remote::parse(&repo.path).map_err(|err| into_failure(err.into()))?;
+        let mirror = self
+            .runner
+            .mirrors()
+            .open(&remote)
+            .await
+            .map_err(|err| into_failure(err.into()))?;
+        let fencing_token = task.lease.as_ref().map_or(0, |l| l.fencing_token);
+        let fence = Attempt {
+            session: session.to_owned(),
+            task: task_id.to_owned(),
+            attempt: attempt.max(1),
+            token: if fencing_token > 0 {
+                fencing_token
+            } else {
+                u64::from(attempt.max(1))
+            },
+        };
+        let mut held = match mirror
+            .claim(&fence)
+            .await
+            .map_err(|err| fence_failure(task_id, err))?
+        {
+            Claim::Held(held) => Some(held),
+            Claim::Landed(landed) => {
+                tracing::info!(
+                    task_id,
+                    landed_by = landed.attempt,
+                    "fixes already landed; testing the branch again without landing anything"
+                );
+                None
+            }
+        };
         let opened = Repo::open(&repo.path)
             .await
             .map_err(|err| into_failure(err.into()))?;
@@ -183,24 +218,33 @@ impl TestRunHandler {
                         fix.final_commit
                     )))
                 })?;
+                let Some(held) = held.as_mut() else {
+                    return Err(TaskFailure::new(
+                        ErrorKind::Superseded,
+                        format!(
+                            "{task_id}: an earlier attempt already landed fixes; these at {source} are not landed"
+                        ),
+                        false,
+                    ));
+                };
                 ctx.progress(format!("integrating the test fix into {}", repo.branch));
                 let message = format!("troupe: integrate test fixes of {task_id}");
-                let integration = opened
-                    .integrate(&repo.branch, &source, &message)
-                    .await
-                    .map_err(|err| {
-                        let kind = if matches!(err, troupe_workspace::Error::Conflict { .. }) {
-                            ErrorKind::MergeConflict
-                        } else {
-                            ErrorKind::Internal
-                        };
-                        TaskFailure::new(
-                            kind,
-                            format!("{task_id}: fixed the tests at {source} but could not integrate: {err}"),
-                            true,
-                        )
-                    })?;
-                Some(integration.commit.to_string())
+                let base = Oid::parse(&repo.base_commit).unwrap_or_else(|| head.clone());
+                let landed = async {
+                    mirror.fetch_rev(source.as_str()).await?;
+                    let publication = Publication {
+                        session_branch: &repo.branch,
+                        base: &base,
+                        commit: &source,
+                        task_branch: None,
+                        message: &message,
+                        part: None,
+                    };
+                    mirror.publish(held, &publication, &Unleased).await
+                }
+                .await
+                .map_err(|err| fence_failure(task_id, err))?;
+                Some(landed.commit.to_string())
             }
             _ => None,
         };
@@ -214,6 +258,20 @@ impl TestRunHandler {
         }
         result
     }
+}
+
+/// A failure to claim the fence or land the fixes, classified as the executor does.
+fn fence_failure(task_id: &str, err: troupe_workspace::Error) -> TaskFailure {
+    use troupe_workspace::Error as W;
+    let (kind, retryable) = match &err {
+        W::Conflict { .. } => (ErrorKind::MergeConflict, true),
+        W::Superseded { .. } | W::LeaseExpired { .. } => (ErrorKind::Superseded, false),
+        W::Unreachable { .. } | W::PushRejected { .. } | W::InvalidRemote { .. } => {
+            (ErrorKind::Repository, true)
+        }
+        _ => (ErrorKind::Internal, true),
+    };
+    TaskFailure::new(kind, format!("{task_id}: {err}"), retryable)
 }
 
 impl TaskHandler for TestRunHandler {

@@ -169,6 +169,7 @@ pub enum Error {
 pub struct App {
     config: Config,
     validator: Arc<Validator>,
+    _lock: Arc<troupe_grpc::DataDirLock>,
 }
 
 impl App {
@@ -185,12 +186,23 @@ impl App {
                 path: config.data_dir.clone(),
                 source,
             })?;
+        let lock = troupe_grpc::lock_data_dir(&config.data_dir, "validator").map_err(|source| {
+            Error::Io {
+                path: config.data_dir.clone(),
+                source,
+            }
+        })?;
         let validator = Arc::new(
             Validator::new(config.data_dir.clone())
                 .with_tools(Tools::new(checks.tool_dirs.clone()))
                 .with_judge(checks.judge()?),
         );
-        Ok(Self { config, validator })
+        validator.recover().await?;
+        Ok(Self {
+            config,
+            validator,
+            _lock: Arc::new(lock),
+        })
     }
 
     /// The validator, for in-process callers.

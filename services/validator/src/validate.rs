@@ -11,7 +11,7 @@ use troupe_proto::v1::{
     CheckResult, CheckStatus, FileAction, FileChange, ReviewReport, TestRunReport, ValidateRequest,
     ValidationReport, Verdict,
 };
-use troupe_workspace::{Oid, Repo};
+use troupe_workspace::{Mirror, Mirrors, Oid, Remote, Repo};
 
 use crate::Error;
 use crate::check::{CriteriaEnv, criteria_checks};
@@ -29,8 +29,8 @@ pub const NO_CRITERION_CHECKER: &str =
 /// A direct validation request with defaults applied.
 #[derive(Clone, Debug)]
 pub struct Validation {
-    /// Absolute path of the git repository.
-    pub repo_path: PathBuf,
+    /// The repository's remote: an absolute path (a remote on this machine) or a git URL.
+    pub remote: Remote,
     /// Commit-ish to check.
     pub git_ref: String,
     /// Commit-ish `modify` is measured against; `None` = the first parent of `git_ref`.
@@ -56,13 +56,11 @@ pub struct Validation {
 impl Validation {
     /// Builds a validation from the RPC request.
     pub fn from_request(request: ValidateRequest) -> Result<Self, Error> {
-        let repo_path = PathBuf::from(&request.repo_path);
-        if request.repo_path.is_empty() || !repo_path.is_absolute() {
-            return Err(Error::InvalidArgument(format!(
-                "repo_path must be an absolute path, got {:?}",
-                request.repo_path
-            )));
-        }
+        let remote = Remote::parse(&request.repo_path).map_err(|err| {
+            Error::InvalidArgument(format!(
+                "repo_path must be an absolute path or a git URL: {err}"
+            ))
+        })?;
         if request.verification.first().is_some_and(String::is_empty) {
             return Err(Error::InvalidArgument(
                 "verification argv starts with an empty program".to_owned(),
@@ -84,7 +82,7 @@ impl Validation {
             None => Some(JudgeConfig::command(request.judge, timeout)),
         };
         Ok(Self {
-            repo_path,
+            remote,
             git_ref: if request.r#ref.is_empty() {
                 "HEAD".to_owned()
             } else {
@@ -126,6 +124,7 @@ pub(crate) struct TreeJob<'a> {
 #[derive(Debug, Clone)]
 pub struct Validator {
     data_dir: PathBuf,
+    mirrors: Mirrors,
     tools: Tools,
     judge: Option<JudgeConfig>,
 }
@@ -134,6 +133,7 @@ impl Validator {
     /// A validator keeping its worktrees under `<data_dir>/worktrees/validate/`.
     pub fn new(data_dir: PathBuf) -> Self {
         Self {
+            mirrors: Mirrors::new(data_dir.join("mirrors")),
             data_dir,
             tools: Tools::default(),
             judge: None,
@@ -157,22 +157,43 @@ impl Validator {
         &self.data_dir
     }
 
+    /// Removes the checkouts a previous run left (it died while checking); call at start.
+    pub async fn recover(&self) -> Result<(), Error> {
+        let checkouts = self.data_dir.join("worktrees").join("validate");
+        if tokio::fs::try_exists(&checkouts).await.unwrap_or(false) {
+            tokio::fs::remove_dir_all(&checkouts)
+                .await
+                .map_err(|source| Error::Io {
+                    path: checkouts.clone(),
+                    source,
+                })?;
+        }
+        self.mirrors.prune_worktrees().await?;
+        Ok(())
+    }
+
+    /// This validator's mirror of `remote`.
+    pub(crate) async fn mirror(&self, remote: &Remote) -> Result<Mirror, Error> {
+        Ok(self.mirrors.open(remote).await?)
+    }
+
     pub(crate) fn default_judge(&self) -> Option<&JudgeConfig> {
         self.judge.as_ref()
     }
 
     /// Checks the files, the verification command and the criteria of `validation` (and
     /// syntax, lint and a review when asked).
-    #[tracing::instrument(skip_all, fields(repo = %validation.repo_path.display(), git_ref = %validation.git_ref))]
+    #[tracing::instrument(skip_all, fields(repo = %validation.remote, git_ref = %validation.git_ref))]
     pub async fn validate(
         &self,
         validation: &Validation,
         cancel: &CancellationToken,
     ) -> Result<ValidationReport, Error> {
-        let repo = Repo::open(&validation.repo_path).await?;
-        let commit = repo.resolve(&validation.git_ref).await?;
+        let mirror = self.mirror(&validation.remote).await?;
+        let repo = mirror.repo().clone();
+        let commit = mirror.fetch_rev(&validation.git_ref).await?;
         let base = match &validation.base_ref {
-            Some(base) => Some(repo.resolve(base).await?),
+            Some(base) => Some(mirror.fetch_rev(base).await?),
             None => first_parent(&repo, &commit).await?,
         };
         let checks = check_files(&repo, &commit, base.as_ref(), &validation.files, "").await?;

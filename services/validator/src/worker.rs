@@ -34,7 +34,7 @@ use troupe_proto::v1::{
     TaskResult, TestRunReport, UpstreamConvergence, UpstreamResult, ValidationReport, Verdict,
     task_result,
 };
-use troupe_workspace::{Oid, Repo};
+use troupe_workspace::{Oid, Remote, Repo};
 
 use crate::Error;
 use crate::judge::JudgeConfig;
@@ -123,9 +123,29 @@ impl ValidateHandler {
         )
         .map_err(|err| Error::InvalidArgument(format!("judge: {err}")))?;
         let judge = own_judge.as_ref().or(self.validator.default_judge());
-        let repo = Repo::open(&session_repo.path).await?;
-        let head = repo.resolve(&session_repo.branch).await?;
-        let session_base = match Oid::parse(&session_repo.base_commit) {
+        let remote = Remote::parse(&session_repo.path).map_err(|err| {
+            Error::InvalidArgument(format!("repository {}: {err}", session_repo.name))
+        })?;
+        // Everything a check reads comes from the remote: the session branch and the task
+        // branches hold every commit an upstream task reported.
+        let mirror = self.validator.mirror(&remote).await?;
+        mirror.fetch_session(&task.session_id).await?;
+        let repo = mirror.repo().clone();
+        let declared_base = Oid::parse(&session_repo.base_commit);
+        let head = match repo.branch_head(&session_repo.branch).await? {
+            Some(head) => head,
+            None => {
+                let base = declared_base.clone().ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "session branch `{}` does not exist on {remote} and the claim names no base commit",
+                        session_repo.branch
+                    ))
+                })?;
+                mirror.ensure_commit(&base, None).await?;
+                base
+            }
+        };
+        let session_base = match declared_base {
             Some(base) => Some(base),
             None => first_parent(&repo, &head).await?,
         };

@@ -117,6 +117,42 @@ pub async fn prepare_data_dir(dir: &std::path::Path) -> std::io::Result<std::pat
     tokio::fs::canonicalize(dir).await
 }
 
+/// A service's exclusive hold on its data directory, released when dropped (or when the
+/// process dies: the kernel drops the lock with the file).
+#[derive(Debug)]
+pub struct DataDirLock {
+    _file: std::fs::File,
+}
+
+/// Takes `<dir>/<service>.lock`, so two processes never run the same service on one data
+/// directory: a service clears what its previous run left there at start, which is safe only
+/// when no other process is using it.
+pub fn lock_data_dir(dir: &std::path::Path, service: &str) -> std::io::Result<DataDirLock> {
+    use std::io::Write;
+    let path = dir.join(format!("{service}.lock"));
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .read(true)
+        .open(&path)?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let holder = std::fs::read_to_string(&path).unwrap_or_default();
+            return Err(std::io::Error::other(format!(
+                "{} is in use by another {service} (pid {}); give each process its own data dir",
+                dir.display(),
+                holder.trim()
+            )));
+        }
+        Err(std::fs::TryLockError::Error(err)) => return Err(err),
+    }
+    file.set_len(0)?;
+    write!(file, "{}", std::process::id())?;
+    Ok(DataDirLock { _file: file })
+}
+
 /// Serves `services` on `listener` and runs `background` (a worker loop, a reaper) beside it
 /// until `shutdown`. When either side ends, the other is stopped; the first error is returned.
 pub async fn serve_with_background<E, F, B>(

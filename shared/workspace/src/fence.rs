@@ -44,6 +44,11 @@ pub const FENCE_PREFIX: &str = "refs/troupe/fence/";
 /// How often a claim or a publication is tried after losing a race.
 const RACE_ATTEMPTS: usize = 32;
 
+/// The fence ref of a task.
+pub fn fence_ref(session: &str, task: &str) -> String {
+    format!("{FENCE_PREFIX}{session}/{task}")
+}
+
 /// One attempt of one task, as the coordinator leased it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Attempt {
@@ -60,7 +65,7 @@ pub struct Attempt {
 impl Attempt {
     /// The task's fence ref on the remote.
     pub fn fence_ref(&self) -> String {
-        format!("{FENCE_PREFIX}{}/{}", self.session, self.task)
+        fence_ref(&self.session, &self.task)
     }
 
     /// `Troupe-Task` and `Troupe-Attempt` trailers for commits of this attempt.
@@ -273,7 +278,8 @@ impl Mirror {
             State::Integrated
         };
         for round in 1..=RACE_ATTEMPTS {
-            self.fetch_session(&attempt.session).await?;
+            self.fetch_session_branch(&attempt.session, publication.session_branch)
+                .await?;
             let current = self.repo().ref_head(&fence).await?;
             if current.as_ref() != Some(&held.marker) {
                 if let Some(landed) = self.moved_fence(held, publication, state).await? {

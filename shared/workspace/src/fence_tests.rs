@@ -355,17 +355,19 @@ async fn a_missing_session_branch_starts_at_the_base() {
 #[tokio::test]
 async fn unreachable_remotes_and_refusing_hooks_are_errors_not_races() {
     let s = setup().await;
+    let mirrors = Mirrors::new(s.root.path().join("c"));
     let gone = Remote::parse(&format!("{}/nowhere", s.root.path().display())).expect("remote");
-    let mirror = Mirrors::new(s.root.path().join("c"))
-        .open(&gone)
-        .await
-        .expect("mirror");
+    let err = mirrors.open(&gone).await.expect_err("no repository");
+    assert!(matches!(err, Error::NotARepo { .. }), "{err}");
+    // Nothing listens on port 1.
+    let closed = Remote::parse("git://127.0.0.1:1/app.git").expect("remote");
+    let mirror = mirrors.open(&closed).await.expect("mirror");
     let err = mirror
         .claim(&attempt("IMPL-1", 1, 1))
         .await
         .expect_err("unreachable");
     assert!(
-        matches!(&err, Error::Unreachable { remote, .. } if remote.ends_with("nowhere")),
+        matches!(&err, Error::Unreachable { remote, .. } if remote.ends_with("app.git")),
         "{err}"
     );
 

@@ -30,8 +30,32 @@ impl Mirrors {
         &self.dir
     }
 
+    /// Forgets the worktrees every mirror recorded whose directories are gone (after a crash
+    /// removed them, or the start-up clean-up did).
+    pub async fn prune_worktrees(&self) -> Result<(), Error> {
+        let Ok(mut entries) = tokio::fs::read_dir(&self.dir).await else {
+            return Ok(());
+        };
+        while let Ok(Some(entry)) = entries.next_entry().await {
+            let path = entry.path();
+            if path.join("HEAD").is_file() {
+                Git::new(&path).ok(&["worktree", "prune"]).await?;
+            }
+        }
+        Ok(())
+    }
+
     /// The mirror of `remote`, made (empty) when this worker has none yet.
     pub async fn open(&self, remote: &Remote) -> Result<Mirror, Error> {
+        // A local remote that is no repository at all is a plain bad argument, said as such.
+        if let Some(local) = remote.local_path() {
+            let is_repo = local.join(".git").exists() || local.join("HEAD").is_file();
+            if !is_repo {
+                return Err(Error::NotARepo {
+                    path: local.to_path_buf(),
+                });
+            }
+        }
         let path = self.dir.join(remote.mirror_name());
         let lock = lock_for("mirror-init", &path);
         let _turn = lock.lock().await;
@@ -102,9 +126,11 @@ impl Mirror {
         self.repo.git()
     }
 
-    /// Fetches `refspecs` from the remote; fetches of one mirror take turns.
+    /// Fetches `refspecs` from the remote. Fetches of one mirror take turns with each other
+    /// and with its worktree bookkeeping: a fetch's connectivity check reads every worktree's
+    /// records, and one half written by a concurrent `worktree add` fails it.
     pub async fn fetch(&self, refspecs: &[String]) -> Result<(), Error> {
-        let lock = lock_for("mirror-fetch", self.repo.path());
+        let lock = crate::worktree_lock(self.repo.path());
         let _turn = lock.lock().await;
         let mut args = vec![
             "fetch",
@@ -131,6 +157,25 @@ impl Mirror {
         self.fetch(&session_refspecs(session)).await
     }
 
+    /// Brings the session's refs and `branch` (which may lie outside the session's names, or
+    /// not exist yet) up to date.
+    pub async fn fetch_session_branch(&self, session: &str, branch: &str) -> Result<(), Error> {
+        let full = self.repo.check_branch_name(branch).await?;
+        let mut refspecs = session_refspecs(session).to_vec();
+        refspecs.push(format!("+{full}*:{full}*"));
+        self.fetch(&refspecs).await
+    }
+
+    /// Deletes `full_ref` on the remote if it is still at `expected`; returns whether it did.
+    pub async fn delete_ref(&self, full_ref: &str, expected: &Oid) -> Result<bool, Error> {
+        self.push(
+            &[format!(":{full_ref}")],
+            &[format!("--force-with-lease={full_ref}:{expected}")],
+            Duration::from_secs(120),
+        )
+        .await
+    }
+
     /// Fetches one revision (a branch, tag or commit id) and returns the commit it names.
     pub async fn fetch_rev(&self, rev: &str) -> Result<Oid, Error> {
         if rev.is_empty() || rev.starts_with('-') {
@@ -143,7 +188,7 @@ impl Mirror {
         {
             return Ok(oid);
         }
-        let lock = lock_for("mirror-fetch", self.repo.path());
+        let lock = crate::worktree_lock(self.repo.path());
         let _turn = lock.lock().await;
         let args = [
             "fetch",
@@ -210,6 +255,20 @@ impl Mirror {
                     .remote_head(&full)
                     .await?
                     .unwrap_or_else(|| commit.clone()),
+            })
+        }
+    }
+
+    /// Sets `full_ref` on the remote to `commit`, whatever it was (a ref of troupe's own, such
+    /// as the one sharing an attempt's commit with the validator).
+    pub async fn push_ref(&self, full_ref: &str, commit: &Oid) -> Result<(), Error> {
+        let refspec = format!("+{commit}:{full_ref}");
+        if self.push(&[refspec], &[], Duration::from_secs(300)).await? {
+            Ok(())
+        } else {
+            Err(Error::PushRejected {
+                remote: self.remote.to_string(),
+                detail: format!("could not set {full_ref}"),
             })
         }
     }

@@ -71,16 +71,20 @@ impl Remote {
         Path::new(path).is_absolute().then(|| Path::new(path))
     }
 
-    /// A directory name for this remote's mirror: readable and stable across runs.
-    pub(crate) fn mirror_name(&self) -> String {
-        let tail = self
-            .0
+    /// The repository's own name: the last part of its path, without `.git`.
+    pub fn name(&self) -> &str {
+        self.0
             .trim_end_matches('/')
             .rsplit(['/', ':'])
             .next()
             .unwrap_or_default()
-            .trim_end_matches(".git");
-        let readable: String = tail
+            .trim_end_matches(".git")
+    }
+
+    /// A directory name for this remote's mirror: readable and stable across runs.
+    pub(crate) fn mirror_name(&self) -> String {
+        let readable: String = self
+            .name()
             .chars()
             .map(|c| {
                 if c.is_ascii_alphanumeric() || c == '-' || c == '_' {

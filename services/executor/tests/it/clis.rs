@@ -1243,7 +1243,7 @@ async fn eight_parallel_tasks_two_conflicting() {
             .as_object()
             .expect("object")
             .clone(),
-        repo_path: repo.clone(),
+        remote: troupe_workspace::Remote::from_path(&repo).expect("remote"),
         repo_name: "app".to_owned(),
         session_id: "s8".to_owned(),
         task_id: None,
@@ -1252,7 +1252,10 @@ async fn eight_parallel_tasks_two_conflicting() {
         upstream: Vec::new(),
         target: troupe_executor::Target::Session {
             branch: "troupe/s8".to_owned(),
+            base: None,
         },
+        lease: None,
+        fencing_token: 0,
     };
     let mut jobs: Vec<troupe_executor::Job> = (1..=6)
         .map(|i| {

@@ -633,7 +633,7 @@ async fn the_agent_backend_gets_syntax_errors_back_as_context() {
 fn session_job(f: &Fixture, spec: Value, attempt: u32) -> troupe_executor::Job {
     troupe_executor::Job {
         spec: spec.as_object().expect("object").clone(),
-        repo_path: f.repo.clone(),
+        remote: troupe_workspace::Remote::from_path(&f.repo).expect("remote"),
         repo_name: "app".to_owned(),
         session_id: "s1".to_owned(),
         task_id: None,
@@ -642,7 +642,10 @@ fn session_job(f: &Fixture, spec: Value, attempt: u32) -> troupe_executor::Job {
         upstream: Vec::new(),
         target: troupe_executor::Target::Session {
             branch: "troupe/s1".to_owned(),
+            base: None,
         },
+        lease: None,
+        fencing_token: 0,
     }
 }
 
@@ -718,7 +721,7 @@ async fn phase_progress_names_the_wave_and_retries_redo_only_what_failed() {
     assert!(
         outcomes[0]
             .summary
-            .ends_with("(completed by an earlier attempt)"),
+            .ends_with("(landed by an earlier attempt)"),
         "{:?}",
         outcomes[0]
     );

@@ -47,7 +47,7 @@ impl Session {
         let spec = json!({"id": id, "title": format!("task {id}"), "agent": {"command": command}});
         Job {
             spec: spec.as_object().expect("object").clone(),
-            repo_path: self.repo.clone(),
+            remote: troupe_workspace::Remote::from_path(&self.repo).expect("remote"),
             repo_name: "app".to_owned(),
             session_id: "s1".to_owned(),
             task_id: None,
@@ -56,7 +56,10 @@ impl Session {
             upstream: Vec::new(),
             target: Target::Session {
                 branch: "troupe/s1".to_owned(),
+                base: None,
             },
+            lease: None,
+            fencing_token: 0,
         }
     }
 
@@ -111,18 +114,23 @@ async fn two_tasks_integrate_into_the_session_branch() {
     assert_eq!(show(&s.repo, "main", "a.txt"), None);
     assert!(!s.repo.join("a.txt").exists());
 
-    // A retry of the same task resets its branch and works from the new head.
+    // A retry of a task that already landed (its completion was lost) lands nothing again: it
+    // reports the earlier landing, and the branch keeps one commit of the task.
     let mut retry = s.job("IMPL-1", &["a.txt=from one, again"]);
     retry.attempt = 2;
     let again = s.run(retry).await.expect("retry");
-    assert_eq!(
-        show(&s.repo, &again.commit, "a.txt").as_deref(),
-        Some("from one, again")
+    assert_eq!(s.head(), head, "the session branch did not move");
+    assert_eq!(again.files_modified, ["a.txt"]);
+    assert!(
+        again
+            .warnings
+            .iter()
+            .any(|w| w.contains("had already landed")),
+        "{:?}",
+        again.warnings
     );
-    assert_eq!(
-        show(&s.repo, &again.commit, "b.txt").as_deref(),
-        Some("from two")
-    );
+    let log = git(&s.repo, &["log", "--format=%s", "main..troupe/s1"]).expect("log");
+    assert_eq!(log.matches("IMPL-1:").count(), 1, "{log}");
 }
 
 #[tokio::test]
@@ -176,6 +184,7 @@ async fn missing_session_branch_and_bad_specs_fail_cleanly() {
     let mut job = s.job("IMPL-1", &["a.txt=x"]);
     job.target = Target::Session {
         branch: "troupe/nope".to_owned(),
+        base: None,
     };
     let err = s.run(job).await.expect_err("no branch");
     assert_eq!(err.error.kind(), ErrorKind::InvalidTask);
