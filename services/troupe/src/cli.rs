@@ -531,6 +531,7 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
                 coordinator_url: None,
                 concurrency: 1,
                 worker_id: None,
+                worker: Default::default(),
                 backends_config: args.config,
                 validator_url: None,
                 phase_concurrency: 1,

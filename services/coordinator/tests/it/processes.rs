@@ -400,6 +400,7 @@ async fn worker_process() {
         lease: WORKER_LEASE,
         poll_wait: Duration::from_millis(500),
         drain_timeout: Duration::from_secs(1),
+        rpc_timeout: Duration::from_secs(1),
     };
     troupe_grpc::worker::run_worker(config, Arc::new(Forever), CancellationToken::new())
         .await
