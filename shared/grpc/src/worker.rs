@@ -16,7 +16,10 @@
 //! its result dropped, and nothing reported, because the coordinator may already have handed
 //! the task to another attempt. A heartbeat that says "cancelled" cancels the context too,
 //! and the handler's failure is reported. Reports retry transient errors until the local
-//! deadline, then give the attempt up the same way.
+//! deadline, then give the attempt up the same way. A claim answered after a third of its
+//! lease or more (a long-poll that waited; a stopped coordinator that answered once it ran
+//! again) is confirmed with a heartbeat before its handler starts, since its local clock,
+//! counted from the send, has little or nothing left.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -529,6 +532,15 @@ async fn run_leased<H: TaskHandler>(
         rpc_timeout: config.rpc_timeout,
         sent,
     }));
+    if held.clock().next_beat() <= Instant::now() {
+        // The claim answered late: its local lease is short or gone; confirm it first.
+        if let Err(lost) = held.revalidate().await {
+            tracing::warn!(reason = %lost, "attempt abandoned before it started: its late claim could not be confirmed");
+            Counters::add(&counters.abandoned, 1);
+            return None;
+        }
+        tracing::info!(claim_sent_ago = ?sent.elapsed(), "late claim confirmed before starting");
+    }
     let ctx = TaskContext::leased(
         Arc::from(config.worker_id.as_str()),
         cancel.clone(),

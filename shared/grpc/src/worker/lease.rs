@@ -111,6 +111,11 @@ impl LeaseClock {
         Some(self.deadline().checked_duration_since(now)?).filter(|left| !left.is_zero())
     }
 
+    /// The lease length.
+    pub(crate) fn length(&self) -> Duration {
+        self.length
+    }
+
     /// Time between heartbeats: a third of the lease, so two can fail before it lapses.
     pub(crate) fn beat(&self) -> Duration {
         (self.length / 3).max(MIN_BEAT)
@@ -249,7 +254,13 @@ impl LeaseState {
         let Some(left) = self.clock().remaining(sent) else {
             return Beat::Lost(self.mark_lost(LeaseLost::Expired));
         };
-        let timeout = self.rpc_timeout.min(left);
+        self.beat_once(progress, sent, self.rpc_timeout.min(left))
+            .await
+    }
+
+    /// One `Heartbeat` call sent at `sent`, waiting at most `timeout`; a confirmation moves
+    /// the clock to `sent`.
+    async fn beat_once(&self, progress: String, sent: Instant, timeout: Duration) -> Beat {
         let request = HeartbeatRequest {
             session_id: self.session_id.clone(),
             task_id: self.task_id.clone(),
@@ -272,6 +283,41 @@ impl LeaseState {
             }
             Err(status) if is_transient(&status) => Beat::Transient(status),
             Err(status) => Beat::Lost(self.mark_lost(LeaseLost::from_refusal(&status))),
+        }
+    }
+
+    /// Confirms a lease whose claim answered late, before any work starts under it.
+    ///
+    /// The local clock starts when the claim was sent, so a claim answered after a third of
+    /// the lease or more (a long-poll that waited, a stopped coordinator that answered once it
+    /// ran again) leaves little or no local lease, although the coordinator granted a full
+    /// one when it answered. Nothing has run under the lease yet, so a heartbeat can safely
+    /// restart the clock. Transient failures are retried for one lease length from now, by
+    /// when the coordinator's lease has surely lapsed.
+    pub(crate) async fn revalidate(&self) -> Result<(), LeaseLost> {
+        let give_up = Instant::now() + self.clock().length();
+        let mut backoff = Backoff::new();
+        loop {
+            let sent = Instant::now();
+            let Some(left) = give_up
+                .checked_duration_since(sent)
+                .filter(|l| !l.is_zero())
+            else {
+                return Err(self.mark_lost(LeaseLost::Expired));
+            };
+            match self
+                .beat_once(String::new(), sent, self.rpc_timeout.min(left))
+                .await
+            {
+                Beat::Answered { cancel: false } => return Ok(()),
+                Beat::Answered { cancel: true } => return Err(self.mark_lost(LeaseLost::Cancelled)),
+                Beat::Lost(lost) => return Err(lost),
+                Beat::Transient(status) => {
+                    let delay = backoff.next().min(left);
+                    tracing::warn!(code = ?status.code(), error = %status.message(), retry_in = ?delay, "confirming a late claim failed, retrying");
+                    tokio::time::sleep(delay).await;
+                }
+            }
         }
     }
 

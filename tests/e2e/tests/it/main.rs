@@ -3,6 +3,7 @@
 mod bad_plan;
 mod exec_phase;
 mod grpcurl;
+mod lease;
 mod otlp;
 mod pause;
 mod quickstart;
