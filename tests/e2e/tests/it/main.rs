@@ -7,6 +7,7 @@ mod lease;
 mod otlp;
 mod pause;
 mod quickstart;
+mod reconnect;
 mod shutdown;
 mod support;
 mod tour;
