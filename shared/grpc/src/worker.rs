@@ -767,6 +767,48 @@ mod tests {
         assert!(backoff.next() <= Duration::from_millis(240));
     }
 
+    #[tokio::test]
+    async fn a_context_outside_any_lease_always_confirms() {
+        let cancel = CancellationToken::new();
+        let ctx = TaskContext::unleased("direct", cancel.clone());
+        let far = Instant::now() + Duration::from_secs(86_400 * 365);
+        assert_eq!(ctx.confirm_lease().await, Ok(ctx.lease_deadline()));
+        assert!(ctx.lease_deadline() > far);
+        assert_eq!((ctx.fencing_token(), ctx.attempt()), (0, 0));
+        assert_eq!(ctx.worker_id(), "direct");
+        cancel.cancel();
+        assert!(ctx.cancelled().is_cancelled());
+    }
+
+    #[test]
+    fn tuning_refuses_what_is_not_a_positive_duration() {
+        let config = WorkerConfig::new("http://127.0.0.1:1", "w", vec![Role::Executor]);
+        let tuned = config
+            .clone()
+            .tuned(&WorkerTuning {
+                lease_seconds: 3.0,
+                rpc_timeout_seconds: 0.5,
+            })
+            .expect("valid");
+        assert_eq!(
+            (tuned.lease, tuned.rpc_timeout),
+            (Duration::from_secs(3), Duration::from_millis(500))
+        );
+        for (lease, rpc) in [(0.0, 1.0), (30.0, -1.0), (f64::NAN, 1.0)] {
+            let err = config
+                .clone()
+                .tuned(&WorkerTuning {
+                    lease_seconds: lease,
+                    rpc_timeout_seconds: rpc,
+                })
+                .expect_err("refused");
+            assert!(
+                err.to_string().contains("must be a positive number"),
+                "{err}"
+            );
+        }
+    }
+
     #[test]
     fn default_worker_id_names_role_and_pid() {
         let id = default_worker_id("executor");
