@@ -269,6 +269,13 @@ pub fn is_unreachable(err: &anyhow::Error) -> bool {
             || cause
                 .downcast_ref::<CallFailed>()
                 .is_some_and(|failed| is_transient(&failed.0))
+            || matches!(
+                cause.downcast_ref::<crate::ccw_export::ExportError>(),
+                Some(crate::ccw_export::ExportError::Rpc {
+                    unreachable: true,
+                    ..
+                })
+            )
     })
 }
 
