@@ -256,7 +256,7 @@ async fn a_stopped_coordinator_gets_the_agent_stopped_by_the_lease_and_one_commi
     let coordinator = coordinator(free_addr(), &scene.path("coordinator")).await;
     let url = coordinator.url();
     let log = scene.path("executor.log");
-    let executor = executor(&url, &scene.path("executor"), "3", "1", &log).await;
+    let executor = executor(&url, &scene.path("executor"), "3", "2", &log).await;
     let id = scene.create(&url).await?;
     let agent = scene.agent_started("IMPL-1", 1).await;
 
