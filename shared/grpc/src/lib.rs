@@ -5,8 +5,9 @@
 //! per request parented on the caller's W3C `traceparent`, a default request deadline, and a
 //! graceful shutdown: health flips to NOT_SERVING first, then in-flight calls drain within a
 //! bound. [`channel`] and [`coordinator_client`] build outbound clients that carry a default
-//! deadline and the current trace context. [`worker`] is the claim → heartbeat → report loop
-//! the executor, validator and test-runner share.
+//! deadline and the current trace context; [`within`] bounds one call on the caller's side too,
+//! and [`is_transient`] says which failures are worth repeating. [`worker`] is the claim →
+//! heartbeat → report loop the executor, validator and test-runner share.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
