@@ -55,6 +55,9 @@ pub struct Config {
     /// Worker id (default `executor-<hostname>-<pid>`).
     #[arg(long, env = "TROUPE_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// Lease and call deadlines of the worker loop.
+    #[command(flatten)]
+    pub worker: troupe_grpc::worker::WorkerTuning,
     /// Backend configuration file (TOML: per-backend command, model, endpoint, env allow-list,
     /// timeouts; fallback chain and retries).
     #[arg(long = "config", env = "TROUPE_EXECUTOR_CONFIG")]
@@ -180,6 +183,7 @@ impl App {
             self.config.worker_id.clone(),
             Role::Executor,
             self.config.concurrency,
+            &self.config.worker,
             Arc::new(ExecuteHandler::new(self.executor())),
             shutdown,
         )

@@ -103,6 +103,7 @@ async fn main() {
         coordinator_url: None,
         python: python.clone(),
         worker_id: None,
+        worker: Default::default(),
         concurrency: 1,
     };
     let service = TestService::spawn(move |listener, shutdown| {

@@ -58,6 +58,9 @@ pub struct Config {
     /// Worker id (default `test-runner-<hostname>-<pid>`).
     #[arg(long, env = "TROUPE_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// Lease and call deadlines of the worker loop.
+    #[command(flatten)]
+    pub worker: troupe_grpc::worker::WorkerTuning,
     /// Test runs at once as a worker.
     #[arg(long, env = "TROUPE_TEST_RUNNER_CONCURRENCY", default_value_t = 1)]
     pub concurrency: usize,
@@ -166,13 +169,14 @@ impl App {
         let mut handler = TestRunHandler::new(self.runner());
         if let Some(url) = &self.config.coordinator_url {
             // Results also go to the bus (state_update, tests_passed / tests_failed).
-            handler = handler.with_coordinator(url)?;
+            handler = handler.with_coordinator(url, self.config.worker.rpc_timeout()?)?;
         }
         run_worker_if_configured(
             self.config.coordinator_url.clone(),
             self.config.worker_id.clone(),
             Role::TestRunner,
             self.config.concurrency,
+            &self.config.worker,
             Arc::new(handler),
             shutdown,
         )

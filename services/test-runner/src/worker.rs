@@ -25,7 +25,8 @@ use crate::{Error, FixSpec, detect};
 #[derive(Debug, Clone)]
 pub struct TestRunHandler {
     runner: Arc<Runner>,
-    coordinator: Option<CoordinatorClient>,
+    /// The coordinator's bus, and the deadline of each call to it.
+    coordinator: Option<(CoordinatorClient, Duration)>,
 }
 
 impl TestRunHandler {
@@ -38,19 +39,19 @@ impl TestRunHandler {
     }
 
     /// Also sends the CCW `state_update` and `tests_passed` / `tests_failed` message for each
-    /// finished run to the coordinator at `url`.
-    pub fn with_coordinator(mut self, url: &str) -> Result<Self, Error> {
-        self.coordinator = Some(troupe_grpc::coordinator_client(url)?);
+    /// finished run to the coordinator at `url`, each call bounded by `rpc_timeout`.
+    pub fn with_coordinator(mut self, url: &str, rpc_timeout: Duration) -> Result<Self, Error> {
+        self.coordinator = Some((troupe_grpc::coordinator_client(url)?, rpc_timeout));
         Ok(self)
     }
 
     /// Records the run on the coordinator's bus: the role state (CCW 1.C.11) and a message.
     /// Best effort: the task's result already carries the report.
     async fn notify(&self, session: &str, task_id: &str, layer: &str, report: &TestRunReport) {
-        let Some(client) = &self.coordinator else {
+        let Some((client, timeout)) = &self.coordinator else {
             return;
         };
-        let mut client = client.clone();
+        let (mut client, timeout) = (client.clone(), *timeout);
         let passed = report.outcome() == TestOutcome::Passed;
         let coverage = report.coverage.as_ref().and_then(|c| c.overall);
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
@@ -88,7 +89,12 @@ impl TestRunHandler {
             role: "test-runner".to_owned(),
             data: Some(troupe_proto::json::to_struct(&state)),
         };
-        if let Err(err) = client.update_state(update).await {
+        if let Err(err) = troupe_grpc::within(
+            timeout,
+            client.update_state(troupe_grpc::timed(update, timeout)),
+        )
+        .await
+        {
             tracing::warn!(task_id, error = %err, "state_update failed");
         }
         let kind = if passed {
@@ -105,7 +111,12 @@ impl TestRunHandler {
             data: Some(troupe_proto::json::to_struct(&result)),
             ..LogMessageRequest::default()
         };
-        if let Err(err) = client.log_message(message).await {
+        if let Err(err) = troupe_grpc::within(
+            timeout,
+            client.log_message(troupe_grpc::timed(message, timeout)),
+        )
+        .await
+        {
             tracing::warn!(task_id, error = %err, "tests message failed");
         }
     }

@@ -24,6 +24,16 @@ use troupe_proto::v1::{
     task_result::Detail,
 };
 
+impl ExportError {
+    fn rpc(call: &'static str, status: &tonic::Status) -> Self {
+        Self::Rpc {
+            call,
+            message: status.message().to_owned(),
+            unreachable: troupe_grpc::is_transient(status),
+        }
+    }
+}
+
 /// Messages asked for per `ListMessages` call (the coordinator's maximum).
 const PAGE: u32 = 1000;
 
@@ -37,6 +47,8 @@ pub enum ExportError {
         call: &'static str,
         /// The status message.
         message: String,
+        /// Whether the coordinator could not be reached (a transient failure).
+        unreachable: bool,
     },
     /// The coordinator's answer is incomplete.
     #[error("{0}")]
@@ -83,12 +95,7 @@ pub async fn fetch(
     client: &mut troupe_grpc::CoordinatorClient,
     session_id: &str,
 ) -> Result<Snapshot, ExportError> {
-    let rpc = |call: &'static str| {
-        move |status: tonic::Status| ExportError::Rpc {
-            call,
-            message: status.message().to_owned(),
-        }
-    };
+    let rpc = |call: &'static str| move |status: tonic::Status| ExportError::rpc(call, &status);
     let response = client
         .get_session(GetSessionRequest {
             session_id: session_id.to_owned(),
@@ -142,10 +149,7 @@ async fn list_messages(
                 ..Default::default()
             })
             .await
-            .map_err(|status| ExportError::Rpc {
-                call: "ListMessages",
-                message: status.message().to_owned(),
-            })?
+            .map_err(|status| ExportError::rpc("ListMessages", &status))?
             .into_inner();
         if page.messages.is_empty() {
             return Ok(Some(messages));
@@ -172,10 +176,7 @@ async fn watch_messages(
     session_id: &str,
     last_sequence: u64,
 ) -> Result<Vec<pb::Message>, ExportError> {
-    let rpc = |status: tonic::Status| ExportError::Rpc {
-        call: "WatchSession",
-        message: status.message().to_owned(),
-    };
+    let rpc = |status: tonic::Status| ExportError::rpc("WatchSession", &status);
     let mut messages = Vec::new();
     if last_sequence == 0 {
         return Ok(messages);
@@ -208,6 +209,7 @@ pub async fn export(url: &str, session_id: &str, dir: &Path) -> Result<ExportSum
     let mut client = troupe_grpc::coordinator_client(url).map_err(|err| ExportError::Rpc {
         call: "connect",
         message: err.to_string(),
+        unreachable: false,
     })?;
     let snapshot = fetch(&mut client, session_id).await?;
     let files = render(&snapshot, Utc::now());

@@ -6,24 +6,38 @@ use std::process::ExitCode;
 
 use anyhow::{Context, bail};
 use clap::{Parser, Subcommand};
-use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
-use troupe_proto::v1::{CreateSessionRequest, GetSessionRequest, WatchSessionRequest};
+use troupe_proto::v1::{CreateSessionRequest, GetSessionRequest};
 
 use crate::embedded::{Embedded, EmbeddedConfig};
-use crate::{ccw_export, plan_file, report};
+use crate::follow::Follower;
+use crate::{ccw_export, follow, plan_file, report};
 
 /// Exit code of a plan that ran and did not complete.
 const EXIT_PLAN_FAILED: u8 = 1;
 /// Exit code of a plan refused before anything ran (invalid plan, missing file).
 const EXIT_PLAN_INVALID: u8 = 2;
-/// Exit code of an infrastructure failure (cannot bind, store error).
+/// Exit code when the coordinator could not be reached (after `--reconnect-seconds` of
+/// trying, for the commands that follow a session).
+const EXIT_UNREACHABLE: u8 = 69;
+/// Exit code of an infrastructure failure (cannot bind, store error, a refused request).
 const EXIT_INTERNAL: u8 = 70;
+
+/// The exit codes, as `--help` prints them.
+const EXIT_CODES: &str = "\
+Exit codes:
+  0   success; for `run` and `import`, every task completed; for `watch`, the session ended
+  1   `run` / `import`: the plan ran and did not complete (a task failed, was skipped, ...)
+  2   the plan was refused before anything ran (invalid plan, missing file), or bad arguments
+  69  the coordinator could not be reached; `run --connect`, `import --connect` and `watch`
+      first reconnect for up to --reconnect-seconds (default 300) of continuous outage
+  70  any other error (cannot bind, store error, a request the coordinator refused)
+  130 `up`: a second SIGINT/SIGTERM during shutdown";
 
 /// troupe runs teams of coding agents: a plan's tasks go to a coordinator, executors
 /// implement them in git worktrees, validators and test-runners check the result.
 #[derive(Debug, Parser)]
-#[command(name = "troupe", version)]
+#[command(name = "troupe", version, after_help = EXIT_CODES)]
 pub struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -41,12 +55,15 @@ enum Command {
     /// Serves the coordinator, executor, test-runner and validator in one process on one port.
     Up(UpArgs),
     /// Runs a plan to the end and prints a report; exits 1 if the plan did not complete.
+    #[command(after_help = EXIT_CODES)]
     Run(RunArgs),
     /// Prints a session's tasks and their outcomes from a running server.
     Status(SessionArgs),
     /// Streams a session's events from a running server until it ends.
+    #[command(after_help = EXIT_CODES)]
     Watch(WatchArgs),
     /// Imports a CCW session folder as a plan and runs it like `run`.
+    #[command(after_help = EXIT_CODES)]
     Import(ImportArgs),
     /// Exports a session from a running server to a CCW-compatible session folder.
     Export(ExportArgs),
@@ -103,6 +120,26 @@ impl EmbeddedArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct ReconnectArgs {
+    /// When the coordinator goes away mid-session, reconnect (with backoff, resuming the
+    /// event stream where it broke) for up to this many seconds of continuous outage, then
+    /// exit 69; 0 gives up at the first failure.
+    #[arg(long, env = "TROUPE_RECONNECT_SECONDS", default_value_t = 300.0)]
+    reconnect_seconds: f64,
+}
+
+impl ReconnectArgs {
+    fn budget(&self) -> anyhow::Result<std::time::Duration> {
+        std::time::Duration::try_from_secs_f64(self.reconnect_seconds).with_context(|| {
+            format!(
+                "--reconnect-seconds must be a number of seconds, not {}",
+                self.reconnect_seconds
+            )
+        })
+    }
+}
+
+#[derive(Debug, clap::Args)]
 struct RunArgs {
     /// Plan file (JSON or TOML), or a directory holding plan.json / plan.toml.
     plan: PathBuf,
@@ -112,6 +149,8 @@ struct RunArgs {
     /// Submit to a running server (such as `troupe up`) instead of starting one in-process.
     #[arg(long, env = "TROUPE_CONNECT", value_name = "URL")]
     connect: Option<String>,
+    #[command(flatten)]
+    reconnect: ReconnectArgs,
     #[command(flatten)]
     embedded: EmbeddedArgs,
 }
@@ -137,6 +176,8 @@ struct WatchArgs {
     /// Start after this event sequence number.
     #[arg(long, default_value_t = 0)]
     after: u64,
+    #[command(flatten)]
+    reconnect: ReconnectArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -155,6 +196,8 @@ struct ImportArgs {
     /// Submit to a running server (such as `troupe up`) instead of starting one in-process.
     #[arg(long, env = "TROUPE_CONNECT", value_name = "URL")]
     connect: Option<String>,
+    #[command(flatten)]
+    reconnect: ReconnectArgs,
     #[command(flatten)]
     embedded: EmbeddedArgs,
 }
@@ -194,7 +237,11 @@ pub async fn main(cli: Cli) -> ExitCode {
         Ok(code) => code,
         Err(err) => {
             eprintln!("error: {err:#}");
-            ExitCode::from(EXIT_INTERNAL)
+            ExitCode::from(if follow::is_unreachable(&err) {
+                EXIT_UNREACHABLE
+            } else {
+                EXIT_INTERNAL
+            })
         }
     }
 }
@@ -222,7 +269,14 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
             return Ok(ExitCode::from(EXIT_PLAN_INVALID));
         }
     };
-    run_plan(plan, &args.repos, args.connect.as_deref(), &args.embedded).await
+    run_plan(
+        plan,
+        &args.repos,
+        args.connect.as_deref(),
+        &args.reconnect,
+        &args.embedded,
+    )
+    .await
 }
 
 /// Submits a loaded plan to `connect`, or to in-process services when `None`, and follows it
@@ -231,8 +285,10 @@ async fn run_plan(
     plan: plan_file::PlanFile,
     repos: &[String],
     connect: Option<&str>,
+    reconnect: &ReconnectArgs,
     embedded_args: &EmbeddedArgs,
 ) -> anyhow::Result<ExitCode> {
+    let budget = reconnect.budget()?;
     let repo_paths = match parse_repo_args(repos) {
         Ok(paths) => paths,
         Err(err) => {
@@ -254,7 +310,7 @@ async fn run_plan(
         }
     };
 
-    let outcome = submit_and_follow(&url, plan, repo_paths).await;
+    let outcome = submit_and_follow(&url, budget, plan, repo_paths).await;
     if let Some(embedded) = embedded {
         shutdown.cancel();
         embedded.wait().await?;
@@ -264,11 +320,12 @@ async fn run_plan(
 
 async fn submit_and_follow(
     url: &str,
+    budget: std::time::Duration,
     plan: plan_file::PlanFile,
     repo_paths: std::collections::HashMap<String, String>,
 ) -> anyhow::Result<ExitCode> {
-    let mut client = troupe_grpc::coordinator_client(url)?;
-    let created = client
+    let mut follower = Follower::new(url, budget)?;
+    let created = follower
         .create_session(CreateSessionRequest {
             plan_json: plan.json,
             base_dir: plan.base_dir.display().to_string(),
@@ -277,29 +334,28 @@ async fn submit_and_follow(
         })
         .await;
     let created = match created {
-        Ok(response) => response.into_inner(),
-        Err(status) if status.code() == tonic::Code::InvalidArgument => {
-            eprintln!(
-                "error: plan {} was refused:\n{}",
-                plan.path.display(),
-                status.message()
-            );
-            return Ok(ExitCode::from(EXIT_PLAN_INVALID));
-        }
-        Err(status) => bail!("creating the session failed: {}", status.message()),
+        Ok(response) => response,
+        Err(err) => match err.downcast_ref::<follow::CallFailed>() {
+            Some(follow::CallFailed(status)) if status.code() == tonic::Code::InvalidArgument => {
+                eprintln!(
+                    "error: plan {} was refused:\n{}",
+                    plan.path.display(),
+                    status.message()
+                );
+                return Ok(ExitCode::from(EXIT_PLAN_INVALID));
+            }
+            _ => return Err(err.context("creating the session failed")),
+        },
     };
     let session = created.session.context("coordinator returned no session")?;
     print!("{}", report::session_header(&session, &created.tasks));
 
-    print_events(&mut client, &session.id, 0).await?;
+    follower.print_events(&session.id, 0).await?;
 
-    let final_state = client
-        .get_session(GetSessionRequest {
-            session_id: session.id.clone(),
-        })
+    let final_state = follower
+        .get_session(&session.id)
         .await
-        .context("reading the final session")?
-        .into_inner();
+        .context("reading the final session")?;
     print!("{}", report::final_report(&final_state));
     let completed = final_state
         .session
@@ -346,46 +402,18 @@ async fn status(args: SessionArgs) -> anyhow::Result<ExitCode> {
             session_id: args.session,
         })
         .await
-        .map_err(|status| anyhow::anyhow!("{}", status.message()))?
+        .map_err(follow::CallFailed)?
         .into_inner();
     print!("{}", report::final_report(&response));
     Ok(ExitCode::SUCCESS)
 }
 
 async fn watch(args: WatchArgs) -> anyhow::Result<ExitCode> {
-    let mut client = troupe_grpc::coordinator_client(&args.session.connect)?;
-    print_events(&mut client, &args.session.session, args.after).await?;
+    let mut follower = Follower::new(&args.session.connect, args.reconnect.budget()?)?;
+    follower
+        .print_events(&args.session.session, args.after)
+        .await?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// Prints a session's events after `after_sequence` until the session ends (`run`, `import`
-/// and `watch` all follow a session this way).
-async fn print_events(
-    client: &mut troupe_grpc::CoordinatorClient,
-    session_id: &str,
-    after_sequence: u64,
-) -> anyhow::Result<()> {
-    let mut events = client
-        .watch_session(WatchSessionRequest {
-            session_id: session_id.to_owned(),
-            after_sequence,
-            follow: false,
-        })
-        .await
-        .map_err(|status| anyhow::anyhow!("watching session {session_id}: {}", status.message()))?
-        .into_inner();
-    while let Some(event) = events.next().await {
-        let event = event.map_err(|status| {
-            anyhow::anyhow!(
-                "session {session_id} event stream failed: {}",
-                status.message()
-            )
-        })?;
-        if let Some(line) = report::event_line(&event) {
-            println!("{line}");
-        }
-    }
-    Ok(())
 }
 
 async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
@@ -427,7 +455,14 @@ async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
         base_dir,
         path,
     };
-    run_plan(plan, &repos, args.connect.as_deref(), &args.embedded).await
+    run_plan(
+        plan,
+        &repos,
+        args.connect.as_deref(),
+        &args.reconnect,
+        &args.embedded,
+    )
+    .await
 }
 
 async fn export(args: ExportArgs) -> anyhow::Result<ExitCode> {
@@ -531,6 +566,7 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
                 coordinator_url: None,
                 concurrency: 1,
                 worker_id: None,
+                worker: Default::default(),
                 backends_config: args.config,
                 validator_url: None,
                 phase_concurrency: 1,

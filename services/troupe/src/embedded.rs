@@ -59,6 +59,7 @@ impl Embedded {
             coordinator_url: Some(url.clone()),
             concurrency: config.executor_concurrency,
             worker_id: None,
+            worker: Default::default(),
             backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
             // The validator is mounted on this same server.
             validator_url: Some(url.clone()),
@@ -77,6 +78,7 @@ impl Embedded {
             coordinator_url: Some(url.clone()),
             python: config.python.clone(),
             worker_id: None,
+            worker: Default::default(),
             concurrency: 1,
         })
         .await
@@ -86,6 +88,7 @@ impl Embedded {
             data_dir,
             coordinator_url: Some(url),
             worker_id: None,
+            worker: Default::default(),
             concurrency: 2,
         })
         .await

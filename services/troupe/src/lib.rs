@@ -4,10 +4,12 @@
 //! CCW session folders to and from sessions.
 //!
 //! [`embedded`] is the all-in-one assembly `up` and `run` share; [`plan_file`] loads plans
-//! (JSON or TOML); [`report`] renders progress and the final report.
+//! (JSON or TOML); [`report`] renders progress and the final report; [`follow`] follows a
+//! session across coordinator restarts.
 
 pub mod ccw_export;
 pub mod cli;
 pub mod embedded;
+pub mod follow;
 pub mod plan_file;
 pub mod report;

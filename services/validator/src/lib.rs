@@ -58,6 +58,9 @@ pub struct Config {
     /// Worker id (default `validator-<hostname>-<pid>`).
     #[arg(long, env = "TROUPE_WORKER_ID")]
     pub worker_id: Option<String>,
+    /// Lease and call deadlines of the worker loop.
+    #[command(flatten)]
+    pub worker: troupe_grpc::worker::WorkerTuning,
     /// Validations at once as a worker.
     #[arg(long, env = "TROUPE_VALIDATOR_CONCURRENCY", default_value_t = 1)]
     pub concurrency: usize,
@@ -224,6 +227,7 @@ impl App {
             self.config.worker_id.clone(),
             Role::Validator,
             self.config.concurrency,
+            &self.config.worker,
             Arc::new(ValidateHandler::new(self.validator())),
             shutdown,
         )

@@ -5,8 +5,9 @@
 //! per request parented on the caller's W3C `traceparent`, a default request deadline, and a
 //! graceful shutdown: health flips to NOT_SERVING first, then in-flight calls drain within a
 //! bound. [`channel`] and [`coordinator_client`] build outbound clients that carry a default
-//! deadline and the current trace context. [`worker`] is the claim → heartbeat → report loop
-//! the executor, validator and test-runner share.
+//! deadline and the current trace context; [`within`] bounds one call on the caller's side too,
+//! and [`is_transient`] says which failures are worth repeating. [`worker`] is the claim →
+//! heartbeat → report loop the executor, validator and test-runner share.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -43,6 +44,9 @@ pub enum Error {
         /// Why it was refused.
         reason: String,
     },
+    /// A setting is out of range.
+    #[error("{0}")]
+    Config(String),
     /// A call to the coordinator failed.
     #[error("coordinator call {rpc} failed: {status}")]
     Call {
@@ -340,12 +344,63 @@ pub fn coordinator_client(url: &str) -> Result<CoordinatorClient, Error> {
     )
 }
 
-/// Whether a failed call may succeed if repeated unchanged.
+/// Whether a failed call may succeed if repeated unchanged, with a backoff.
+///
+/// Transient: UNAVAILABLE (the server is down, restarting or draining, or refused the stream),
+/// DEADLINE_EXCEEDED (no answer in time: a stopped or partitioned server, or our own
+/// [`within`]), RESOURCE_EXHAUSTED (overload), ABORTED (a write conflict the coordinator
+/// could not retry itself), and any status the client's transport made locally (it carries
+/// the transport error as its source: a connection reset mid-call comes back as UNKNOWN or
+/// CANCELLED). Everything else is the server's considered answer to this request (a stale
+/// fencing token, an unknown task, an invalid argument, an internal error) and repeating the
+/// request unchanged would get it again.
 pub fn is_transient(status: &tonic::Status) -> bool {
+    use std::error::Error as _;
     matches!(
         status.code(),
-        tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::Aborted
-    )
+        tonic::Code::Unavailable
+            | tonic::Code::DeadlineExceeded
+            | tonic::Code::ResourceExhausted
+            | tonic::Code::Aborted
+    ) || status.source().is_some()
+}
+
+/// A request carrying `message` whose `grpc-timeout` is `timeout`, so the server stops
+/// working on it once the caller stops waiting (see [`within`]).
+pub fn timed<T>(message: T, timeout: Duration) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.set_timeout(timeout);
+    request
+}
+
+/// Awaits a unary call for at most `timeout`, answer and trailers included. `grpc-timeout`
+/// alone binds only a server that runs: a stopped (`SIGSTOP`) or partitioned one never
+/// answers, and tonic's own client timeout covers the response headers only. A call still
+/// unanswered at `timeout` is dropped and comes back as DEADLINE_EXCEEDED.
+pub async fn within<T>(
+    timeout: Duration,
+    call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    let elapsed = || tonic::Status::deadline_exceeded(format!("no answer within {timeout:?}"));
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(answer)) => Ok(answer.into_inner()),
+        // tonic's own timer (from `grpc-timeout`) may fire first; it says CANCELLED.
+        Ok(Err(status)) if timed_out_locally(&status) => Err(elapsed()),
+        Ok(Err(status)) => Err(status),
+        Err(_) => Err(elapsed()),
+    }
+}
+
+/// Whether tonic's client gave up on the call at its `grpc-timeout`.
+fn timed_out_locally(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        if err.is::<tonic::TimeoutExpired>() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// Completes when the process receives SIGTERM or SIGINT (Kubernetes sends SIGTERM).

@@ -3,9 +3,23 @@
 //! [`run_worker`] long-polls `ClaimTasks`, runs each claimed task with a [`TaskHandler`] while
 //! heartbeating at a third of the lease, and reports the outcome with `CompleteTask` or
 //! `FailTask` under the lease's fencing token. A `CompleteTask` also claims the slot's next
-//! task (`claim_next`), so a busy worker goes from task to task in one call each. A heartbeat
-//! that says "cancelled" or a lost lease cancels the task's [`TaskContext`]; a lost lease also
-//! drops the result, because the coordinator has already handed the task to someone else.
+//! task (`claim_next`), so a busy worker goes from task to task in one call each.
+//!
+//! Every call to the coordinator has a deadline ([`WorkerConfig::rpc_timeout`], and for the
+//! long-poll its wait plus that margin), enforced on this side too, so a stopped or cut-off
+//! coordinator costs a bounded wait. Each attempt keeps a local lease clock: the instant
+//! until which its lease is surely valid, the instant the claim or the last confirmed
+//! heartbeat was *sent* plus the lease length ([`TaskContext::lease_deadline`]). When
+//! that instant passes without a confirmation, or a heartbeat is refused for good (a stale
+//! token, an unknown task: anything [`crate::is_transient`] does not call transient), the
+//! attempt is over: its [`TaskContext`] is cancelled (the agent stopped), the handler awaited,
+//! its result dropped, and nothing reported, because the coordinator may already have handed
+//! the task to another attempt. A heartbeat that says "cancelled" cancels the context too,
+//! and the handler's failure is reported. Reports retry transient errors until the local
+//! deadline, then give the attempt up the same way. A claim answered after a third of its
+//! lease or more (a long-poll that waited; a stopped coordinator that answered once it ran
+//! again) is confirmed with a heartbeat before its handler starts, since its local clock,
+//! counted from the send, has little or nothing left.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,14 +27,20 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use troupe_proto::v1::{
-    ClaimTasksRequest, ClaimedTask, CompleteTaskRequest, ErrorKind, FailTaskRequest,
-    HeartbeatRequest, Lease, Role, Task, TaskError, TaskResult,
+    ClaimTasksRequest, ClaimedTask, CompleteTaskRequest, ErrorKind, FailTaskRequest, Lease, Role,
+    Task, TaskError, TaskResult,
 };
 
-use crate::{CoordinatorClient, Error, coordinator_client, is_transient};
+use crate::{CoordinatorClient, Error, coordinator_client, is_transient, timed, within};
+
+mod lease;
+
+pub use lease::LeaseLost;
+use lease::{Beat, LeaseSpec, LeaseState};
 
 /// A failed attempt: the classified error plus whatever partial result exists.
 #[derive(Clone, Debug)]
@@ -74,9 +94,33 @@ pub struct TaskContext {
     cancel: CancellationToken,
     progress: Arc<Mutex<Option<String>>>,
     worker_id: Arc<str>,
+    lease: Option<Arc<LeaseState>>,
+    /// The deadline a context outside any lease reports: far enough to never matter.
+    unleased_until: Instant,
 }
 
 impl TaskContext {
+    /// A context outside any lease, for direct RPC runs and tests of handlers: cancelled only
+    /// through `cancel`; [`TaskContext::confirm_lease`] always succeeds, with a far-future
+    /// deadline, and the fencing token and attempt are 0.
+    pub fn unleased(worker_id: impl Into<Arc<str>>, cancel: CancellationToken) -> Self {
+        Self {
+            cancel,
+            progress: Arc::new(Mutex::new(None)),
+            worker_id: worker_id.into(),
+            lease: None,
+            // About thirty years, as tokio's own "far future".
+            unleased_until: Instant::now() + Duration::from_secs(86_400 * 365 * 30),
+        }
+    }
+
+    fn leased(worker_id: Arc<str>, cancel: CancellationToken, lease: Arc<LeaseState>) -> Self {
+        Self {
+            lease: Some(lease),
+            ..Self::unleased(worker_id, cancel)
+        }
+    }
+
     /// Cancelled when the coordinator cancels the task, the lease is lost, or the worker stops.
     pub fn cancelled(&self) -> CancellationToken {
         self.cancel.clone()
@@ -94,12 +138,58 @@ impl TaskContext {
         &self.worker_id
     }
 
+    /// Confirms with the coordinator, now, that this attempt still holds its lease (a
+    /// heartbeat), and returns the local instant until which it surely holds it.
+    ///
+    /// Call it right before an effect that must happen under the lease (publishing a commit),
+    /// and finish the effect before the instant returned. Transient errors (the coordinator
+    /// restarting, a call timing out) are retried with backoff while the lease lasts, so this
+    /// can take until the current [`TaskContext::lease_deadline`]; it then fails with
+    /// [`LeaseLost::Unreachable`]. A refusal fails at once ([`LeaseLost::StaleToken`],
+    /// [`LeaseLost::Refused`]) and ends the attempt, as does a lapsed lease
+    /// ([`LeaseLost::Expired`]); a cancelled task fails with [`LeaseLost::Cancelled`] and
+    /// cancels this context. A confirmation also counts as the attempt's heartbeat.
+    pub async fn confirm_lease(&self) -> Result<Instant, LeaseLost> {
+        match &self.lease {
+            Some(lease) => lease.confirm(&self.cancel).await,
+            None => Ok(self.unleased_until),
+        }
+    }
+
+    /// The local instant until which the lease is surely valid (last confirmation + lease
+    /// length); far in the future outside a lease.
+    pub fn lease_deadline(&self) -> Instant {
+        self.lease
+            .as_ref()
+            .map_or(self.unleased_until, |lease| lease.deadline())
+    }
+
+    /// The attempt's fencing token (0 outside a lease).
+    pub fn fencing_token(&self) -> u64 {
+        self.lease.as_ref().map_or(0, |lease| lease.fencing_token())
+    }
+
+    /// The attempt number (1-based; 0 outside a lease).
+    pub fn attempt(&self) -> u32 {
+        self.lease.as_ref().map_or(0, |lease| lease.attempt())
+    }
+
     fn take_progress(&self) -> String {
         self.progress
             .lock()
             .ok()
             .and_then(|mut slot| slot.take())
             .unwrap_or_default()
+    }
+
+    /// Puts back a note a failed heartbeat did not deliver, unless a newer one came meanwhile.
+    fn restore_progress(&self, note: String) {
+        if note.is_empty() {
+            return;
+        }
+        if let Ok(mut slot) = self.progress.lock() {
+            slot.get_or_insert(note);
+        }
     }
 }
 
@@ -120,23 +210,82 @@ pub struct WorkerConfig {
     pub poll_wait: Duration,
     /// How long running tasks get to stop and report after shutdown begins.
     pub drain_timeout: Duration,
+    /// Deadline of each call to the coordinator; a long-poll gets its wait plus this, and a
+    /// call under a lease (heartbeat, report) never waits past the lease's local deadline.
+    pub rpc_timeout: Duration,
 }
 
 impl WorkerConfig {
-    /// Defaults for `roles` against `coordinator_url`: one task at a time, 30 s leases, 10 s polls.
+    /// Defaults for `roles` against `coordinator_url`: one task at a time, 30 s leases, 10 s
+    /// polls, 10 s call deadlines.
     pub fn new(
         coordinator_url: impl Into<String>,
         worker_id: impl Into<String>,
         roles: Vec<Role>,
     ) -> Self {
+        let tuning = WorkerTuning::default();
         Self {
             coordinator_url: coordinator_url.into(),
             worker_id: worker_id.into(),
             roles,
             concurrency: 1,
-            lease: Duration::from_secs(30),
+            lease: Duration::from_secs_f64(tuning.lease_seconds),
             poll_wait: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(10),
+            rpc_timeout: Duration::from_secs_f64(tuning.rpc_timeout_seconds),
+        }
+    }
+
+    /// Applies `tuning` (lease and call deadline), refusing values that are not positive.
+    pub fn tuned(mut self, tuning: &WorkerTuning) -> Result<Self, Error> {
+        self.lease = tuning.lease()?;
+        self.rpc_timeout = tuning.rpc_timeout()?;
+        Ok(self)
+    }
+}
+
+fn positive_seconds(flag: &str, seconds: f64) -> Result<Duration, Error> {
+    Duration::try_from_secs_f64(seconds)
+        .ok()
+        .filter(|duration| !duration.is_zero())
+        .ok_or_else(|| Error::Config(format!("{flag} must be a positive number, not {seconds}")))
+}
+
+/// The worker settings every worker service takes as flags (or `TROUPE_WORKER_*` variables).
+#[derive(Clone, Debug, clap::Args)]
+pub struct WorkerTuning {
+    /// Lease length asked for each claimed task (the coordinator grants 1 to 600 s);
+    /// heartbeats go every third of it. An attempt that cannot confirm its lease for this
+    /// long stops its task and abandons it.
+    #[arg(long, env = "TROUPE_WORKER_LEASE_SECONDS", default_value_t = 30.0)]
+    pub lease_seconds: f64,
+    /// Deadline of each call to the coordinator (heartbeats and reports never wait past the
+    /// lease; a claim's long-poll gets its wait plus this).
+    #[arg(
+        long,
+        env = "TROUPE_WORKER_RPC_TIMEOUT_SECONDS",
+        default_value_t = 10.0
+    )]
+    pub rpc_timeout_seconds: f64,
+}
+
+impl WorkerTuning {
+    /// The lease length; an error unless positive.
+    pub fn lease(&self) -> Result<Duration, Error> {
+        positive_seconds("--lease-seconds", self.lease_seconds)
+    }
+
+    /// The call deadline; an error unless positive.
+    pub fn rpc_timeout(&self) -> Result<Duration, Error> {
+        positive_seconds("--rpc-timeout-seconds", self.rpc_timeout_seconds)
+    }
+}
+
+impl Default for WorkerTuning {
+    fn default() -> Self {
+        Self {
+            lease_seconds: 30.0,
+            rpc_timeout_seconds: 10.0,
         }
     }
 }
@@ -152,6 +301,10 @@ pub struct WorkerStats {
     pub completed: u64,
     /// Tasks whose `FailTask` the coordinator took.
     pub failed: u64,
+    /// Attempts given up because their lease was lost (a refused heartbeat or report, or no
+    /// confirmation until the local deadline), their result dropped. A report retried after
+    /// a lost answer is refused as stale and counts here although its first try landed.
+    pub abandoned: u64,
 }
 
 /// [`WorkerStats`] as the loop and its tasks count them.
@@ -161,6 +314,7 @@ struct Counters {
     claimed_next: AtomicU64,
     completed: AtomicU64,
     failed: AtomicU64,
+    abandoned: AtomicU64,
 }
 
 impl Counters {
@@ -174,6 +328,7 @@ impl Counters {
             claimed_next: self.claimed_next.load(Ordering::Relaxed),
             completed: self.completed.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
+            abandoned: self.abandoned.load(Ordering::Relaxed),
         }
     }
 }
@@ -185,6 +340,7 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
     worker_id: Option<String>,
     role: Role,
     concurrency: usize,
+    tuning: &WorkerTuning,
     handler: Arc<H>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
@@ -199,7 +355,7 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
         Role::Unspecified => "worker",
     };
     let worker_id = worker_id.unwrap_or_else(|| default_worker_id(role_name));
-    let mut config = WorkerConfig::new(url, worker_id, vec![role]);
+    let mut config = WorkerConfig::new(url, worker_id, vec![role]).tuned(tuning)?;
     config.concurrency = concurrency.max(1);
     run_worker(config, handler, shutdown).await.map(drop)
 }
@@ -221,6 +377,11 @@ pub async fn run_worker<H: TaskHandler>(
     handler: Arc<H>,
     shutdown: CancellationToken,
 ) -> Result<WorkerStats, Error> {
+    if config.rpc_timeout.is_zero() || config.lease.is_zero() {
+        return Err(Error::Config(
+            "the worker's lease and call deadline must be positive".to_owned(),
+        ));
+    }
     let slot = Arc::new(Slot {
         client: coordinator_client(&config.coordinator_url)?,
         config: Arc::new(config),
@@ -231,7 +392,7 @@ pub async fn run_worker<H: TaskHandler>(
     let config = &slot.config;
     let mut running: JoinSet<()> = JoinSet::new();
     let mut backoff = Backoff::new();
-    tracing::info!(worker_id = %config.worker_id, roles = ?config.roles, coordinator = %config.coordinator_url, "worker started");
+    tracing::info!(worker_id = %config.worker_id, roles = ?config.roles, coordinator = %config.coordinator_url, lease = ?config.lease, rpc_timeout = ?config.rpc_timeout, "worker started");
 
     while !shutdown.is_cancelled() {
         // Finished tasks still count in the set until joined; reap them so slots are freed.
@@ -245,13 +406,16 @@ pub async fn run_worker<H: TaskHandler>(
             continue;
         }
         let request = claim_request(config, free, Some(config.poll_wait));
+        // The long-poll may legitimately take its whole wait; the margin is for the answer.
+        let timeout = config.poll_wait + config.rpc_timeout;
+        let sent = Instant::now();
         let claim = {
             let mut client = slot.client.clone();
-            async move { client.claim_tasks(request).await }
+            async move { within(timeout, client.claim_tasks(timed(request, timeout))).await }
         };
-        // Never abandon a claim in flight: the coordinator may already have leased tasks to
-        // it, and a dropped response leaves them running under a lease nobody holds until it
-        // expires. The long-poll is bounded by `poll_wait`; shutdown is the only exception.
+        // Abandon a claim in flight only at its deadline or on shutdown: the coordinator may
+        // already have leased tasks to it, and a dropped answer leaves them under a lease
+        // nobody holds until it expires.
         let response = tokio::select! {
             response = claim => response,
             () = shutdown.cancelled() => break,
@@ -259,10 +423,10 @@ pub async fn run_worker<H: TaskHandler>(
         match response {
             Ok(response) => {
                 backoff.reset();
-                let tasks = response.into_inner().tasks;
+                let tasks = response.tasks;
                 Counters::add(&slot.counters.claimed, tasks.len());
                 for task in tasks {
-                    running.spawn(run_slot(Arc::clone(&slot), task));
+                    running.spawn(run_slot(Arc::clone(&slot), task, sent));
                 }
             }
             Err(status) => {
@@ -286,7 +450,7 @@ pub async fn run_worker<H: TaskHandler>(
         running.abort_all();
     }
     let stats = slot.counters.stats();
-    tracing::info!(worker_id = %config.worker_id, claimed = stats.claimed, claimed_next = stats.claimed_next, completed = stats.completed, failed = stats.failed, "worker stopped");
+    tracing::info!(worker_id = %config.worker_id, claimed = stats.claimed, claimed_next = stats.claimed_next, completed = stats.completed, failed = stats.failed, abandoned = stats.abandoned, "worker stopped");
     Ok(stats)
 }
 
@@ -311,29 +475,34 @@ fn claim_request(config: &WorkerConfig, max: usize, wait: Option<Duration>) -> C
     }
 }
 
-/// One slot of the worker: runs `claimed`, then each task its completion claimed next, until
-/// a completion brings none.
-async fn run_slot<H: TaskHandler>(slot: Arc<Slot<H>>, claimed: ClaimedTask) {
-    let mut queue = std::collections::VecDeque::from([claimed]);
-    while let Some(claimed) = queue.pop_front() {
-        let next = run_one(&slot, claimed).await;
-        Counters::add(&slot.counters.claimed_next, next.len());
-        queue.extend(next);
+/// One slot of the worker: runs `claimed` (leased by a call sent at `sent`), then each task
+/// its completion claimed next, until a completion brings none.
+async fn run_slot<H: TaskHandler>(slot: Arc<Slot<H>>, claimed: ClaimedTask, sent: Instant) {
+    let mut queue = std::collections::VecDeque::from([(claimed, sent)]);
+    while let Some((claimed, sent)) = queue.pop_front() {
+        let next = run_one(&slot, claimed, sent).await;
+        if let Some((next, sent)) = next {
+            Counters::add(&slot.counters.claimed_next, next.len());
+            queue.extend(next.into_iter().map(|task| (task, sent)));
+        }
     }
 }
 
+/// The tasks a completion claimed next, with the instant the completion was sent.
+type Next = Option<(Vec<ClaimedTask>, Instant)>;
+
 /// Runs one claimed task; returns the tasks its completion claimed next.
-async fn run_one<H: TaskHandler>(slot: &Slot<H>, claimed: ClaimedTask) -> Vec<ClaimedTask> {
+async fn run_one<H: TaskHandler>(slot: &Slot<H>, claimed: ClaimedTask, sent: Instant) -> Next {
     let Some(task) = claimed.task.clone() else {
         tracing::warn!("claimed task without a task body, ignoring");
-        return Vec::new();
+        return None;
     };
     let Some(lease) = claimed.lease else {
         tracing::warn!(task_id = %task.id, "claimed task without a lease, ignoring");
-        return Vec::new();
+        return None;
     };
     let span = tracing::info_span!("task", session_id = %task.session_id, task_id = %task.id, attempt = lease.attempt);
-    run_leased(slot, claimed, task, lease)
+    run_leased(slot, claimed, task, lease, sent)
         .instrument(span)
         .await
 }
@@ -343,7 +512,8 @@ async fn run_leased<H: TaskHandler>(
     claimed: ClaimedTask,
     task: Task,
     lease: Lease,
-) -> Vec<ClaimedTask> {
+    sent: Instant,
+) -> Next {
     let Slot {
         client,
         config,
@@ -352,39 +522,55 @@ async fn run_leased<H: TaskHandler>(
         counters,
     } = slot;
     let cancel = shutdown.child_token();
-    let ctx = TaskContext {
-        cancel: cancel.clone(),
-        progress: Arc::new(Mutex::new(None)),
-        worker_id: Arc::from(config.worker_id.as_str()),
-    };
-    let lease_lost = CancellationToken::new();
-    let heartbeat = heartbeat_loop(
-        client.clone(),
-        Arc::clone(config),
-        task.session_id.clone(),
-        task.id.clone(),
-        lease.fencing_token,
-        ctx.clone(),
-        lease_lost.clone(),
+    let held = Arc::new(LeaseState::new(LeaseSpec {
+        client: client.clone(),
+        session_id: task.session_id.clone(),
+        task_id: task.id.clone(),
+        fencing_token: lease.fencing_token,
+        attempt: lease.attempt,
+        requested: config.lease,
+        rpc_timeout: config.rpc_timeout,
+        sent,
+    }));
+    if held.clock().next_beat() <= Instant::now() {
+        // The claim answered late: its local lease is short or gone; confirm it first.
+        if let Err(lost) = held.revalidate().await {
+            tracing::warn!(reason = %lost, "attempt abandoned before it started: its late claim could not be confirmed");
+            Counters::add(&counters.abandoned, 1);
+            return None;
+        }
+        tracing::info!(claim_sent_ago = ?sent.elapsed(), "late claim confirmed before starting");
+    }
+    let ctx = TaskContext::leased(
+        Arc::from(config.worker_id.as_str()),
+        cancel.clone(),
+        Arc::clone(&held),
     );
     let outcome = {
         let handle = handler.handle(claimed, ctx.clone());
+        let keeper = keep_lease(&held, &ctx);
         tokio::pin!(handle);
-        tokio::pin!(heartbeat);
+        tokio::pin!(keeper);
         tokio::select! {
-            outcome = &mut handle => outcome,
-            () = &mut heartbeat => {
-                // The heartbeat loop ends only when the lease is lost: stop the work, and
-                // still wait for the handler so no child outlives the attempt.
+            outcome = &mut handle => Some(outcome),
+            lost = &mut keeper => {
+                // The lease is gone: stop the work, and still wait for the handler so no
+                // child outlives the attempt.
+                tracing::warn!(reason = %lost, "lease lost, stopping the task");
                 cancel.cancel();
-                handle.await
+                let _ = handle.await;
+                None
             }
         }
     };
-    if lease_lost.is_cancelled() {
-        tracing::warn!("lease lost, dropping the result");
-        return Vec::new();
-    }
+    // The handler may also have returned after the deadline, or after a refusal it saw.
+    let lost = held.check();
+    let (Some(outcome), None) = (outcome, &lost) else {
+        let reason = lost.unwrap_or(LeaseLost::Expired);
+        tracing::warn!(reason = %reason, "attempt abandoned: its lease is lost, the result is dropped");
+        Counters::add(&counters.abandoned, 1);
+        return None;
+    };
 
     match outcome {
         Ok(result) => {
@@ -397,22 +583,20 @@ async fn run_leased<H: TaskHandler>(
                 result: Some(result),
                 claim_next,
             };
-            let response = report("CompleteTask", || {
+            let answer = report("CompleteTask", &held, counters, |timeout| {
                 let mut client = client.clone();
                 let sent = request.clone();
                 // A retry claims nothing: if the first call committed after all (its answer
                 // lost), the retry is refused as stale, and what the first call claimed waits
                 // out its lease, as with a lost `ClaimTasks` answer.
                 request.claim_next = None;
-                async move { client.complete_task(sent).await }
+                async move { client.complete_task(timed(sent, timeout)).await }
             })
             .await;
-            let Some(response) = response else {
-                return Vec::new();
-            };
+            let (answer, sent) = answer?;
             Counters::add(&counters.completed, 1);
             tracing::info!("task completed");
-            return response.into_inner().next;
+            Some((answer.next, sent))
         }
         Err(mut failure) => {
             if shutdown.is_cancelled() {
@@ -427,88 +611,108 @@ async fn run_leased<H: TaskHandler>(
                 error: Some(failure.error),
                 partial_result: failure.partial,
             };
-            if report("FailTask", || {
+            let answer = report("FailTask", &held, counters, |timeout| {
                 let mut client = client.clone();
                 let request = request.clone();
-                async move { client.fail_task(request).await }
+                async move { client.fail_task(timed(request, timeout)).await }
             })
-            .await
-            .is_some()
-            {
+            .await;
+            if answer.is_some() {
                 Counters::add(&counters.failed, 1);
             }
+            None
         }
     }
-    Vec::new()
 }
 
-/// Sends a report, retrying transient failures a few times; a refused report (stale token)
-/// is logged once and dropped. Returns the answer, if one came.
-async fn report<F, Fut, T>(rpc: &'static str, mut call: F) -> Option<T>
+/// Sends a report under `lease`, retrying transient failures with backoff until the lease's
+/// local deadline; `call` gets the deadline of each try. A refused report (stale token) is
+/// logged and dropped; one still unanswered at the deadline abandons the attempt. Returns the
+/// answer and the instant its call was sent.
+async fn report<F, Fut, T>(
+    rpc: &'static str,
+    lease: &LeaseState,
+    counters: &Counters,
+    mut call: F,
+) -> Option<(T, Instant)>
 where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, tonic::Status>>,
+    F: FnMut(Duration) -> Fut,
+    Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 {
     let mut backoff = Backoff::new();
-    for _ in 0..6 {
-        match call().await {
-            Ok(answer) => return Some(answer),
+    loop {
+        let sent = Instant::now();
+        let Some(left) = lease.clock().remaining(sent) else {
+            tracing::error!(
+                rpc,
+                "the lease expired before the report landed: attempt abandoned, the task will be retried"
+            );
+            lease.mark_lost(LeaseLost::Expired);
+            Counters::add(&counters.abandoned, 1);
+            return None;
+        };
+        let timeout = lease.rpc_timeout().min(left);
+        match within(timeout, call(timeout)).await {
+            Ok(answer) => return Some((answer, sent)),
             Err(status) if is_transient(&status) => {
-                let delay = backoff.next();
-                tracing::warn!(rpc, code = ?status.code(), retry_in = ?delay, "report failed, retrying");
+                let delay = backoff
+                    .next()
+                    .min(lease.clock().remaining(Instant::now()).unwrap_or_default());
+                tracing::warn!(rpc, code = ?status.code(), error = %status.message(), retry_in = ?delay, "report failed, retrying while the lease lasts");
                 tokio::time::sleep(delay).await;
             }
             Err(status) => {
-                tracing::warn!(rpc, code = ?status.code(), error = %status.message(), "report refused");
+                tracing::warn!(rpc, code = ?status.code(), error = %status.message(), "report refused, attempt abandoned");
+                lease.mark_lost(LeaseLost::from_refusal(&status));
+                Counters::add(&counters.abandoned, 1);
                 return None;
             }
         }
     }
-    tracing::error!(
-        rpc,
-        "report failed repeatedly, the lease will expire and the task be retried"
-    );
-    None
 }
 
-/// Heartbeats until the lease is lost (then returns); runs forever otherwise, so the caller
-/// drops it when the task finishes.
-async fn heartbeat_loop(
-    client: CoordinatorClient,
-    config: Arc<WorkerConfig>,
-    session_id: String,
-    task_id: String,
-    fencing_token: u64,
-    ctx: TaskContext,
-    lease_lost: CancellationToken,
-) {
-    let interval = (config.lease / 3).max(Duration::from_millis(100));
+/// Keeps the lease: heartbeats every third of it (counted from the last confirmation), and
+/// retries transient failures with backoff. Returns only once the lease is lost: a refusal,
+/// the local deadline passing without a confirmation, or a loss [`TaskContext::confirm_lease`]
+/// saw; the caller drops it when the task finishes first.
+async fn keep_lease(lease: &LeaseState, ctx: &TaskContext) -> LeaseLost {
+    let mut backoff = Backoff::new();
+    let mut next = lease.clock().next_beat();
     loop {
-        tokio::time::sleep(interval).await;
-        let request = HeartbeatRequest {
-            session_id: session_id.clone(),
-            task_id: task_id.clone(),
-            fencing_token,
-            progress: ctx.take_progress(),
-            lease_duration: Some(duration_proto(config.lease)),
-        };
-        let mut client = client.clone();
-        match client.heartbeat(request).await {
-            Ok(response) => {
-                if response.into_inner().cancel_requested && !ctx.cancel.is_cancelled() {
-                    tracing::info!(%task_id, "coordinator cancelled the task");
+        tokio::select! {
+            () = tokio::time::sleep_until(next.min(lease.deadline())) => {}
+            lost = lease.lost() => return lost,
+        }
+        if let Some(lost) = lease.check() {
+            return lost;
+        }
+        if Instant::now() < next {
+            // Woken at a deadline that `confirm_lease` has moved since: not time yet.
+            continue;
+        }
+        let progress = ctx.take_progress();
+        match lease.heartbeat(progress.clone()).await {
+            Beat::Answered { cancel: false } => {
+                backoff.reset();
+                next = lease.clock().next_beat();
+            }
+            Beat::Answered { cancel: true } => {
+                // The coordinator does not extend a cancelled task's lease; the handler
+                // should stop and report well before it lapses.
+                backoff.reset();
+                next = Instant::now() + lease.clock().beat();
+                if !ctx.cancel.is_cancelled() {
+                    tracing::info!("coordinator cancelled the task");
                     ctx.cancel.cancel();
                 }
             }
-            Err(status) if status.code() == tonic::Code::FailedPrecondition => {
-                tracing::warn!(%task_id, error = %status.message(), "lease lost");
-                lease_lost.cancel();
-                return;
+            Beat::Transient(status) => {
+                ctx.restore_progress(progress);
+                let delay = backoff.next();
+                tracing::warn!(code = ?status.code(), error = %status.message(), retry_in = ?delay, "heartbeat failed; the lease holds until its deadline");
+                next = Instant::now() + delay;
             }
-            Err(status) => {
-                // Transient: the lease is still ours until it expires; try again next beat.
-                tracing::warn!(%task_id, code = ?status.code(), "heartbeat failed");
-            }
+            Beat::Lost(lost) => return lost,
         }
     }
 }
@@ -561,6 +765,48 @@ mod tests {
         assert!(backoff.next() <= Backoff::MAX.mul_f64(1.2));
         backoff.reset();
         assert!(backoff.next() <= Duration::from_millis(240));
+    }
+
+    #[tokio::test]
+    async fn a_context_outside_any_lease_always_confirms() {
+        let cancel = CancellationToken::new();
+        let ctx = TaskContext::unleased("direct", cancel.clone());
+        let far = Instant::now() + Duration::from_secs(86_400 * 365);
+        assert_eq!(ctx.confirm_lease().await, Ok(ctx.lease_deadline()));
+        assert!(ctx.lease_deadline() > far);
+        assert_eq!((ctx.fencing_token(), ctx.attempt()), (0, 0));
+        assert_eq!(ctx.worker_id(), "direct");
+        cancel.cancel();
+        assert!(ctx.cancelled().is_cancelled());
+    }
+
+    #[test]
+    fn tuning_refuses_what_is_not_a_positive_duration() {
+        let config = WorkerConfig::new("http://127.0.0.1:1", "w", vec![Role::Executor]);
+        let tuned = config
+            .clone()
+            .tuned(&WorkerTuning {
+                lease_seconds: 3.0,
+                rpc_timeout_seconds: 0.5,
+            })
+            .expect("valid");
+        assert_eq!(
+            (tuned.lease, tuned.rpc_timeout),
+            (Duration::from_secs(3), Duration::from_millis(500))
+        );
+        for (lease, rpc) in [(0.0, 1.0), (30.0, -1.0), (f64::NAN, 1.0)] {
+            let err = config
+                .clone()
+                .tuned(&WorkerTuning {
+                    lease_seconds: lease,
+                    rpc_timeout_seconds: rpc,
+                })
+                .expect_err("refused");
+            assert!(
+                err.to_string().contains("must be a positive number"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

@@ -73,6 +73,16 @@ impl CoordinatorProcess {
         format!("http://{}", self.addr)
     }
 
+    /// Sends `signal` (SIGSTOP, SIGCONT) to the process.
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = self.child.id().expect("running");
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(pid).expect("pid")),
+            signal,
+        )
+        .expect("signal the coordinator");
+    }
+
     /// `kill -9`: no shutdown, no flush.
     async fn kill9(mut self) {
         self.child.start_kill().expect("SIGKILL");
@@ -400,6 +410,7 @@ async fn worker_process() {
         lease: WORKER_LEASE,
         poll_wait: Duration::from_millis(500),
         drain_timeout: Duration::from_secs(1),
+        rpc_timeout: Duration::from_secs(1),
     };
     troupe_grpc::worker::run_worker(config, Arc::new(Forever), CancellationToken::new())
         .await
@@ -450,6 +461,137 @@ async fn worker_kill9_task_is_redispatched_within_the_lease(db: Db) {
     let lease = claimed[0].lease.as_ref().expect("lease");
     assert_eq!(lease.attempt, 2);
     harness.stop().await;
+}
+
+/// What the probe handler saw of its lease.
+#[derive(Debug)]
+struct Observed {
+    first: Result<tokio::time::Instant, troupe_grpc::worker::LeaseLost>,
+    first_asked: tokio::time::Instant,
+    fencing_token: u64,
+    attempt: u32,
+    second: Result<tokio::time::Instant, troupe_grpc::worker::LeaseLost>,
+    second_answered: tokio::time::Instant,
+    deadline: tokio::time::Instant,
+    cancelled_at: tokio::time::Instant,
+}
+
+/// `TaskContext::confirm_lease` against a coordinator process, then with that process
+/// stopped (`SIGSTOP`): the second confirmation gives up at the lease's local deadline
+/// (unreachable) instead of hanging, the attempt's context is cancelled by then, and the
+/// worker counts the attempt abandoned, not completed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confirm_lease_answers_by_the_deadline_when_the_coordinator_is_stopped() {
+    use tokio::sync::{Notify, oneshot};
+    use troupe_grpc::worker::{LeaseLost, TaskContext, TaskFailure, TaskHandler, WorkerConfig};
+
+    const LEASE: Duration = Duration::from_secs(2);
+    struct Probe {
+        confirmed: Arc<Notify>,
+        stopped: Arc<Notify>,
+        seen: Mutex<Option<oneshot::Sender<Observed>>>,
+    }
+    impl TaskHandler for Probe {
+        async fn handle(
+            &self,
+            _task: pb::ClaimedTask,
+            ctx: TaskContext,
+        ) -> Result<pb::TaskResult, TaskFailure> {
+            let first_asked = tokio::time::Instant::now();
+            let first = ctx.confirm_lease().await;
+            self.confirmed.notify_one();
+            self.stopped.notified().await;
+            let second = ctx.confirm_lease().await;
+            let second_answered = tokio::time::Instant::now();
+            let deadline = ctx.lease_deadline();
+            ctx.cancelled().cancelled().await;
+            let observed = Observed {
+                first,
+                first_asked,
+                fencing_token: ctx.fencing_token(),
+                attempt: ctx.attempt(),
+                second,
+                second_answered,
+                deadline,
+                cancelled_at: tokio::time::Instant::now(),
+            };
+            if let Some(seen) = self.seen.lock().expect("seen").take() {
+                let _ = seen.send(observed);
+            }
+            Ok(pb::TaskResult::default())
+        }
+    }
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let coordinator = CoordinatorProcess::start(&dir.path().join("data"), None, free_addr()).await;
+    let (plan_json, base_dir) = plan(dir.path(), "confirm", 1);
+    create_session(&coordinator.url(), plan_json, base_dir).await;
+    let (seen, observed) = oneshot::channel();
+    let probe = Arc::new(Probe {
+        confirmed: Arc::new(Notify::new()),
+        stopped: Arc::new(Notify::new()),
+        seen: Mutex::new(Some(seen)),
+    });
+    let mut config = WorkerConfig::new(coordinator.url(), "probe", vec![Role::Executor]);
+    config.lease = LEASE;
+    config.rpc_timeout = Duration::from_millis(500);
+    config.poll_wait = Duration::from_millis(500);
+    config.drain_timeout = Duration::from_secs(1);
+    let stop = CancellationToken::new();
+    let worker = tokio::spawn(troupe_grpc::worker::run_worker(
+        config,
+        Arc::clone(&probe) as Arc<Probe>,
+        stop.clone(),
+    ));
+
+    tokio::time::timeout(Duration::from_secs(30), probe.confirmed.notified())
+        .await
+        .expect("the probe confirmed its lease");
+    coordinator.signal(nix::sys::signal::Signal::SIGSTOP);
+    probe.stopped.notify_one();
+    let seen = tokio::time::timeout(LEASE * 3, observed)
+        .await
+        .expect("the probe saw its lease end within the lease")
+        .expect("observed");
+
+    let first = seen
+        .first
+        .clone()
+        .expect("confirmed while the coordinator ran");
+    assert!(
+        first >= seen.first_asked + LEASE
+            && first <= seen.first_asked + LEASE + Duration::from_millis(500),
+        "{seen:?}"
+    );
+    assert!(seen.fencing_token > 0 && seen.attempt == 1, "{seen:?}");
+    assert!(
+        matches!(seen.second, Err(LeaseLost::Unreachable { .. })),
+        "{seen:?}"
+    );
+    let slack = Duration::from_millis(300);
+    assert!(
+        seen.second_answered <= seen.deadline + slack,
+        "confirm_lease answered {:?} past the lease deadline",
+        seen.second_answered - seen.deadline
+    );
+    assert!(
+        seen.cancelled_at <= seen.deadline + slack,
+        "the context was cancelled {:?} past the lease deadline",
+        seen.cancelled_at - seen.deadline
+    );
+
+    // Stopping the worker does not wait for the stopped coordinator either.
+    let stopping = Instant::now();
+    stop.cancel();
+    let stats = tokio::time::timeout(Duration::from_secs(5), worker)
+        .await
+        .expect("the worker stopped")
+        .expect("join")
+        .expect("worker loop");
+    assert!(stopping.elapsed() < Duration::from_secs(5));
+    assert_eq!((stats.completed, stats.abandoned), (0, 1), "{stats:?}");
+    coordinator.signal(nix::sys::signal::Signal::SIGCONT);
+    coordinator.kill9().await;
 }
 
 db_tests!(

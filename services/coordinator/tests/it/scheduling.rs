@@ -912,6 +912,7 @@ async fn the_worker_loop_claims_each_next_task_with_its_completion(db: Db) {
             claimed_next: 3,
             completed: 4,
             failed: 0,
+            abandoned: 0,
         }
     );
     harness.stop().await;

@@ -84,6 +84,7 @@ pub(crate) async fn fixture(config: BackendsConfig) -> Fixture {
         coordinator_url: None,
         concurrency: 1,
         worker_id: None,
+        worker: Default::default(),
         backends_config: Some(config_file),
         validator_url: None,
         phase_concurrency: 4,

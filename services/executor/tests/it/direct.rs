@@ -37,6 +37,7 @@ async fn fixture() -> Fixture {
         coordinator_url: None,
         concurrency: 1,
         worker_id: None,
+        worker: Default::default(),
         backends_config: None,
         validator_url: None,
         phase_concurrency: 4,

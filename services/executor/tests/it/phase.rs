@@ -128,6 +128,7 @@ async fn fixture_with(with_validator: bool, backends: Option<BackendsConfig>) ->
         coordinator_url: None,
         concurrency: 1,
         worker_id: None,
+        worker: Default::default(),
         backends_config: backends.map(|config| {
             let file = root.path().join("executor.toml");
             std::fs::write(&file, crate::clis::to_toml(&config)).expect("config file");

@@ -46,6 +46,7 @@ async fn start() -> TestService {
         coordinator_url: None,
         python: "python3".to_owned(),
         worker_id: None,
+        worker: Default::default(),
         concurrency: 1,
     };
     TestService::spawn(move |listener, shutdown| {
@@ -471,6 +472,7 @@ async fn without_plugins_results_come_from_junit_and_coverage_is_not_claimed() {
         coordinator_url: None,
         python: python.display().to_string(),
         worker_id: None,
+        worker: Default::default(),
         concurrency: 1,
     };
     let service = TestService::spawn(move |listener, shutdown| {

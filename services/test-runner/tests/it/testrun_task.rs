@@ -32,6 +32,7 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
         coordinator_url: Some(coordinator.url()),
         python: "python3".to_owned(),
         worker_id: Some("test-runner-it".to_owned()),
+        worker: Default::default(),
         concurrency: 1,
     };
     let runner = TestService::spawn(move |listener, shutdown| {

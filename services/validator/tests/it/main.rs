@@ -81,6 +81,7 @@ pub(crate) async fn start(judge: Option<String>) -> (TestService, tempfile::Temp
         data_dir: data.path().to_path_buf(),
         coordinator_url: None,
         worker_id: None,
+        worker: Default::default(),
         concurrency: 1,
     };
     let checks = troupe_validator::CheckConfig {

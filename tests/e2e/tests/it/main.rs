@@ -3,9 +3,11 @@
 mod bad_plan;
 mod exec_phase;
 mod grpcurl;
+mod lease;
 mod otlp;
 mod pause;
 mod quickstart;
+mod reconnect;
 mod shutdown;
 mod support;
 mod tour;

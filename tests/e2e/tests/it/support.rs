@@ -62,7 +62,19 @@ impl ChildService {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> anyhow::Result<Self> {
-        let addr = free_addr();
+        Self::start_at(name, free_addr(), args, env, None).await
+    }
+
+    /// Starts `binary args...` with `--listen addr` (a restart takes the address back), its
+    /// stderr (JSON logs at info) appended to `log` when given, and waits until it answers
+    /// health.
+    pub(crate) async fn start_at(
+        name: &str,
+        addr: SocketAddr,
+        args: &[&str],
+        env: &[(&str, &str)],
+        log: Option<&Path>,
+    ) -> anyhow::Result<Self> {
         let mut command = Command::new(binary(name));
         command
             .args(args)
@@ -72,8 +84,20 @@ impl ChildService {
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
             .kill_on_drop(true);
+        match log {
+            Some(path) => {
+                let file = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .with_context(|| format!("opening {}", path.display()))?;
+                command.stderr(file);
+            }
+            None => {
+                command.stderr(Stdio::inherit());
+            }
+        }
         for (key, value) in env {
             command.env(key, value);
         }
@@ -87,6 +111,20 @@ impl ChildService {
         };
         service.wait_serving("").await?;
         Ok(service)
+    }
+
+    /// Sends `signal` to the process (SIGSTOP, SIGCONT, ...).
+    pub(crate) fn signal(&self, signal: nix::sys::signal::Signal) -> anyhow::Result<()> {
+        let pid = self.child.id().context("child already reaped")?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(i32::try_from(pid)?), signal)?;
+        Ok(())
+    }
+
+    /// `kill -9`: no shutdown, no flush; waits until it is gone.
+    pub(crate) async fn kill9(mut self) -> anyhow::Result<()> {
+        self.child.start_kill()?;
+        self.child.wait().await?;
+        Ok(())
     }
 
     pub(crate) fn url(&self) -> String {

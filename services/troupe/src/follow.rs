@@ -1,0 +1,304 @@
+//! Following a session on a coordinator that may restart.
+//!
+//! `run --connect`, `import --connect` and `watch` print a session's events until it ends.
+//! When the coordinator goes away (killed, restarted, unreachable), the [`Follower`] prints a
+//! short notice, reconnects with capped backoff and resumes the watch from its cursor (the
+//! last sequence it printed), so every event is printed once and none is missed. It gives up
+//! with [`Unreachable`] once the coordinator has been unreachable for the reconnect budget
+//! without a break (`--reconnect-seconds`).
+
+use std::future::Future;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::time::Instant;
+use tokio_stream::StreamExt;
+use troupe_grpc::{CoordinatorClient, is_transient, within};
+use troupe_proto::v1::{
+    CreateSessionRequest, CreateSessionResponse, GetSessionRequest, GetSessionResponse,
+    WatchSessionRequest,
+};
+
+use crate::report;
+
+/// Deadline of each unary call and of opening a watch: a stopped coordinator never answers.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// First and longest wait between reconnects.
+const FIRST_DELAY: Duration = Duration::from_millis(200);
+const MAX_DELAY: Duration = Duration::from_secs(5);
+
+/// The coordinator stayed unreachable for longer than the reconnect budget.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the coordinator at {url} was unreachable for {:.1} s (the reconnect budget, --reconnect-seconds): {last}",
+    waited.as_secs_f64()
+)]
+pub struct Unreachable {
+    /// The coordinator's URL.
+    pub url: String,
+    /// How long it was unreachable before giving up.
+    pub waited: Duration,
+    /// The last error.
+    pub last: String,
+}
+
+/// A call the coordinator did not answer as asked, shown by the status message alone.
+#[derive(Debug, thiserror::Error)]
+#[error("{} ({:?})", .0.message(), .0.code())]
+pub struct CallFailed(pub tonic::Status);
+
+/// A period without the coordinator: when it began, and the next wait.
+#[derive(Debug)]
+struct Outage {
+    since: Instant,
+    delay: Duration,
+}
+
+/// Talks to one coordinator across its restarts (see the module docs).
+#[derive(Debug)]
+pub struct Follower {
+    client: CoordinatorClient,
+    url: String,
+    budget: Duration,
+    outage: Option<Outage>,
+}
+
+impl Follower {
+    /// A follower of the coordinator at `url` that reconnects for up to `budget` per outage.
+    pub fn new(url: &str, budget: Duration) -> anyhow::Result<Self> {
+        Ok(Self {
+            client: troupe_grpc::coordinator_client(url)?,
+            url: url.to_owned(),
+            budget,
+            outage: None,
+        })
+    }
+
+    /// Records a transient failure and waits before the next try; fails once the outage
+    /// would outlast the budget.
+    async fn setback(&mut self, status: &tonic::Status) -> Result<(), Unreachable> {
+        let now = Instant::now();
+        let outage = self.outage.get_or_insert_with(|| {
+            eprintln!(
+                "troupe: lost the coordinator at {} ({}); reconnecting for up to {:.0} s",
+                self.url,
+                describe(status),
+                self.budget.as_secs_f64()
+            );
+            Outage {
+                since: now,
+                delay: FIRST_DELAY,
+            }
+        });
+        let waited = now - outage.since;
+        if waited >= self.budget {
+            return Err(Unreachable {
+                url: self.url.clone(),
+                waited,
+                last: describe(status),
+            });
+        }
+        let delay = outage.delay.min(self.budget - waited);
+        outage.delay = (outage.delay * 2).min(MAX_DELAY);
+        tokio::time::sleep(delay).await;
+        Ok(())
+    }
+
+    /// Ends an outage, if one was on, saying where the watch resumes.
+    fn reconnected(&mut self, resume_after: Option<u64>) {
+        if self.outage.take().is_some() {
+            match resume_after {
+                Some(cursor) => eprintln!(
+                    "troupe: reconnected to {}, resuming after event {cursor}",
+                    self.url
+                ),
+                None => eprintln!("troupe: reconnected to {}", self.url),
+            }
+        }
+    }
+
+    /// Runs a unary call until it succeeds, retrying what `retry` allows within the budget.
+    async fn call<T, F, Fut>(
+        &mut self,
+        retry: fn(&tonic::Status) -> bool,
+        mut call: F,
+    ) -> anyhow::Result<T>
+    where
+        F: FnMut(CoordinatorClient) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        loop {
+            match within(CALL_TIMEOUT, call(self.client.clone())).await {
+                Ok(answer) => {
+                    self.reconnected(None);
+                    return Ok(answer);
+                }
+                Err(status) if retry(&status) => self.setback(&status).await?,
+                Err(status) => return Err(CallFailed(status).into()),
+            }
+        }
+    }
+
+    /// `CreateSession`, retried only while the request cannot have reached the coordinator
+    /// (no connection): a retry after a lost answer would create a second session. A refusal
+    /// comes back as the [`CallFailed`] inside the error.
+    pub async fn create_session(
+        &mut self,
+        request: CreateSessionRequest,
+    ) -> anyhow::Result<CreateSessionResponse> {
+        self.call(never_sent, |mut client| {
+            let request = request.clone();
+            async move { client.create_session(request).await }
+        })
+        .await
+    }
+
+    /// `GetSession`, retried through outages.
+    pub async fn get_session(&mut self, session_id: &str) -> anyhow::Result<GetSessionResponse> {
+        self.call(is_transient, |mut client| {
+            let request = GetSessionRequest {
+                session_id: session_id.to_owned(),
+            };
+            async move { client.get_session(request).await }
+        })
+        .await
+        .with_context(|| format!("reading session {session_id}"))
+    }
+
+    /// Prints the session's events after `after` until the session ends, each exactly once
+    /// across reconnects. Returns the last sequence printed (or `after`).
+    pub async fn print_events(&mut self, session_id: &str, after: u64) -> anyhow::Result<u64> {
+        let mut cursor = after;
+        let mut ended_early = FIRST_DELAY;
+        loop {
+            let request = WatchSessionRequest {
+                session_id: session_id.to_owned(),
+                after_sequence: cursor,
+                follow: false,
+            };
+            let mut client = self.client.clone();
+            let opened = within(CALL_TIMEOUT, client.watch_session(request)).await;
+            let mut events = match opened {
+                Ok(events) => events,
+                Err(status) if is_transient(&status) => {
+                    self.setback(&status).await?;
+                    continue;
+                }
+                Err(status) => {
+                    return Err(anyhow::anyhow!(
+                        "watching session {session_id}: {}",
+                        status.message()
+                    ));
+                }
+            };
+            self.reconnected(Some(cursor));
+            let broken = loop {
+                match events.next().await {
+                    Some(Ok(event)) => {
+                        // The cursor makes a resumed stream start after it; this also keeps
+                        // a replayed event from printing twice.
+                        if event.sequence <= cursor {
+                            continue;
+                        }
+                        cursor = event.sequence;
+                        ended_early = FIRST_DELAY;
+                        if let Some(line) = report::event_line(&event) {
+                            println!("{line}");
+                        }
+                    }
+                    Some(Err(status)) => break Some(status),
+                    None => break None,
+                }
+            };
+            match broken {
+                Some(status) if is_transient(&status) => self.setback(&status).await?,
+                Some(status) => {
+                    return Err(anyhow::anyhow!(
+                        "session {session_id} event stream failed: {}",
+                        status.message()
+                    ));
+                }
+                // The stream ends when the session has ended, or when the coordinator stops
+                // (a graceful restart): only the session's state tells which.
+                None => {
+                    let view = self.get_session(session_id).await?;
+                    if view
+                        .session
+                        .as_ref()
+                        .is_some_and(|session| report::is_terminal(session.state))
+                    {
+                        return Ok(cursor);
+                    }
+                    tokio::time::sleep(ended_early).await;
+                    ended_early = (ended_early * 2).min(MAX_DELAY);
+                }
+            }
+        }
+    }
+}
+
+/// Whether a failed call surely never reached the server (no connection was made).
+fn never_sent(status: &tonic::Status) -> bool {
+    let mut source = std::error::Error::source(status);
+    while let Some(err) = source {
+        if err.is::<tonic::ConnectError>() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
+}
+
+/// A status in a few words, for notices.
+fn describe(status: &tonic::Status) -> String {
+    let message = status.message();
+    if message.is_empty() {
+        format!("{:?}", status.code())
+    } else {
+        format!("{:?}: {message}", status.code())
+    }
+}
+
+/// Whether an error means the coordinator could not be reached (exit code 69).
+pub fn is_unreachable(err: &anyhow::Error) -> bool {
+    err.chain().any(|cause| {
+        cause.is::<Unreachable>()
+            || cause
+                .downcast_ref::<tonic::Status>()
+                .is_some_and(is_transient)
+            || cause
+                .downcast_ref::<CallFailed>()
+                .is_some_and(|failed| is_transient(&failed.0))
+            || matches!(
+                cause.downcast_ref::<crate::ccw_export::ExportError>(),
+                Some(crate::ccw_export::ExportError::Rpc {
+                    unreachable: true,
+                    ..
+                })
+            )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unreachable_errors_are_told_apart() {
+        let gone = anyhow::Error::new(Unreachable {
+            url: "http://h:1".into(),
+            waited: Duration::from_secs(3),
+            last: "Unavailable: tcp connect error".into(),
+        });
+        assert!(is_unreachable(&gone));
+        assert!(gone.to_string().contains("unreachable for 3.0 s"), "{gone}");
+        let down = anyhow::Error::new(tonic::Status::unavailable("down")).context("checking");
+        assert!(is_unreachable(&down));
+        let refused = anyhow::Error::new(tonic::Status::not_found("no session")).context("x");
+        assert!(!is_unreachable(&refused));
+        let failed = anyhow::Error::new(CallFailed(tonic::Status::unavailable("tcp connect")));
+        assert!(is_unreachable(&failed));
+        assert_eq!(failed.to_string(), "tcp connect (Unavailable)");
+        assert!(!never_sent(&tonic::Status::unavailable("maybe sent")));
+    }
+}
