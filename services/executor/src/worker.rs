@@ -103,7 +103,6 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
         plan_dir: (!claim.plan_dir.is_empty()).then(|| PathBuf::from(claim.plan_dir)),
         upstream,
         target: Target::Session { branch, base },
-        // Until the worker loop confirms leases on demand, fences alone keep landings exactly once.
         lease: None,
         fencing_token,
     })
@@ -111,7 +110,13 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
 
 impl TaskHandler for ExecuteHandler {
     async fn handle(&self, task: ClaimedTask, ctx: TaskContext) -> Result<TaskResult, TaskFailure> {
-        let job = job_from_claim(task)?;
+        let mut job = job_from_claim(task)?;
+        // Publishing confirms the lease with the coordinator first and stays within it.
+        let lease = ctx.clone();
+        job.lease = Some(Arc::new(troupe_workspace::ConfirmWith(move || {
+            let lease = lease.clone();
+            async move { lease.confirm_lease().await.map_err(|lost| lost.to_string()) }
+        })));
         let cancel = ctx.cancelled();
         let notes = ctx.clone();
         let progress = move |note: String| notes.progress(note);

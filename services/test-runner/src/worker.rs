@@ -16,7 +16,7 @@ use troupe_proto::v1::{
     ClaimedTask, ErrorKind, FixScope, LogMessageRequest, TaskResult, TestFramework, TestOutcome,
     TestRunReport, UpdateStateRequest, task_result,
 };
-use troupe_workspace::{Attempt, Claim, Oid, Publication, Remote, Repo, Unleased};
+use troupe_workspace::{Attempt, Claim, ConfirmWith, Oid, Publication, Remote, Repo};
 
 use crate::runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner, outcome_name};
 use crate::{Error, FixSpec, detect};
@@ -251,7 +251,12 @@ impl TestRunHandler {
                         message: &message,
                         part: None,
                     };
-                    mirror.publish(held, &publication, &Unleased).await
+                    let lease = ctx.clone();
+                    let lease = ConfirmWith(move || {
+                        let lease = lease.clone();
+                        async move { lease.confirm_lease().await.map_err(|lost| lost.to_string()) }
+                    });
+                    mirror.publish(held, &publication, &lease).await
                 }
                 .await
                 .map_err(|err| fence_failure(task_id, err))?;

@@ -85,6 +85,26 @@ pub trait Lease: Send + Sync + std::fmt::Debug {
     fn confirm(&self) -> Pin<Box<dyn Future<Output = Result<Instant, String>> + Send + '_>>;
 }
 
+/// A lease confirmed by a closure, such as one calling the worker loop's
+/// `TaskContext::confirm_lease`.
+pub struct ConfirmWith<F>(pub F);
+
+impl<F> std::fmt::Debug for ConfirmWith<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConfirmWith")
+    }
+}
+
+impl<F, Fut> Lease for ConfirmWith<F>
+where
+    F: Fn() -> Fut + Send + Sync,
+    Fut: Future<Output = Result<Instant, String>> + Send + 'static,
+{
+    fn confirm(&self) -> Pin<Box<dyn Future<Output = Result<Instant, String>> + Send + '_>> {
+        Box::pin((self.0)())
+    }
+}
+
 /// Outside any coordinator lease (a direct run, a tool): always confirmed.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Unleased;

@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use tracing::{debug, info};
 
-pub use crate::fence::{Attempt, Claim, Held, Landed, Lease, Publication, Unleased};
+pub use crate::fence::{Attempt, Claim, ConfirmWith, Held, Landed, Lease, Publication, Unleased};
 use crate::git::{Git, failure};
 pub use crate::mirror::{Mirror, Mirrors};
 pub use crate::remote::Remote;

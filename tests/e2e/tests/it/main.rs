@@ -1,11 +1,14 @@
 //! End-to-end tests: real services, real git, real SQLite, real pytest, real grpcurl.
 
 mod bad_plan;
+mod exactly_once;
 mod exec_phase;
 mod grpcurl;
 mod lease;
+mod netns;
 mod otlp;
 mod pause;
+mod postgres;
 mod quickstart;
 mod reconnect;
 mod shutdown;
