@@ -53,6 +53,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("migrations/0005_convergence.sql"),
     ),
     (6, "path ms", include_str!("migrations/0006_path_ms.sql")),
+    (
+        7,
+        "repo urls",
+        include_str!("migrations/0007_repo_urls.sql"),
+    ),
 ];
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
@@ -246,6 +251,8 @@ pub(crate) struct SessionSummary {
 pub(crate) struct Claimed {
     pub(crate) task: TaskRow,
     pub(crate) repo: Option<pb::SessionRepo>,
+    /// Every repository of the session.
+    pub(crate) repos: Vec<pb::SessionRepo>,
     pub(crate) plan_dir: String,
     pub(crate) upstream: Vec<TaskRow>,
 }
@@ -615,7 +622,7 @@ impl Store {
         .await?;
         for (position, repo) in new.repos.iter().enumerate() {
             sqlx::query(
-                "INSERT INTO session_repos (session_id, name, position, path, base_commit, branch) VALUES ($1, $2, $3, $4, $5, $6)",
+                "INSERT INTO session_repos (session_id, name, position, path, base_commit, branch, url, access) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             )
             .bind(&session.id)
             .bind(&repo.name)
@@ -623,6 +630,8 @@ impl Store {
             .bind(&repo.path)
             .bind(&repo.base_commit)
             .bind(&repo.branch)
+            .bind(&repo.url)
+            .bind(repo.access)
             .execute(&mut *tx)
             .await?;
         }
@@ -866,6 +875,7 @@ impl Store {
             out[i].push(Claimed {
                 task,
                 repo,
+                repos: repos.clone(),
                 plan_dir: session.plan_dir.clone(),
                 upstream,
             });
@@ -2555,7 +2565,7 @@ async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<SessionSummary, E
 
 async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
     let rows = sqlx::query(
-        "SELECT name, path, base_commit, branch FROM session_repos WHERE session_id = $1 ORDER BY position",
+        "SELECT name, path, base_commit, branch, url, access FROM session_repos WHERE session_id = $1 ORDER BY position",
     )
     .bind(session_id)
     .fetch_all(&mut **tx)
@@ -2567,6 +2577,9 @@ async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo
                 path: row.try_get("path")?,
                 base_commit: row.try_get("base_commit")?,
                 branch: row.try_get("branch")?,
+                url: row.try_get("url")?,
+                access: row.try_get("access")?,
+                ..pb::SessionRepo::default()
             })
         })
         .collect()

@@ -149,11 +149,14 @@ impl App {
                 source,
             }
         })?;
-        let executor = Arc::new(Executor::with_options(
-            config.data_dir.clone(),
-            backends,
-            options,
-        ));
+        let credentials = match &config.worker.git_credentials {
+            Some(path) => troupe_workspace::Credentials::load(path)?,
+            None => troupe_workspace::Credentials::none(),
+        };
+        let executor = Arc::new(
+            Executor::with_options(config.data_dir.clone(), backends, options)
+                .with_credentials(Arc::new(credentials)),
+        );
         // Worktrees of attempts that died with an earlier run: their tasks come back from the
         // coordinator and start over from the remote.
         executor.recover().await?;

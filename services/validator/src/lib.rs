@@ -197,6 +197,10 @@ impl App {
         })?;
         let validator = Arc::new(
             Validator::new(config.data_dir.clone())
+                .with_credentials(Arc::new(match &config.worker.git_credentials {
+                    Some(path) => troupe_workspace::Credentials::load(path)?,
+                    None => troupe_workspace::Credentials::none(),
+                }))
                 .with_tools(Tools::new(checks.tool_dirs.clone()))
                 .with_judge(checks.judge()?),
         );

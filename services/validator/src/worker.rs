@@ -123,7 +123,12 @@ impl ValidateHandler {
         )
         .map_err(|err| Error::InvalidArgument(format!("judge: {err}")))?;
         let judge = own_judge.as_ref().or(self.validator.default_judge());
-        let remote = Remote::parse(&session_repo.path).map_err(|err| {
+        let remote = Remote::parse(if session_repo.url.is_empty() {
+            &session_repo.path
+        } else {
+            &session_repo.url
+        })
+        .map_err(|err| {
             Error::InvalidArgument(format!("repository {}: {err}", session_repo.name))
         })?;
         // Everything a check reads comes from the remote: the session branch and the task

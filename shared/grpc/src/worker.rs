@@ -267,6 +267,11 @@ pub struct WorkerTuning {
         default_value_t = 10.0
     )]
     pub rpc_timeout_seconds: f64,
+    /// Credentials for private repositories, by URL prefix: a TOML file of `[[remote]]` rules
+    /// (`prefix` plus `token_file`, `token_env` or `ssh_key_file`; see the README). Never
+    /// taken from a plan.
+    #[arg(long, env = "TROUPE_GIT_CREDENTIALS")]
+    pub git_credentials: Option<std::path::PathBuf>,
 }
 
 impl WorkerTuning {
@@ -286,6 +291,7 @@ impl Default for WorkerTuning {
         Self {
             lease_seconds: 30.0,
             rpc_timeout_seconds: 10.0,
+            git_credentials: None,
         }
     }
 }
@@ -788,6 +794,7 @@ mod tests {
             .tuned(&WorkerTuning {
                 lease_seconds: 3.0,
                 rpc_timeout_seconds: 0.5,
+                git_credentials: None,
             })
             .expect("valid");
         assert_eq!(
@@ -800,6 +807,7 @@ mod tests {
                 .tuned(&WorkerTuning {
                     lease_seconds: lease,
                     rpc_timeout_seconds: rpc,
+                    git_credentials: None,
                 })
                 .expect_err("refused");
             assert!(

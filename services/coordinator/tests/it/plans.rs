@@ -118,7 +118,7 @@ async fn bad_plans_are_refused_with_every_problem_and_nothing_is_stored(db: Db) 
     assert_code(
         harness.try_create(&plan).await,
         Code::InvalidArgument,
-        "not the top of a git work tree",
+        "is not a git repository",
     );
 
     let listed = harness

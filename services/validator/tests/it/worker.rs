@@ -127,6 +127,7 @@ impl Session {
                 commit: commit.to_owned(),
                 ..TaskResult::default()
             }),
+            repo: "app".into(),
         }
     }
 
@@ -145,6 +146,7 @@ impl Session {
                 path: self.dir.path().display().to_string(),
                 base_commit: self.base.clone(),
                 branch: "troupe/s1".into(),
+                ..SessionRepo::default()
             }),
             upstream,
             plan_dir: self.plan_dir.path().display().to_string(),
@@ -378,6 +380,7 @@ async fn review_tasks_approve_conditionally_or_block() {
 async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
     let s = session();
     let testrun = UpstreamResult {
+        repo: "app".into(),
         task_id: "TESTRUN-001".into(),
         role: Role::TestRunner as i32,
         files: vec![],
