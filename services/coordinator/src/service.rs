@@ -133,6 +133,7 @@ fn claimed_protos(claimed: Vec<Claimed>) -> Vec<pb::ClaimedTask> {
                     .iter()
                     .map(|dep| pb::UpstreamResult {
                         repo: dep.repo.clone(),
+                        spec: (!dep.spec.is_empty()).then(|| json_to_struct(&dep.spec)),
                         task_id: dep.id.clone(),
                         role: dep.role as i32,
                         files: dep.files.clone(),

@@ -1983,7 +1983,13 @@ async fn load_upstream(
         }
         per_task.push((task.id.clone(), completed));
     }
-    let columns = lite_columns();
+    // Checkers read what their upstream tasks promised (criteria, verification) from the
+    // upstream specs; other roles need only the results.
+    let columns = if tasks.iter().any(|task| task.role == pb::Role::Validator) {
+        TASK_COLUMNS.to_owned()
+    } else {
+        lite_columns()
+    };
     let loaded = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
     for (task_id, ids) in per_task {
         let mut upstream: Vec<TaskRow> = ids

@@ -143,8 +143,10 @@ impl ReconnectArgs {
 struct RunArgs {
     /// Plan file (JSON or TOML), or a directory holding plan.json / plan.toml.
     plan: PathBuf,
-    /// Repository to work in: `PATH` for the plan's default repo, `NAME=PATH` for a named one.
-    #[arg(long = "repo", value_name = "[NAME=]PATH")]
+    /// Repository to work in: `PATH` or `URL` for the plan's default repo, `NAME=PATH` or
+    /// `NAME=URL` for a named one (file://, git://, ssh://, https://; credentials come from
+    /// the services' --git-credentials, never from here).
+    #[arg(long = "repo", value_name = "[NAME=]PATH|URL")]
     repos: Vec<String>,
     /// Submit to a running server (such as `troupe up`) instead of starting one in-process.
     #[arg(long, env = "TROUPE_CONNECT", value_name = "URL")]
@@ -184,8 +186,10 @@ struct WatchArgs {
 struct ImportArgs {
     /// CCW session folder (holding team-session.json and task-analysis.json).
     dir: PathBuf,
-    /// Repository to work in: `PATH` for the plan's default repo, `NAME=PATH` for a named one.
-    #[arg(long = "repo", value_name = "[NAME=]PATH")]
+    /// Repository to work in: `PATH` or `URL` for the plan's default repo, `NAME=PATH` or
+    /// `NAME=URL` for a named one (file://, git://, ssh://, https://; credentials come from
+    /// the services' --git-credentials, never from here).
+    #[arg(long = "repo", value_name = "[NAME=]PATH|URL")]
     repos: Vec<String>,
     /// Directory that `{plan_dir}` and relative repo paths resolve against (default: the folder).
     #[arg(long, value_name = "DIR")]
@@ -368,7 +372,8 @@ async fn submit_and_follow(
     })
 }
 
-/// Parses `--repo` values: `PATH` names the default repo (key `""`), `NAME=PATH` a named one.
+/// Parses `--repo` values: `PATH` or `URL` names the default repo (key `""`), `NAME=PATH` or
+/// `NAME=URL` a named one. Paths are made absolute; URLs go as given.
 fn parse_repo_args(values: &[String]) -> anyhow::Result<std::collections::HashMap<String, String>> {
     let mut paths = std::collections::HashMap::new();
     for value in values {
@@ -376,12 +381,15 @@ fn parse_repo_args(values: &[String]) -> anyhow::Result<std::collections::HashMa
             Some((name, path)) if !name.contains('/') => (name.to_owned(), path),
             _ => (String::new(), value.as_str()),
         };
-        let absolute =
-            std::path::absolute(path).with_context(|| format!("resolving --repo {value}"))?;
-        if paths
-            .insert(name.clone(), absolute.display().to_string())
-            .is_some()
-        {
+        let location = if path.contains("://") {
+            path.to_owned()
+        } else {
+            std::path::absolute(path)
+                .with_context(|| format!("resolving --repo {value}"))?
+                .display()
+                .to_string()
+        };
+        if paths.insert(name.clone(), location).is_some() {
             bail!(
                 "--repo given twice for {}",
                 if name.is_empty() {

@@ -16,6 +16,7 @@ mod criteria;
 mod grpc;
 mod judge;
 mod lexer;
+mod repos;
 mod review;
 mod syntax;
 mod tools;
