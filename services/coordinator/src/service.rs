@@ -128,6 +128,7 @@ fn claimed_protos(claimed: Vec<Claimed>) -> Vec<pb::ClaimedTask> {
                 task: Some(task_proto(&claimed.task)),
                 repo: claimed.repo,
                 repos: claimed.repos,
+                assets_digest: claimed.assets_digest,
                 upstream: claimed
                     .upstream
                     .iter()
@@ -378,7 +379,7 @@ impl Coordinator {
     #[tracing::instrument(skip_all, fields(dry_run = request.dry_run))]
     pub(crate) async fn create_session(
         &self,
-        request: pb::CreateSessionRequest,
+        mut request: pb::CreateSessionRequest,
     ) -> Result<pb::CreateSessionResponse, Error> {
         let mut plan = Plan::from_json(&request.plan_json)?;
         let loop_problems: Vec<String> = plan
@@ -392,6 +393,14 @@ impl Coordinator {
                 loop_problems.join("\n")
             )));
         }
+        // The files the plan brings: checked here, stored with the session.
+        let assets = match request.assets.len() {
+            0 => None,
+            _ => Some(
+                troupe_grpc::assets::bundle(std::mem::take(&mut request.assets))
+                    .map_err(|why| Error::InvalidArgument(format!("invalid plan:\n{why}")))?,
+            ),
+        };
         // Tasks without an estimate rank by what their role took lately (see the README's
         // plan format), so a chain of quick checks does not go before slower work.
         plan.weigh_by_role(
@@ -476,6 +485,7 @@ impl Coordinator {
             },
             plan_json: request.plan_json,
             repos: session_repos,
+            assets,
             tasks: task_rows(&plan, &session_id, now),
         };
         if let Err(err) = self.store.insert_session(new, now).await {
@@ -489,6 +499,20 @@ impl Coordinator {
             session: Some(session),
             tasks,
         })
+    }
+
+    pub(crate) async fn get_plan_assets(
+        &self,
+        digest: &str,
+    ) -> Result<pb::GetPlanAssetsResponse, Error> {
+        require(digest, "digest")?;
+        let bundle = self
+            .store
+            .plan_assets(digest)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("no plan assets with digest {digest}")))?;
+        prost::Message::decode(bundle.as_slice())
+            .map_err(|err| Error::Corrupt(format!("plan assets {digest}: {err}")))
     }
 
     pub(crate) async fn get_session(

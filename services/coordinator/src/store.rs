@@ -58,6 +58,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "repo urls",
         include_str!("migrations/0007_repo_urls.sql"),
     ),
+    (
+        8,
+        "plan assets",
+        include_str!("migrations/0008_plan_assets.sql"),
+    ),
 ];
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
@@ -226,8 +231,17 @@ pub(crate) struct NewSession {
     pub(crate) session: SessionRow,
     pub(crate) plan_json: String,
     pub(crate) repos: Vec<pb::SessionRepo>,
+    /// The plan's files: their digest and encoded bundle (see `troupe_grpc::assets`).
+    pub(crate) assets: Option<(String, Vec<u8>)>,
     /// Tasks in topological order: pending, or completed when imported so.
     pub(crate) tasks: Vec<TaskRow>,
+}
+
+/// What never changes about a stored session and every claim hands out.
+#[derive(Debug, Clone)]
+struct Fixed {
+    repos: Vec<pb::SessionRepo>,
+    assets_digest: String,
 }
 
 /// A session with its repositories and tasks (topological order).
@@ -253,6 +267,8 @@ pub(crate) struct Claimed {
     pub(crate) repo: Option<pb::SessionRepo>,
     /// Every repository of the session.
     pub(crate) repos: Vec<pb::SessionRepo>,
+    /// The digest of the session's plan assets ('' for none).
+    pub(crate) assets_digest: String,
     pub(crate) plan_dir: String,
     pub(crate) upstream: Vec<TaskRow>,
 }
@@ -358,8 +374,9 @@ pub(crate) struct Store {
     dialect: Dialect,
     /// The PostgreSQL URL, for the change listener.
     url: Option<String>,
-    /// Each session's repositories, which never change once stored: claims skip the query.
-    repos: std::sync::Arc<std::sync::Mutex<HashMap<String, Vec<pb::SessionRepo>>>>,
+    /// Each session's repositories and plan assets digest, which never change once stored:
+    /// claims skip the queries.
+    repos: std::sync::Arc<std::sync::Mutex<HashMap<String, Fixed>>>,
 }
 
 /// Channel of the PostgreSQL notifications that wake other coordinators' long polls.
@@ -459,22 +476,51 @@ impl Store {
         Ok(store)
     }
 
-    /// A session's repositories, from the cache once read (they never change).
-    async fn repos(&self, tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
-        if let Some(repos) = self.cached_repos().get(session_id) {
-            return Ok(repos.clone());
+    /// A session's repositories and assets digest, from the cache once read (they never
+    /// change).
+    async fn fixed(&self, tx: &mut Tx, session_id: &str) -> Result<Fixed, Error> {
+        if let Some(fixed) = self.cached_repos().get(session_id) {
+            return Ok(fixed.clone());
         }
         let repos = load_repos(tx, session_id).await?;
+        let assets_digest: String =
+            sqlx::query_scalar("SELECT assets_digest FROM sessions WHERE id = $1")
+                .bind(session_id)
+                .fetch_one(&mut **tx)
+                .await?;
+        let fixed = Fixed {
+            repos,
+            assets_digest,
+        };
         let mut cache = self.cached_repos();
         // Bounded: finished sessions' entries are dropped wholesale now and then.
         if cache.len() >= 4096 {
             cache.clear();
         }
-        cache.insert(session_id.to_owned(), repos.clone());
-        Ok(repos)
+        cache.insert(session_id.to_owned(), fixed.clone());
+        Ok(fixed)
     }
 
-    fn cached_repos(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<pb::SessionRepo>>> {
+    /// The bundle of plan assets stored under `digest`, encoded, if there is one.
+    pub(crate) async fn plan_assets(&self, digest: &str) -> Result<Option<Vec<u8>>, Error> {
+        use base64::Engine;
+        let mut tx = self.begin().await?;
+        let bundle: Option<String> =
+            sqlx::query_scalar("SELECT bundle FROM plan_assets WHERE digest = $1")
+                .bind(digest)
+                .fetch_optional(&mut *tx)
+                .await?;
+        tx.commit().await?;
+        bundle
+            .map(|text| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(text)
+                    .map_err(corrupt)
+            })
+            .transpose()
+    }
+
+    fn cached_repos(&self) -> std::sync::MutexGuard<'_, HashMap<String, Fixed>> {
         // A poisoned cache holds nothing wrong: the data is immutable.
         self.repos
             .lock()
@@ -620,6 +666,23 @@ impl Store {
         .bind(now)
         .execute(&mut *tx)
         .await?;
+        if let Some((digest, bundle)) = &new.assets {
+            use base64::Engine;
+            sqlx::query(
+                "INSERT INTO plan_assets (digest, bundle, size, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT (digest) DO NOTHING",
+            )
+            .bind(digest)
+            .bind(base64::engine::general_purpose::STANDARD.encode(bundle))
+            .bind(i64::try_from(bundle.len()).unwrap_or(i64::MAX))
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query("UPDATE sessions SET assets_digest = $1 WHERE id = $2")
+                .bind(digest)
+                .bind(&session.id)
+                .execute(&mut *tx)
+                .await?;
+        }
         for (position, repo) in new.repos.iter().enumerate() {
             sqlx::query(
                 "INSERT INTO session_repos (session_id, name, position, path, base_commit, branch, url, access) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
@@ -868,14 +931,19 @@ impl Store {
         }
         let tasks: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
         let mut upstream_of = load_upstream(tx, &session.id, &tasks).await?;
-        let repos = self.repos(tx, &session.id).await?;
+        let fixed = self.fixed(tx, &session.id).await?;
         for (i, task) in taken {
             let upstream = upstream_of.remove(&task.id).unwrap_or_default();
-            let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
+            let repo = fixed
+                .repos
+                .iter()
+                .find(|repo| repo.name == task.repo)
+                .cloned();
             out[i].push(Claimed {
                 task,
                 repo,
-                repos: repos.clone(),
+                repos: fixed.repos.clone(),
+                assets_digest: fixed.assets_digest.clone(),
                 plan_dir: session.plan_dir.clone(),
                 upstream,
             });

@@ -187,6 +187,7 @@ impl App {
             Role::Executor,
             self.config.concurrency,
             &self.config.worker,
+            &self.config.data_dir,
             Arc::new(ExecuteHandler::new(self.executor())),
             shutdown,
         )

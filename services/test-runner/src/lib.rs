@@ -177,6 +177,7 @@ impl App {
             Role::TestRunner,
             self.config.concurrency,
             &self.config.worker,
+            &self.config.data_dir,
             Arc::new(handler),
             shutdown,
         )

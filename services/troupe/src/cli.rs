@@ -328,6 +328,13 @@ async fn submit_and_follow(
     plan: plan_file::PlanFile,
     repo_paths: std::collections::HashMap<String, String>,
 ) -> anyhow::Result<ExitCode> {
+    let assets = match crate::assets::collect(&plan.json, &plan.base_dir) {
+        Ok(assets) => assets,
+        Err(why) => {
+            eprintln!("error: plan {}: {why}", plan.path.display());
+            return Ok(ExitCode::from(EXIT_PLAN_INVALID));
+        }
+    };
     let mut follower = Follower::new(url, budget)?;
     let created = follower
         .create_session(CreateSessionRequest {
@@ -335,6 +342,7 @@ async fn submit_and_follow(
             base_dir: plan.base_dir.display().to_string(),
             repo_paths,
             dry_run: false,
+            assets,
         })
         .await;
     let created = match created {

@@ -233,6 +233,7 @@ impl App {
             Role::Validator,
             self.config.concurrency,
             &self.config.worker,
+            &self.config.data_dir,
             Arc::new(ValidateHandler::new(self.validator())),
             shutdown,
         )

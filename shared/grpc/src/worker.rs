@@ -213,6 +213,10 @@ pub struct WorkerConfig {
     /// Deadline of each call to the coordinator; a long-poll gets its wait plus this, and a
     /// call under a lease (heartbeat, report) never waits past the lease's local deadline.
     pub rpc_timeout: Duration,
+    /// Where the files plans bring along are kept (`<dir>/<digest>/`); a claimed task's
+    /// `plan_dir` becomes its bundle's directory there. `None` leaves `plan_dir` as the claim
+    /// gives it (the submitting machine's directory).
+    pub assets_dir: Option<std::path::PathBuf>,
 }
 
 impl WorkerConfig {
@@ -233,6 +237,7 @@ impl WorkerConfig {
             poll_wait: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(10),
             rpc_timeout: Duration::from_secs_f64(tuning.rpc_timeout_seconds),
+            assets_dir: None,
         }
     }
 
@@ -341,12 +346,14 @@ impl Counters {
 
 /// Runs the worker loop when a coordinator URL is configured; otherwise the service only
 /// answers its own RPCs, and this waits for `shutdown`.
+#[allow(clippy::too_many_arguments)]
 pub async fn run_worker_if_configured<H: TaskHandler>(
     coordinator_url: Option<String>,
     worker_id: Option<String>,
     role: Role,
     concurrency: usize,
     tuning: &WorkerTuning,
+    data_dir: &std::path::Path,
     handler: Arc<H>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
@@ -363,7 +370,27 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
     let worker_id = worker_id.unwrap_or_else(|| default_worker_id(role_name));
     let mut config = WorkerConfig::new(url, worker_id, vec![role]).tuned(tuning)?;
     config.concurrency = concurrency.max(1);
+    config.assets_dir = Some(data_dir.join("assets"));
     run_worker(config, handler, shutdown).await.map(drop)
+}
+
+/// Points the claim's `plan_dir` at the files its plan brought, fetched into this worker's
+/// assets directory on first use.
+async fn with_assets(
+    config: &WorkerConfig,
+    client: &CoordinatorClient,
+    claimed: &mut ClaimedTask,
+) -> Result<(), TaskFailure> {
+    let (Some(dir), false) = (&config.assets_dir, claimed.assets_digest.is_empty()) else {
+        return Ok(());
+    };
+    match crate::assets::materialize(client, dir, &claimed.assets_digest).await {
+        Ok(local) => {
+            claimed.plan_dir = local.display().to_string();
+            Ok(())
+        }
+        Err(err) => Err(TaskFailure::new(ErrorKind::Internal, err.to_string(), true)),
+    }
 }
 
 /// Returns `<role>-<hostname>-<pid>`, the default worker id.
@@ -552,8 +579,15 @@ async fn run_leased<H: TaskHandler>(
         cancel.clone(),
         Arc::clone(&held),
     );
+    let mut claimed = claimed;
+    let assets = with_assets(config, client, &mut claimed).await;
     let outcome = {
-        let handle = handler.handle(claimed, ctx.clone());
+        let handle = async {
+            match assets {
+                Ok(()) => handler.handle(claimed, ctx.clone()).await,
+                Err(failure) => Err(failure),
+            }
+        };
         let keeper = keep_lease(&held, &ctx);
         tokio::pin!(handle);
         tokio::pin!(keeper);

@@ -198,7 +198,7 @@ async fn repo_paths_override_the_default_repo(db: Db) {
             plan_json: json!({"name": "override", "repos": {"app": {"path": "missing"}}, "tasks": [t("IMPL-1", &[])]}).to_string(),
             base_dir: harness.base_dir.display().to_string(),
             repo_paths: [(String::new(), other.display().to_string())].into_iter().collect(),
-            dry_run: false,
+            ..Default::default()
         })
         .await
         .expect("create")
