@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use nix::unistd::Pid;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 use crate::proc::{self, Stat};
 use crate::reaper::{self, Link};
@@ -423,18 +423,13 @@ fn reclaim(dir: &Path, ours: &BTreeSet<i32>) -> Result<Vec<KilledGroup>, Error> 
     if !survivors.is_empty() {
         warn!(?survivors, "killed child groups are still alive");
     }
-    let killed = doomed
+    Ok(doomed
         .into_iter()
         .map(|(path, group)| {
             remove(&path);
             group
         })
-        .collect::<Vec<_>>();
-    info!(
-        groups = killed.len(),
-        "killed child groups left by a previous run"
-    );
-    Ok(killed)
+        .collect())
 }
 
 fn remove(path: &Path) {
