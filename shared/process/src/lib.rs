@@ -9,13 +9,14 @@
 //!
 //! Children also die with the process that started them, however it dies (SIGKILL included):
 //! every live group is registered with a reaper, a small `/bin/sh` process per process that
-//! holds the read end of a pipe whose write end only we hold, and SIGKILLs every registered
-//! group when that pipe reports end-of-file (see the `reaper` module for why not
-//! `PR_SET_PDEATHSIG`). A service also calls [`supervise_children`] at boot with a directory
-//! of its own: while a group lives it is recorded there (`<pgid>` holding the leader's start
-//! time, session and the boot id), and the next boot kills whatever a previous run left alive
-//! when even the reaper could not act, without ever touching a process that merely reused the
-//! pid.
+//! holds the read end of a pipe whose write end only we hold (close-on-exec), and SIGKILLs
+//! every registered group when that pipe reports end-of-file. `PR_SET_PDEATHSIG` is not used:
+//! it reaches only the direct child, not an agent's grandchildren, and fires when the spawning
+//! *thread* exits, which a tokio blocking-pool thread does after 10 s idle. A service also calls
+//! [`supervise_children`] at boot with a directory of its own: while a group lives it is
+//! recorded there (`<pgid>` holding the leader's start time, session and the boot id), and the
+//! next boot kills whatever a previous run left alive when even the reaper could not act,
+//! without ever touching a process that merely reused the pid.
 //!
 //! [`command_line_to_argv`] turns a plan author's command string into an argv vector, falling
 //! back to `sh -c <line>` verbatim only when the line uses shell syntax.
