@@ -7,7 +7,7 @@
 //! start kills what is left. The registry is process-global: several services in one process
 //! share one reaper and one set of groups.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::Child;
@@ -40,15 +40,16 @@ pub struct KilledGroup {
     pub processes: usize,
 }
 
-/// Makes `dir` a record directory for this process's child groups, kills the groups a
-/// previous process recorded there and left alive, and makes sure the reaper runs.
+/// Makes `dir` a record directory for this process's child groups, kills the groups a dead
+/// process recorded there and left alive, and makes sure the reaper runs.
 ///
-/// Call it at boot, before any child is started, with a directory only this service (or this
-/// process's services) use, such as `<data_dir>/children`. A record names its group's leader by
-/// pid, start time and boot id, so a group is killed only when it is provably the one recorded
-/// (see the crate docs); records of groups that ended, of an earlier boot, or whose pid now
-/// names an unrelated process are removed without killing anything. Idempotent: a second call
-/// with the same directory does nothing, and the groups this process runs are never touched.
+/// Call it at boot, before any child is started, with a directory of the service's own, such
+/// as `<data_dir>/children`. A record names its group's leader and the process that started it
+/// by pid, start time and boot id, so a group is killed only when it is provably the one
+/// recorded and its starter is gone; records of groups that ended, of an earlier boot, or whose
+/// pid now names an unrelated process are removed without killing anything, and the records of
+/// a process that still runs (two services sharing a data dir) are left alone. Idempotent: a
+/// second call with the same directory does nothing.
 ///
 /// Returns the groups it killed, for a log line.
 pub async fn supervise_children(dir: impl Into<PathBuf>) -> Result<Vec<KilledGroup>, Error> {
@@ -70,7 +71,7 @@ fn supervise_blocking(dir: &Path) -> Result<Vec<KilledGroup>, Error> {
     std::fs::create_dir_all(dir).map_err(records_error)?;
     let dir = dir.canonicalize().map_err(records_error)?;
 
-    let ours: BTreeSet<i32> = {
+    {
         let mut registry = registry();
         if !matches!(registry.reaper, ReaperState::Running(_)) {
             registry.start_reaper().map_err(Error::Reaper)?;
@@ -78,9 +79,8 @@ fn supervise_blocking(dir: &Path) -> Result<Vec<KilledGroup>, Error> {
         if registry.dirs.contains(&dir) {
             return Ok(Vec::new());
         }
-        registry.live.keys().copied().collect()
-    };
-    let killed = reclaim(&dir, &ours)?;
+    }
+    let killed = reclaim(&dir)?;
 
     let mut registry = registry();
     registry.dirs.push(dir.clone());
@@ -247,19 +247,22 @@ fn watch(mut child: Child) {
     }
 }
 
-/// What a record file says about the group it is named after.
+/// What a record file says about the group it is named after and the process that started it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Record {
     start_time: u64,
     session: i32,
     boot_id: String,
     program: String,
+    owner_pid: i32,
+    owner_start_time: u64,
 }
 
 impl Record {
     /// Describes the leader `pid` from `/proc`.
     fn of(pid: i32, program: &str) -> Option<Self> {
         let stat = proc::stat(pid)?;
+        let owner = proc::myself()?;
         let name = Path::new(program)
             .file_name()
             .map_or_else(|| program.into(), |name| name.to_string_lossy());
@@ -272,13 +275,20 @@ impl Record {
                 .map(|c| if c.is_control() { '?' } else { c })
                 .take(64)
                 .collect(),
+            owner_pid: owner.pid,
+            owner_start_time: owner.start_time,
         })
     }
 
     fn to_text(&self) -> String {
         format!(
-            "start_time={}\nsession={}\nboot_id={}\nprogram={}\n",
-            self.start_time, self.session, self.boot_id, self.program
+            "start_time={}\nsession={}\nboot_id={}\nprogram={}\nowner_pid={}\nowner_start_time={}\n",
+            self.start_time,
+            self.session,
+            self.boot_id,
+            self.program,
+            self.owner_pid,
+            self.owner_start_time
         )
     }
 
@@ -297,6 +307,8 @@ impl Record {
                 .copied()
                 .unwrap_or_default()
                 .to_owned(),
+            owner_pid: fields.get("owner_pid")?.parse().ok()?,
+            owner_start_time: fields.get("owner_start_time")?.parse().ok()?,
         })
     }
 
@@ -313,6 +325,9 @@ impl Record {
 enum Verdict {
     /// Recorded in another boot: every process of that run is gone.
     OtherBoot,
+    /// The process that started the group still runs (another service sharing the
+    /// directory): the group and its record are its business.
+    OwnerAlive,
     /// No process of the group is alive.
     Ended,
     /// The pid or group now belongs to an unrelated process; the recorded group ended.
@@ -321,7 +336,8 @@ enum Verdict {
     Alive(usize),
 }
 
-/// Decides whether the live processes in group `pgid` are the group `record` describes.
+/// Decides whether the live processes in group `pgid` are the group `record` describes, and
+/// whether they are orphans: only a group whose starter is dead is ours to kill.
 ///
 /// The kernel never hands out a pid that is still some group's id, so while any process of
 /// the recorded group lives, its leader's pid is not reused. If a process with that pid exists,
@@ -332,6 +348,12 @@ enum Verdict {
 fn judge(pgid: i32, record: &Record, boot_id: Option<&str>, procs: &[Stat]) -> Verdict {
     if boot_id != Some(record.boot_id.as_str()) {
         return Verdict::OtherBoot;
+    }
+    if procs
+        .iter()
+        .any(|p| p.pid == record.owner_pid && p.start_time == record.owner_start_time && !p.zombie)
+    {
+        return Verdict::OwnerAlive;
     }
     let members: Vec<&Stat> = procs
         .iter()
@@ -351,9 +373,9 @@ fn judge(pgid: i32, record: &Record, boot_id: Option<&str>, procs: &[Stat]) -> V
     }
 }
 
-/// Kills the recorded groups in `dir` that are still alive (except `ours`) and removes every
-/// record that is not one of `ours`.
-fn reclaim(dir: &Path, ours: &BTreeSet<i32>) -> Result<Vec<KilledGroup>, Error> {
+/// Kills the recorded groups in `dir` whose starter died and that are still alive, and removes
+/// every record whose starter died.
+fn reclaim(dir: &Path) -> Result<Vec<KilledGroup>, Error> {
     let records_error = |source| Error::Records {
         path: dir.to_path_buf(),
         source,
@@ -373,9 +395,6 @@ fn reclaim(dir: &Path, ours: &BTreeSet<i32>) -> Result<Vec<KilledGroup>, Error> 
             warn!(path = %path.display(), "not a child record; left alone");
             continue;
         };
-        if ours.contains(&pgid) {
-            continue;
-        }
         let Some(record) = std::fs::read_to_string(&path)
             .ok()
             .and_then(|text| Record::parse(&text))
@@ -385,6 +404,7 @@ fn reclaim(dir: &Path, ours: &BTreeSet<i32>) -> Result<Vec<KilledGroup>, Error> 
             continue;
         };
         match judge(pgid, &record, boot_id, &procs) {
+            Verdict::OwnerAlive => {}
             Verdict::Alive(processes) => {
                 signal_group(Pid::from_raw(pgid), Signal::SIGKILL);
                 doomed.push((
@@ -450,6 +470,8 @@ mod tests {
             session,
             boot_id: "boot-a".to_owned(),
             program: "sh".to_owned(),
+            owner_pid: 50,
+            owner_start_time: 400,
         }
     }
 
@@ -468,6 +490,8 @@ mod tests {
         let record = record(123, 45);
         assert_eq!(Record::parse(&record.to_text()), Some(record));
         assert_eq!(Record::parse("start_time=1\n"), None);
+        let without_owner = "start_time=1\nsession=2\nboot_id=b\nprogram=sh\n";
+        assert_eq!(Record::parse(without_owner), None);
         assert_eq!(Record::parse(""), None);
         assert_eq!(Record::parse("garbage"), None);
     }
@@ -497,6 +521,31 @@ mod tests {
             ..leader
         };
         assert_eq!(judge(100, &record(500, 9), boot, &[zombie]), Verdict::Ended);
+    }
+
+    #[test]
+    fn leaves_the_groups_of_a_live_starter_alone() {
+        let boot = Some("boot-a");
+        let owner = process(50, 50, 9, 400);
+        let leader = process(100, 100, 9, 500);
+        assert_eq!(
+            judge(100, &record(500, 9), boot, &[owner, leader]),
+            Verdict::OwnerAlive
+        );
+        // A dead (zombie) starter, or its pid taken by another process: orphans.
+        let zombie = Stat {
+            zombie: true,
+            ..owner
+        };
+        assert_eq!(
+            judge(100, &record(500, 9), boot, &[zombie, leader]),
+            Verdict::Alive(1)
+        );
+        let newcomer = process(50, 50, 9, 450);
+        assert_eq!(
+            judge(100, &record(500, 9), boot, &[newcomer, leader]),
+            Verdict::Alive(1)
+        );
     }
 
     #[test]

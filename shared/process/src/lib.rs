@@ -14,9 +14,10 @@
 //! it reaches only the direct child, not an agent's grandchildren, and fires when the spawning
 //! *thread* exits, which a tokio blocking-pool thread does after 10 s idle. A service also calls
 //! [`supervise_children`] at boot with a directory of its own: while a group lives it is
-//! recorded there (`<pgid>` holding the leader's start time, session and the boot id), and the
-//! next boot kills whatever a previous run left alive when even the reaper could not act,
-//! without ever touching a process that merely reused the pid.
+//! recorded there (`<pgid>` holding the leader's start time and session, the boot id, and the
+//! starting process's pid and start time), and the next boot kills whatever a dead run left
+//! alive when even the reaper could not act, without ever touching a process that merely
+//! reused the pid, or the children of a live process that shares the directory.
 //!
 //! [`command_line_to_argv`] turns a plan author's command string into an argv vector, falling
 //! back to `sh -c <line>` verbatim only when the line uses shell syntax.

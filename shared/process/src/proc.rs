@@ -21,6 +21,12 @@ pub(crate) fn stat(pid: i32) -> Option<Stat> {
     parse_stat(pid, &text)
 }
 
+/// This process.
+pub(crate) fn myself() -> Option<Stat> {
+    static MYSELF: OnceLock<Option<Stat>> = OnceLock::new();
+    *MYSELF.get_or_init(|| stat(i32::try_from(std::process::id()).ok()?))
+}
+
 /// Every process visible in `/proc`.
 pub(crate) fn all() -> Vec<Stat> {
     let Ok(entries) = std::fs::read_dir("/proc") else {

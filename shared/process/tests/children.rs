@@ -170,11 +170,15 @@ fn boot_id() -> String {
         .to_owned()
 }
 
-/// Writes a record the way troupe-process does (`<dir>/<pgid>`).
+/// Writes a record the way troupe-process does (`<dir>/<pgid>`), as left by a dead process
+/// (no pid is ever that large).
 fn write_record(dir: &Path, pgid: i32, start_time: u64, session: i32, boot_id: &str) {
     std::fs::write(
         dir.join(pgid.to_string()),
-        format!("start_time={start_time}\nsession={session}\nboot_id={boot_id}\nprogram=sleep\n"),
+        format!(
+            "start_time={start_time}\nsession={session}\nboot_id={boot_id}\nprogram=sleep\n\
+             owner_pid=999999999\nowner_start_time=1\n"
+        ),
     )
     .expect("write record");
 }
@@ -229,6 +233,28 @@ async fn the_next_boot_kills_orphans_the_reaper_missed() {
     assert!(!record.exists(), "the record is removed");
     // Idempotent: a second boot in the same process finds nothing to do.
     assert_eq!(supervise_children(records.path()).await.expect("again"), []);
+}
+
+#[tokio::test]
+async fn the_groups_of_a_live_process_sharing_the_directory_are_left_alone() {
+    let records = tempfile::tempdir().expect("tempdir");
+    let mut helper = Helper::start(Some(records.path()));
+    let record = records.path().join(helper.leader.to_string());
+    assert!(record.is_file());
+
+    assert_eq!(
+        supervise_children(records.path())
+            .await
+            .expect("supervises"),
+        []
+    );
+    assert!(alive(helper.leader) && alive(helper.grandchild));
+    assert!(record.is_file(), "a live process's record is its own");
+
+    helper.sigkill();
+    eventually("the group to die with the helper", || {
+        (!alive(helper.leader) && !alive(helper.grandchild)).then_some(())
+    });
 }
 
 #[tokio::test]
