@@ -174,8 +174,8 @@ impl Registry {
     /// Starts a reaper, tells it every live group, and waits for it on a thread of its own.
     fn start_reaper(&mut self) -> io::Result<()> {
         let (link, child) = reaper::spawn()?;
+        let pid = link.pid();
         self.adopt(link);
-        let pid = child.id();
         std::thread::Builder::new()
             .name("troupe-reaper-wait".to_owned())
             .spawn(move || watch(child))?;
@@ -228,7 +228,11 @@ fn watch(mut child: Child) {
     loop {
         let status = child.wait();
         let started = registry().reaper_started;
-        warn!(?status, "the child reaper exited; starting another");
+        warn!(
+            pid = child.id(),
+            ?status,
+            "the child reaper exited; starting another"
+        );
         if let Some(wait) = started.and_then(|at| RESPAWN_INTERVAL.checked_sub(at.elapsed())) {
             std::thread::sleep(wait);
         }
@@ -463,6 +467,111 @@ fn remove(path: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Command;
+    use tokio_util::sync::CancellationToken;
+
+    /// The running reaper's pid and pipe name (starting one if needed).
+    fn running_reaper() -> (u32, String) {
+        let mut registry = registry();
+        if !matches!(registry.reaper, ReaperState::Running(_)) {
+            registry.start_reaper().expect("reaper starts");
+        }
+        match &registry.reaper {
+            ReaperState::Running(link) => (link.pid(), link.pipe_name()),
+            other => panic!("no reaper: {other:?}"),
+        }
+    }
+
+    fn fds_of(pid: u32) -> Vec<String> {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .expect("fd dir")
+            .filter_map(|fd| {
+                Some(
+                    std::fs::read_link(fd.ok()?.path())
+                        .ok()?
+                        .display()
+                        .to_string(),
+                )
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn neither_children_nor_the_reaper_hold_the_write_end() {
+        let (reaper, pipe) = running_reaper();
+        let listing = "for f in /proc/$$/fd/*; do readlink \"$f\"; done";
+        let out = Command::new("sh")
+            .args(["-c", listing])
+            .run(&CancellationToken::new())
+            .await
+            .expect("runs");
+        // The last entry may be the fd the glob listed the directory with, gone by then.
+        let fds = out.stdout_text();
+        assert!(
+            fds.contains("pipe:["),
+            "the child's stdout is a pipe: {fds}"
+        );
+        assert!(!fds.contains(&pipe), "a child inherited {pipe}: {fds}");
+        // The reaper has the read end as stdin and nothing else of the pipe.
+        let reaper_fds = fds_of(reaper);
+        assert_eq!(
+            reaper_fds.iter().filter(|fd| **fd == pipe).count(),
+            1,
+            "{reaper_fds:?}"
+        );
+        assert_eq!(
+            std::fs::read_link(format!("/proc/{reaper}/fd/0")).expect("stdin"),
+            Path::new(&pipe)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dead_reaper_is_replaced_and_told_every_live_group() {
+        let before: Vec<i32> = registry().live.keys().copied().collect();
+        let run = tokio::spawn(async {
+            Command::new("sleep")
+                .arg("1000")
+                .run(&CancellationToken::new())
+                .await
+        });
+        let pgid = loop {
+            let new = registry()
+                .live
+                .keys()
+                .copied()
+                .find(|pgid| !before.contains(pgid));
+            if let Some(pgid) = new {
+                break pgid;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let (first, _) = running_reaper();
+        signal_group(Pid::from_raw(first as i32), Signal::SIGKILL);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let second = loop {
+            let (pid, _) = running_reaper();
+            if pid != first {
+                break pid;
+            }
+            assert!(Instant::now() < deadline, "no new reaper");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(proc::stat(second as i32).is_some_and(|s| !s.zombie));
+
+        // Close our end as our death would: the new reaper must kill the group it was told of.
+        let link = std::mem::replace(&mut registry().reaper, ReaperState::NotStarted);
+        drop(link);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while proc::all().iter().any(|p| p.pgrp == pgid && !p.zombie) {
+            assert!(
+                Instant::now() < deadline,
+                "the new reaper did not kill {pgid}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let output = run.await.expect("joins").expect("runs");
+        assert_eq!(output.signal, Some(Signal::SIGKILL as i32));
+    }
 
     fn record(start_time: u64, session: i32) -> Record {
         Record {

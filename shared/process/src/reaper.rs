@@ -55,6 +55,7 @@ pub(crate) struct Link {
     /// Bytes the pipe did not take yet (the reaper is slow or stopped); sent before anything
     /// newer, so the order of `+` and `-` never changes.
     pending: Vec<u8>,
+    pid: u32,
 }
 
 /// Starts a reaper; the caller must wait for the returned child.
@@ -74,16 +75,33 @@ pub(crate) fn spawn() -> io::Result<(Link, Child)> {
         .stderr(Stdio::null())
         .process_group(0)
         .spawn()?;
+    let pid = child.id();
     Ok((
         Link {
             writer,
             pending: Vec::new(),
+            pid,
         },
         child,
     ))
 }
 
 impl Link {
+    /// The reaper's pid.
+    pub(crate) fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// What `/proc` calls our end of the pipe (`pipe:[<inode>]`); both ends share the name.
+    #[cfg(test)]
+    pub(crate) fn pipe_name(&self) -> String {
+        use std::os::fd::AsRawFd;
+        std::fs::read_link(format!("/proc/self/fd/{}", self.writer.as_raw_fd()))
+            .expect("our fd is in /proc")
+            .display()
+            .to_string()
+    }
+
     /// Tells the reaper to kill `pgid` when this process dies.
     pub(crate) fn add(&mut self, pgid: i32) {
         self.send(format!("+{pgid}\n").as_bytes());
