@@ -43,7 +43,9 @@ pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, env = "TROUPE_LISTEN", default_value = "127.0.0.1:7072")]
     pub listen: SocketAddr,
-    /// Directory for worktrees (`worktrees/`) and attempt files such as prompts (`attempts/`).
+    /// Directory for worktrees (`worktrees/`), attempt files such as prompts (`attempts/`) and
+    /// records of live agent process groups (`children/`), killed at the next start if they
+    /// outlived this process.
     #[arg(long, env = "TROUPE_DATA_DIR", default_value = ".troupe")]
     pub data_dir: PathBuf,
     /// Coordinator to claim executor tasks from; without it only the RPCs are served.
@@ -110,6 +112,9 @@ pub enum Error {
     /// The backend configuration file is unusable.
     #[error(transparent)]
     Config(#[from] troupe_backends::ConfigError),
+    /// Supervising child processes (the reaper or the records under `children/`) failed.
+    #[error(transparent)]
+    Children(troupe_process::Error),
 }
 
 /// The opened service.
@@ -149,6 +154,14 @@ impl App {
                 source,
             }
         })?;
+        // Before the worktrees are cleared: orphaned agents of a dead run may still write there.
+        let children = config.data_dir.join("children");
+        let killed = troupe_process::supervise_children(&children)
+            .await
+            .map_err(Error::Children)?;
+        if !killed.is_empty() {
+            tracing::warn!(groups = ?killed, "killed child processes left alive by a previous run");
+        }
         let credentials = match &config.worker.git_credentials {
             Some(path) => troupe_workspace::Credentials::load(path)?,
             None => troupe_workspace::Credentials::none(),

@@ -585,7 +585,8 @@ fn into_failure(err: Error) -> TaskFailure {
         | Error::Process { .. }
         | Error::Io { .. }
         | Error::Grpc(_)
-        | Error::Internal(_) => TaskFailure::new(ErrorKind::Internal, message, true),
+        | Error::Internal(_)
+        | Error::Children(_) => TaskFailure::new(ErrorKind::Internal, message, true),
     }
 }
 

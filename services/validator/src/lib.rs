@@ -50,7 +50,8 @@ pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, env = "TROUPE_LISTEN", default_value = "127.0.0.1:7074")]
     pub listen: SocketAddr,
-    /// Directory for the worktrees verification commands run in.
+    /// Directory for the worktrees verification commands run in and records of live child
+    /// process groups (`children/`), killed at the next start if they outlived this process.
     #[arg(long, env = "TROUPE_DATA_DIR", default_value = ".troupe")]
     pub data_dir: PathBuf,
     /// Coordinator to claim VALIDATE-* tasks from; without it only the RPC is served.
@@ -196,6 +197,13 @@ impl App {
                 source,
             }
         })?;
+        let children = config.data_dir.join("children");
+        let killed = troupe_process::supervise_children(&children)
+            .await
+            .map_err(Error::Process)?;
+        if !killed.is_empty() {
+            tracing::warn!(groups = ?killed, "killed child processes left alive by a previous run");
+        }
         let validator = Arc::new(
             Validator::new(config.data_dir.clone())
                 .with_credentials(Arc::new(match &config.worker.git_credentials {
