@@ -104,6 +104,7 @@ async fn main() {
         python: python.clone(),
         worker_id: None,
         concurrency: 1,
+        backends_config: None,
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

@@ -21,7 +21,10 @@ mod grpc;
 mod js;
 mod node;
 mod pytest;
+mod python;
 mod runner;
+mod setup;
+mod source;
 mod venv;
 mod worker;
 
@@ -61,6 +64,11 @@ pub struct Config {
     /// Test runs at once as a worker.
     #[arg(long, env = "TROUPE_TEST_RUNNER_CONCURRENCY", default_value_t = 1)]
     pub concurrency: usize,
+    /// The executor's backend configuration file (TOML), used to build fix agents (codex,
+    /// claude, gemini, qwen, opencode, agent, command) with the same commands, endpoints, keys,
+    /// timeouts, fallback chain and retries as the executor.
+    #[arg(long = "backends-config", env = "TROUPE_EXECUTOR_CONFIG")]
+    pub backends_config: Option<PathBuf>,
 }
 
 /// Errors of the test-runner.
@@ -145,7 +153,14 @@ impl App {
                 path: config.data_dir.clone(),
                 source,
             })?;
-        let runner = Arc::new(Runner::new(config.data_dir.clone(), config.python.clone()));
+        let backends = match &config.backends_config {
+            Some(path) => troupe_backends::BackendsConfig::load(path)
+                .map_err(|err| Error::InvalidArgument(err.to_string()))?,
+            None => troupe_backends::BackendsConfig::default(),
+        };
+        let runner = Arc::new(
+            Runner::new(config.data_dir.clone(), config.python.clone()).with_backends(backends),
+        );
         Ok(Self { config, runner })
     }
 

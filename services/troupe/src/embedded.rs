@@ -78,6 +78,7 @@ impl Embedded {
             python: config.python.clone(),
             worker_id: None,
             concurrency: 1,
+            backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
         })
         .await
         .context("opening the test-runner")?;

@@ -49,6 +49,7 @@ fn fix_request(
             command,
             scope: scope as i32,
             timeout_seconds: 60,
+            fallback: Vec::new(),
         }),
         ..RunTestsRequest::default()
     }

@@ -47,6 +47,7 @@ async fn start() -> TestService {
         python: "python3".to_owned(),
         worker_id: None,
         concurrency: 1,
+        backends_config: None,
     };
     TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)
@@ -472,6 +473,7 @@ async fn without_plugins_results_come_from_junit_and_coverage_is_not_claimed() {
         python: python.display().to_string(),
         worker_id: None,
         concurrency: 1,
+        backends_config: None,
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

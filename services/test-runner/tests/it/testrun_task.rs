@@ -33,6 +33,7 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
         python: "python3".to_owned(),
         worker_id: Some("test-runner-it".to_owned()),
         concurrency: 1,
+        backends_config: None,
     };
     let runner = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(runner_config, listener, shutdown)
