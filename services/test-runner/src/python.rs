@@ -2,10 +2,11 @@
 //! interpreter it needs (`requires-python`), and its test dependencies (`[project]
 //! dependencies`, test extras, PEP 735 dependency groups), read from `pyproject.toml`.
 //!
-//! The packages serve the "commit under test" rule: the worktree's `src` goes first on
-//! `PYTHONPATH` (an editable install of another checkout then loses), and before the suite
-//! runs the interpreter is asked where it would import each package from; one that resolves
-//! outside the worktree fails the run as WRONG_SOURCE.
+//! The packages serve the "commit under test" rule: the worktree's import roots (`src`, or
+//! what `pyproject.toml` names) go first on `PYTHONPATH` (an editable install of another
+//! checkout then loses), and before the suite runs the interpreter is asked where it would
+//! import each package from; one that resolves outside the worktree fails the run as
+//! WRONG_SOURCE.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -24,70 +25,167 @@ fn pyproject(root: &Path) -> Option<toml::Table> {
         .and_then(|text| toml::from_str::<toml::Table>(&text).ok())
 }
 
-/// Import roots of the project: `src` when it holds packages, else the root.
-pub(crate) fn src_dir(root: &Path) -> Option<PathBuf> {
+/// Directories the project's packages are imported from, other than the root itself: `src`
+/// when it holds code, and what `pyproject.toml` names (setuptools `package-dir` for the root
+/// package and `packages.find.where`, hatch's wheel `sources`).
+pub(crate) fn import_roots(root: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = Vec::new();
     let src = root.join("src");
-    let has_packages = std::fs::read_dir(&src).is_ok_and(|entries| {
+    let has_code = std::fs::read_dir(&src).is_ok_and(|entries| {
         entries.flatten().any(|e| {
             let path = e.path();
             (path.is_dir() && !e.file_name().to_string_lossy().ends_with(".egg-info"))
                 || path.extension().is_some_and(|x| x == "py")
         })
     });
-    has_packages.then_some(src)
+    if has_code {
+        dirs.push(src);
+    }
+    if let Some(table) = pyproject(root) {
+        let tool = table.get("tool");
+        let setuptools = tool.and_then(|t| t.get("setuptools"));
+        let mut named: Vec<String> = Vec::new();
+        if let Some(dir) = setuptools
+            .and_then(|s| s.get("package-dir"))
+            .and_then(|d| d.get(""))
+            .and_then(toml::Value::as_str)
+        {
+            named.push(dir.to_owned());
+        }
+        if let Some(wheres) = setuptools
+            .and_then(|s| s.get("packages"))
+            .and_then(|p| p.get("find"))
+            .and_then(|f| f.get("where"))
+            .and_then(toml::Value::as_array)
+        {
+            named.extend(wheres.iter().filter_map(|w| w.as_str().map(str::to_owned)));
+        }
+        if let Some(sources) = tool
+            .and_then(|t| t.get("hatch"))
+            .and_then(|h| h.get("build"))
+            .and_then(|b| b.get("targets"))
+            .and_then(|t| t.get("wheel"))
+            .and_then(|w| w.get("sources"))
+        {
+            match sources {
+                toml::Value::Array(items) => {
+                    named.extend(items.iter().filter_map(|w| w.as_str().map(str::to_owned)));
+                }
+                toml::Value::Table(map) => named.extend(map.keys().cloned()),
+                _ => {}
+            }
+        }
+        for dir in named {
+            let dir = dir.trim_matches('/');
+            if dir.is_empty() || dir == "." || dir.contains("..") {
+                continue;
+            }
+            let path = root.join(dir);
+            if path.is_dir() && !dirs.contains(&path) {
+                dirs.push(path);
+            }
+        }
+    }
+    dirs
+}
+
+const SKIP: &[&str] = &[
+    "tests",
+    "test",
+    "testing",
+    "docs",
+    "doc",
+    "examples",
+    "scripts",
+    "benchmarks",
+    "build",
+    "dist",
+    "setup",
+    "conftest",
+    "noxfile",
+    "tasks",
+    "node_modules",
+    "site-packages",
+];
+
+fn importable(name: &str) -> bool {
+    !name.is_empty()
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && !SKIP.contains(&name)
 }
 
 /// Top-level import names of the project's own code: packages (directories with
-/// `__init__.py`) and modules in `src/` or, for a flat layout, in the root (tests, docs and
-/// build helpers left out).
+/// `__init__.py`) and modules in its import roots, else packages in the root itself (tests,
+/// docs and build helpers left out).
 pub(crate) fn packages(root: &Path) -> Vec<String> {
-    let base = src_dir(root).unwrap_or_else(|| root.to_path_buf());
-    let flat = base == root;
-    let skip = [
-        "tests",
-        "test",
-        "testing",
-        "docs",
-        "doc",
-        "examples",
-        "scripts",
-        "benchmarks",
-        "build",
-        "dist",
-        "setup",
-        "conftest",
-        "noxfile",
-        "tasks",
-        "node_modules",
-        "site-packages",
-    ];
+    let roots = import_roots(root);
     let mut names = Vec::new();
-    let Ok(entries) = std::fs::read_dir(&base) else {
-        return names;
-    };
-    for entry in entries.flatten() {
-        let path = entry.path();
-        let name = entry.file_name().to_string_lossy().into_owned();
-        if name.starts_with('.') || name.starts_with('_') && flat {
-            continue;
-        }
-        let module = if path.is_dir() && path.join("__init__.py").is_file() {
-            name.clone()
-        } else if !flat && path.is_file() && name.ends_with(".py") {
-            name.trim_end_matches(".py").to_owned()
-        } else {
+    let flat = roots.is_empty();
+    for base in if flat {
+        vec![root.to_path_buf()]
+    } else {
+        roots
+    } {
+        let Ok(entries) = std::fs::read_dir(&base) else {
             continue;
         };
-        if module
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_')
-            && !skip.contains(&module.as_str())
-        {
-            names.push(module);
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') || name.starts_with('_') && flat {
+                continue;
+            }
+            let module = if path.is_dir() && path.join("__init__.py").is_file() {
+                name.clone()
+            } else if !flat && path.is_file() && name.ends_with(".py") {
+                name.trim_end_matches(".py").to_owned()
+            } else {
+                continue;
+            };
+            if importable(&module) {
+                names.push(module);
+            }
         }
     }
     names.sort();
+    names.dedup();
     names
+}
+
+/// Every top-level package anywhere in the worktree (a directory with `__init__.py` whose
+/// parent has none, at most four levels down), with its repo-relative path: the code of other
+/// packages of a monorepo that the suite may import.
+pub(crate) fn all_packages(worktree: &Path) -> Vec<(String, PathBuf)> {
+    let mut found = Vec::new();
+    let mut stack = vec![(PathBuf::new(), 0u32)];
+    while let Some((rel, depth)) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(worktree.join(&rel)) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.')
+                || !entry.file_type().is_ok_and(|t| t.is_dir())
+                || matches!(
+                    name.as_str(),
+                    "node_modules" | "__pycache__" | "venv" | "site-packages" | "build" | "dist"
+                )
+            {
+                continue;
+            }
+            let child = rel.join(&name);
+            if worktree.join(&child).join("__init__.py").is_file() {
+                if importable(&name) {
+                    found.push((name, child));
+                }
+            } else if depth < 4 {
+                stack.push((child, depth + 1));
+            }
+        }
+    }
+    found.sort();
+    found
 }
 
 /// `requires-python` of the project.
@@ -284,38 +382,49 @@ fn normalise_name(name: &str) -> String {
     name.to_ascii_lowercase().replace(['_', '.'], "-")
 }
 
-const ORIGIN_PROBE: &str = "import importlib.util, json, sys\n\
-out = {}\n\
-for name in sys.argv[1:]:\n\
-    try:\n\
-        spec = importlib.util.find_spec(name)\n\
-    except Exception as err:\n\
-        out[name] = None\n\
-        continue\n\
-    if spec is None:\n\
-        out[name] = None\n\
-    elif spec.submodule_search_locations:\n\
-        out[name] = list(spec.submodule_search_locations)\n\
-    else:\n\
-        out[name] = [spec.origin]\n\
-print(json.dumps(out))";
+const ORIGIN_PROBE: &str = r#"
+import importlib.util, json, sys
+out = {}
+for name in sys.argv[1:]:
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception:
+        spec = None
+    if spec is None:
+        out[name] = None
+    elif spec.submodule_search_locations:
+        out[name] = list(spec.submodule_search_locations)
+    else:
+        out[name] = [spec.origin]
+print(json.dumps(out))
+"#;
 
-/// Asks `python` (in `cwd`, with the run's environment) where each of `names` would be
-/// imported from; returns the locations outside `worktree`, as `name: path`.
+/// Asks `python` (in `cwd`, with the run's environment) where the project's packages would be
+/// imported from. A package of the tested project (`names`) found anywhere but the worktree is
+/// wrong source; another package of the repository (`others`, with its repo-relative path) is
+/// when it resolves to a copy of itself elsewhere (a path ending in its own repo-relative
+/// path: another checkout of the same repository), while a released copy in site-packages of
+/// a same-named third-party distribution is left alone. Returns `name: path` entries.
 pub(crate) async fn foreign_origins(
     python: &str,
     names: &[String],
+    others: &[(String, PathBuf)],
     cwd: &Path,
     worktree: &Path,
     env: &std::collections::BTreeMap<String, String>,
     cancel: &CancellationToken,
 ) -> Result<Vec<String>, Error> {
-    if names.is_empty() {
+    let mut all: Vec<String> = names.to_vec();
+    all.extend(others.iter().map(|(n, _)| n.clone()));
+    all.sort();
+    all.dedup();
+    if all.is_empty() {
         return Ok(Vec::new());
     }
+    let names_ref = &all;
     let output = Command::new(python)
         .args(["-c", ORIGIN_PROBE])
-        .args(names.iter().cloned())
+        .args(names_ref.iter().cloned())
         .cwd(cwd)
         .envs(env.clone())
         .env("PYTHONDONTWRITEBYTECODE", "1")
@@ -326,8 +435,14 @@ pub(crate) async fn foreign_origins(
     if output.termination == Termination::Cancelled {
         return Err(Error::Cancelled);
     }
+    // Only the standard library runs here: no answer means troupe cannot vouch for the source.
     let found: std::collections::BTreeMap<String, Option<Vec<String>>> =
-        serde_json::from_str(output.stdout_text().trim()).unwrap_or_default();
+        serde_json::from_str(output.stdout_text().trim()).map_err(|err| {
+            Error::Internal(format!(
+                "`{python}` did not say where the project's packages import from ({err}): {}",
+                troupe_process::tail(&output.stderr_text(), 5, 1000)
+            ))
+        })?;
     let root = std::fs::canonicalize(worktree).unwrap_or_else(|_| worktree.to_path_buf());
     let mut outside = Vec::new();
     for (name, locations) in found {
@@ -382,8 +497,13 @@ dev = ["pytest-cov", {include-group = "lint"}]
 "#,
         )
         .expect("write");
-        assert_eq!(src_dir(root), Some(root.join("src")));
+        assert_eq!(import_roots(root), [root.join("src")]);
         assert_eq!(packages(root), ["calc", "single"]);
+        let found: Vec<String> = all_packages(root)
+            .iter()
+            .map(|(n, p)| format!("{n}={}", p.display()))
+            .collect();
+        assert_eq!(found, ["calc=src/calc"]);
         assert_eq!(requires_python(root).as_deref(), Some(">=3.9"));
         let (requirements, selected) = test_requirements(root);
         assert_eq!(

@@ -406,9 +406,11 @@ impl Runner {
             Tool::Js { .. } => crate::source::escaping_workspace_links(worktree, &packages),
             Tool::Pytest { python, .. } => {
                 let names = crate::python::packages(&worktree.join(workdir));
+                let others = crate::python::all_packages(worktree);
                 crate::python::foreign_origins(
                     python,
                     &names,
+                    &others,
                     &worktree.join(workdir),
                     worktree,
                     &run_env,
@@ -660,11 +662,18 @@ impl Runner {
         }
         // The worktree's own code first: an editable install of another checkout (or a
         // released copy in site-packages) must not answer for the commit under test.
-        if let Some(src) = crate::python::src_dir(&root) {
-            env.insert("PYTHONPATH".to_owned(), src.display().to_string());
+        let roots = crate::python::import_roots(&root);
+        if !roots.is_empty() {
+            let joined: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+            env.insert("PYTHONPATH".to_owned(), joined.join(":"));
+            let shown: Vec<String> = roots
+                .iter()
+                .filter_map(|r| r.strip_prefix(worktree).ok())
+                .map(|r| r.display().to_string())
+                .collect();
             notes.push(format!(
-                "PYTHONPATH={} (the worktree's src layout goes first)",
-                Path::new(&spec.workdir).join("src").display()
+                "PYTHONPATH={} (the worktree's own import roots go first)",
+                shown.join(":")
             ));
         }
         // The venv's scripts first on PATH, for setup commands (`pip`, `msgfmt` wrappers).

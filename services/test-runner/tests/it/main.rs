@@ -15,6 +15,7 @@ use troupe_testkit::{TestService, git_repo};
 mod fixloop;
 mod js;
 mod pytest_fixture;
+mod source;
 mod support;
 mod testrun_task;
 
