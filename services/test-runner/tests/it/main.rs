@@ -12,6 +12,7 @@ use troupe_proto::v1::{
 };
 use troupe_testkit::{TestService, git_repo};
 
+mod environment;
 mod fixloop;
 mod js;
 mod pytest_fixture;
