@@ -632,6 +632,7 @@ async fn install(
     for name in [
         "COREPACK_HOME",
         "COREPACK_NPM_REGISTRY",
+        "COREPACK_INTEGRITY_KEYS",
         "NPM_CONFIG_REGISTRY",
         "npm_config_registry",
         "npm_config_cache",

@@ -14,6 +14,7 @@ use troupe_testkit::{TestService, git_repo};
 
 mod environment;
 mod fixloop;
+mod installs;
 mod js;
 mod pytest_fixture;
 mod source;
