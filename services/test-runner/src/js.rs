@@ -275,6 +275,9 @@ struct Location {
     line: u32,
 }
 
+/// Per test file (repo-relative, absolute outside the worktree) counts.
+pub(crate) type FileTotals = Vec<(String, TestTotals)>;
+
 /// Counts and failures from one results file.
 #[derive(Debug, Default)]
 pub(crate) struct JsResults {
@@ -285,7 +288,7 @@ pub(crate) struct JsResults {
     /// Failures that were per-test timeouts.
     pub(crate) timed_out: u32,
     /// Test files by repo-relative path (absolute when outside the worktree), with counts.
-    pub(crate) files: Vec<(String, TestTotals)>,
+    pub(crate) files: FileTotals,
 }
 
 static FRAME: LazyLock<Regex> = LazyLock::new(|| {
@@ -606,7 +609,7 @@ async fn read_if_present(path: &Path) -> Result<Option<String>, Error> {
 pub(crate) async fn run(
     run: JsRun<'_>,
     cancel: &CancellationToken,
-) -> Result<(TestRunReport, u32, Vec<(String, TestTotals)>), Error> {
+) -> Result<(TestRunReport, u32, FileTotals), Error> {
     let tool = crate::detect::name(run.framework);
     let argv = command_argv(&run);
     let results_path = run.out_dir.join("results.json");

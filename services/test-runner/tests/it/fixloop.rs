@@ -292,7 +292,7 @@ fn backends_toml(backend: &str, base: &str) -> String {
 /// 199 passing tests and one whose expectation is wrong (the fix belongs in the test), plus
 /// one test whose failure the scripted agent "fixes" in the source, outside a tests scope.
 fn two_hundred_tests(dir: &Path, with_source_bait: bool) {
-    let mut files = vec![
+    let mut files = [
         ("calc/__init__.py".to_owned(), String::new()),
         (
             "calc/ops.py".to_owned(),
