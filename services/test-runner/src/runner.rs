@@ -1334,6 +1334,17 @@ mod tests {
     }
 
     #[test]
+    fn a_crash_reason_keeps_the_line_after_the_banner() {
+        // Jest 22 given --testTimeout, as it prints it.
+        let stderr = "● Unrecognized CLI Parameter:\n\n  Unrecognized option \"testTimeout\".\n\n  CLI Options Documentation:\n  https://facebook.github.io/jest/docs/en/cli.html\n";
+        assert_eq!(
+            crash_reason(stderr),
+            "Unrecognized CLI Parameter: Unrecognized option \"testTimeout\". CLI Options Documentation:"
+        );
+        assert_eq!(crash_reason(""), "");
+    }
+
+    #[test]
     fn truncates_on_char_boundaries() {
         let mut text = "é".repeat(10);
         truncate_chars(&mut text, 4);
