@@ -353,7 +353,11 @@ pub(crate) async fn ensure_tool(
             cached.dir.display()
         )
     } else {
-        format!("reused the node_modules cached at {}", cached.dir.display())
+        format!(
+            "reused the node_modules cached at {} (installed with `{}`)",
+            cached.dir.display(),
+            cached.command
+        )
     };
     Ok(Installed {
         bin,
