@@ -308,3 +308,57 @@ async fn workdir_runs_one_package_and_a_failed_install_is_its_own_outcome() {
     );
     service.stop().await;
 }
+
+#[tokio::test]
+async fn the_projects_own_coverage_threshold_is_its_own_outcome() {
+    let repo = tempfile::tempdir().expect("tempdir");
+    git_repo(
+        repo.path(),
+        &[
+            (".gitignore", "node_modules\n"),
+            (
+                "package.json",
+                r#"{"private": true, "devDependencies": {"jest": "30.5.2"},
+                   "jest": {"testEnvironment": "node", "collectCoverageFrom": ["src/**/*.js"],
+                            "coverageThreshold": {"global": {"lines": 95}}}}"#,
+            ),
+            (
+                "src/ops.js",
+                "exports.add = (a, b) => a + b;\nexports.sub = (a, b) => {\n  return a - b;\n};\n",
+            ),
+            (
+                "tests/ops.test.js",
+                "const { add } = require('../src/ops');\n\ntest('adds', () => {\n  expect(add(1, 2)).toBe(3);\n});\n",
+            ),
+        ],
+    )
+    .expect("repo");
+    std::os::unix::fs::symlink(
+        fixture_dir("jest-proj").join("node_modules"),
+        repo.path().join("node_modules"),
+    )
+    .expect("link");
+    let service = start().await;
+    let report = run_tests(
+        &service,
+        RunTestsRequest {
+            repo_path: repo.path().display().to_string(),
+            ..RunTestsRequest::default()
+        },
+    )
+    .await
+    .expect("run");
+    assert_eq!(
+        report.outcome(),
+        TestOutcome::CoverageThreshold,
+        "{report:#?}"
+    );
+    assert_eq!(report.exit_code, 1);
+    assert_eq!(report.totals.expect("totals").failed, 0);
+    assert!(
+        report.stderr_tail.contains("threshold (95%)"),
+        "{}",
+        report.stderr_tail
+    );
+    service.stop().await;
+}
