@@ -169,3 +169,71 @@ async fn jest_22_and_vitest_1_run_with_the_flags_they_accept() {
     }
     service.stop().await;
 }
+
+#[tokio::test]
+async fn jest_30_with_ts_jest_reports_typescript_lines() {
+    let repo = fixture_repo("jest-ts-proj", &[], &[], None);
+    let installed = fixture_dir("jest-ts-proj").join("node_modules");
+    let task = commit_on_branch(
+        repo.path(),
+        "task",
+        &[
+            ("src/money.ts", "(100 - percent)", "(100 + percent)"),
+            ("src/money.ts", "(\\d{2})$", "(\\d{3})$"),
+        ],
+    );
+    let direct = checkout_of(repo.path(), &task);
+    let dir = direct.path().join("co");
+    std::os::unix::fs::symlink(&installed, dir.join("node_modules")).expect("link");
+    let (results, summary) = directly(
+        &dir,
+        "jest",
+        &[
+            "--ci",
+            "--json",
+            "--testLocationInResults",
+            "--coverage",
+            "--coverageReporters=json-summary",
+            "--forceExit",
+        ],
+    );
+    let service = start().await;
+    let report = run_tests(
+        &service,
+        RunTestsRequest {
+            repo_path: repo.path().display().to_string(),
+            r#ref: task.clone(),
+            ..RunTestsRequest::default()
+        },
+    )
+    .await
+    .expect("run");
+    assert_eq!(report.outcome(), TestOutcome::TestsFailed, "{report:#?}");
+    assert_same(&report, &results, &summary);
+    let lines: BTreeMap<&str, (u32, u32, &str)> = report
+        .failures
+        .iter()
+        .map(|f| {
+            (
+                f.name.as_str(),
+                (f.line, f.test_line, f.error_origin.as_str()),
+            )
+        })
+        .collect();
+    // TypeScript lines (ts-jest's source maps), in the test file; a throw in the source is its
+    // origin, never the failure line.
+    assert_eq!(
+        lines.get("money a quarter off"),
+        Some(&(10, 9, "tests/money.test.ts:10"))
+    );
+    assert_eq!(
+        lines.get("money parses an amount"),
+        Some(&(14, 13, "src/money.ts:20"))
+    );
+    assert!(
+        report.framework_version.starts_with("30."),
+        "{}",
+        report.framework_version
+    );
+    service.stop().await;
+}
