@@ -253,16 +253,17 @@ async fn git(worktree: &Path, args: &[&str], cancel: &CancellationToken) -> Resu
 /// Puts the worktree back at `checkpoint`, keeping the linked `node_modules`.
 async fn reset(worktree: &Path, checkpoint: &str, cancel: &CancellationToken) -> Result<(), Error> {
     git(worktree, &["reset", "-q", "--hard", checkpoint], cancel).await?;
+    // The linked node_modules (the root's and each workspace package's) are not the agent's.
     git(
         worktree,
-        &["clean", "-q", "-fd", "-e", "/node_modules"],
+        &["clean", "-q", "-fd", "-e", "node_modules"],
         cancel,
     )
     .await?;
     Ok(())
 }
 
-/// Paths the agent changed (tracked and untracked), `node_modules` excluded.
+/// Paths the agent changed (tracked and untracked), every `node_modules` excluded.
 async fn changed_paths(worktree: &Path, cancel: &CancellationToken) -> Result<Vec<String>, Error> {
     let text = git(
         worktree,
@@ -282,7 +283,7 @@ async fn changed_paths(worktree: &Path, cancel: &CancellationToken) -> Result<Ve
         .lines()
         .filter_map(|line| line.get(3..))
         .map(|p| p.trim_matches('"').to_owned())
-        .filter(|p| !p.is_empty() && p != "node_modules")
+        .filter(|p| !p.is_empty() && !p.split('/').any(|part| part == "node_modules"))
         .collect())
 }
 

@@ -746,7 +746,12 @@ impl Runner {
         let first = self
             .execute(suite, out_dir, selection, spec.test_timeout_seconds, cancel)
             .await?;
-        if !every_test_timed_out(&first) || spec.test_timeout_seconds == 0 {
+        // A framework that took no per-test timeout flag would only run out of time again.
+        let flagged = first
+            .command
+            .iter()
+            .any(|a| a.starts_with("--testTimeout=") || a.starts_with("--timeout="));
+        if !every_test_timed_out(&first) || spec.test_timeout_seconds == 0 || !flagged {
             return Ok(first);
         }
         let raised = spec.test_timeout_seconds.saturating_mul(TIMEOUT_RAISE);
