@@ -1,10 +1,11 @@
 //! TESTRUN-* tasks from the coordinator.
 //!
 //! The task's `test` object (`framework`, `coverage_target`, `install` (default true),
-//! `coverage_source`, `timeout_seconds`, `test_timeout_seconds`) configures one run at the
-//! session branch head. The task completes only when the outcome is PASSED (exit 0, no failing
-//! test, coverage at or above the target); any other outcome fails it with CHECK_FAILED, not
-//! retryable, with the report as the partial result.
+//! `coverage_source`, `timeout_seconds`, `test_timeout_seconds` (0 = none), `setup`, `env`,
+//! `workdir`, `python`, `fix`) configures one run at the session branch head. The task
+//! completes when the outcome is PASSED, or when its fix loop ended meeting CCW's criterion
+//! (pass rate ≥ 0.95 and coverage ≥ target); any other outcome fails it with CHECK_FAILED, not
+//! retryable, with the report as the partial result and a crash's reason in the message.
 
 use std::sync::Arc;
 use std::time::Duration;
