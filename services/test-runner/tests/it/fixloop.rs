@@ -453,3 +453,41 @@ async fn codex_and_claude_fix_one_failure_in_two_hundred_within_scope() {
         drop(server);
     }
 }
+
+#[tokio::test]
+async fn a_backend_that_is_not_installed_falls_back_along_the_chain() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let service = start_with_backends(
+        "fallback = []\nretries = 0\n\n[backends.codex]\ncommand = \"/nonexistent/codex\"\n",
+        dir.path(),
+    )
+    .await;
+    let agent = agent(dir.path());
+    let repo = fixture_repo("pytest-proj", &[], &[], None);
+    let mut req = fix_request(
+        repo.path(),
+        &agent,
+        &[
+            "tests/test_mathops.py",
+            "divide(10, 4) == 2",
+            "divide(10, 4) == 2.5",
+        ],
+        FixScope::Tests,
+        1,
+    );
+    let fix = req.fix.as_mut().expect("fix");
+    fix.backend = "codex".to_owned();
+    fix.fallback = vec!["command".to_owned()];
+    let report = run_tests(&service, req).await.expect("run");
+    let loop_ = report.fix_loop.clone().expect("loop");
+    let step = &loop_.iterations[0];
+    assert_eq!(step.verdict, "kept", "{step:#?}");
+    assert_eq!(step.backend, "command");
+    assert_eq!(step.fallbacks, ["codex"]);
+    assert_eq!(
+        report.totals.expect("totals").failed,
+        1,
+        "one of two failures fixed"
+    );
+    service.stop().await;
+}
