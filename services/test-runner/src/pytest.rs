@@ -94,23 +94,63 @@ pub(crate) struct Plugins {
     pub(crate) pytest_timeout: bool,
 }
 
-const PROBE: &str = "import importlib.util, json\n\
-out = {m: importlib.util.find_spec(m) is not None for m in \
-('pytest', 'pytest_cov', 'pytest_jsonreport', 'pytest_timeout')}\n\
-try:\n    import importlib.metadata as md\n    out['version'] = md.version('pytest')\n\
-except Exception:\n    out['version'] = None\n\
-print(json.dumps(out))";
+const PROBE: &str = r#"
+import importlib.util, json, os, sys
+out = {}
+# Where the project's packages (argv) would be imported from, with the run's sys.path.
+origins = {}
+for name in sys.argv[1:]:
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception:
+        spec = None
+    if spec is None:
+        origins[name] = None
+    elif spec.submodule_search_locations:
+        origins[name] = list(spec.submodule_search_locations)
+    else:
+        origins[name] = [spec.origin]
+out["origins"] = origins
+# The tools, without the working directory on the path: a stray pytest.py in a repository
+# must not answer for the real pytest.
+cwd = os.getcwd()
+sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
+for m in ("pytest", "pytest_cov", "pytest_jsonreport", "pytest_timeout"):
+    out[m] = importlib.util.find_spec(m) is not None
+try:
+    import importlib.metadata as md
+    out["version"] = md.version("pytest")
+except Exception:
+    out["version"] = None
+print(json.dumps(out))
+"#;
 
-/// Asks `python` which plugins it can import, and pytest's version. Runs in `cwd` (an empty
-/// directory, so a stray `pytest.py` in a repository cannot answer for the real one).
+/// What one interpreter probe found.
+#[derive(Debug, Default)]
+pub(crate) struct Probe {
+    pub(crate) plugins: Plugins,
+    /// pytest's version.
+    pub(crate) version: Option<String>,
+    /// Where each asked-for package imports from (`None`: not importable).
+    pub(crate) origins: std::collections::BTreeMap<String, Option<Vec<String>>>,
+}
+
+/// Asks `python` in one start: which plugins it can import (§5.8: detect before running),
+/// pytest's version, and where each of `packages` would be imported from with the run's
+/// environment `env` in `cwd`.
 pub(crate) async fn probe(
     python: &str,
     cwd: &Path,
+    env: &std::collections::BTreeMap<String, String>,
+    packages: &[String],
     cancel: &CancellationToken,
-) -> Result<(Plugins, Option<String>), Error> {
+) -> Result<Probe, Error> {
     let output = Command::new(python)
         .args(["-c", PROBE])
+        .args(packages.iter().cloned())
         .cwd(cwd)
+        .envs(env.clone())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
         .timeout(Duration::from_secs(60))
         .run(cancel)
         .await
@@ -132,9 +172,20 @@ pub(crate) async fn probe(
         .get("version")
         .and_then(serde_json::Value::as_str)
         .map(str::to_owned);
+    let origins = value
+        .get("origins")
+        .cloned()
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|err| Error::Internal(format!("plugin probe printed {text:?}: {err}")))?
+        .unwrap_or_default();
     let plugins = serde_json::from_value(value)
         .map_err(|err| Error::Internal(format!("plugin probe printed {text:?}: {err}")))?;
-    Ok((plugins, version))
+    Ok(Probe {
+        plugins,
+        version,
+        origins,
+    })
 }
 
 /// Where pytest-cov takes its source from.

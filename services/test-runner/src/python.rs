@@ -250,21 +250,44 @@ async fn version_of(python: &str, cancel: &CancellationToken) -> Option<(u32, u3
     Some((parts.next()?.parse().ok()?, parts.next()?.parse().ok()?))
 }
 
-/// The interpreter for a run: `explicit` when given; else `default` when it satisfies the
-/// project's `requires-python`; else the first `python3.N` on PATH that does (newest first).
-/// Returns the interpreter and a note when it is not the default.
+/// Interpreter versions already asked for, by program (an interpreter's version does not
+/// change under a running service; a run would otherwise pay one more Python start).
+pub(crate) type VersionCache =
+    std::sync::Mutex<std::collections::HashMap<String, Option<(u32, u32)>>>;
+
+async fn cached_version(
+    python: &str,
+    cache: &VersionCache,
+    cancel: &CancellationToken,
+) -> Option<(u32, u32)> {
+    let known = cache
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(python)
+        .copied();
+    if let Some(known) = known {
+        return known;
+    }
+    let found = version_of(python, cancel).await;
+    cache
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .insert(python.to_owned(), found);
+    found
+}
+
+/// The interpreter for a run: `explicit` when given (the probe that follows says whether it
+/// runs); else `default` when it satisfies the project's `requires-python`; else the first
+/// `python3.N` on PATH that does (newest first). Returns the interpreter and a note when it is
+/// not the default.
 pub(crate) async fn choose_interpreter(
     explicit: Option<&str>,
     default: &str,
     root: &Path,
+    cache: &VersionCache,
     cancel: &CancellationToken,
 ) -> Result<(String, Option<String>), Error> {
     if let Some(python) = explicit.filter(|p| !p.trim().is_empty()) {
-        if version_of(python, cancel).await.is_none() {
-            return Err(Error::NotInstalled(format!(
-                "the requested Python interpreter `{python}` cannot run here"
-            )));
-        }
         return Ok((
             python.to_owned(),
             Some(format!("python: {python} (requested)")),
@@ -273,7 +296,7 @@ pub(crate) async fn choose_interpreter(
     let Some(spec) = requires_python(root) else {
         return Ok((default.to_owned(), None));
     };
-    if let Some(version) = version_of(default, cancel).await
+    if let Some(version) = cached_version(default, cache, cancel).await
         && satisfies(&spec, version)
     {
         return Ok((default.to_owned(), None));
@@ -281,7 +304,7 @@ pub(crate) async fn choose_interpreter(
     for minor in (6..=15).rev() {
         let candidate = format!("python3.{minor}");
         if satisfies(&spec, (3, minor))
-            && let Some(found) = version_of(&candidate, cancel).await
+            && let Some(found) = cached_version(&candidate, cache, cancel).await
             && satisfies(&spec, found)
         {
             let note = format!("python: {candidate} (requires-python {spec})");
@@ -443,18 +466,38 @@ pub(crate) async fn foreign_origins(
                 troupe_process::tail(&output.stderr_text(), 5, 1000)
             ))
         })?;
+    Ok(judge(&found, names, others, worktree))
+}
+
+/// The packages of `found` (name → import locations) that come from outside `worktree`: any
+/// of the tested project's `names`, and the repository's `others` when they resolve to a copy
+/// of themselves. Returns `name: path` entries.
+pub(crate) fn judge(
+    found: &std::collections::BTreeMap<String, Option<Vec<String>>>,
+    names: &[String],
+    others: &[(String, PathBuf)],
+    worktree: &Path,
+) -> Vec<String> {
     let root = std::fs::canonicalize(worktree).unwrap_or_else(|_| worktree.to_path_buf());
     let mut outside = Vec::new();
     for (name, locations) in found {
-        for location in locations.unwrap_or_default() {
-            let path =
-                std::fs::canonicalize(&location).unwrap_or_else(|_| PathBuf::from(&location));
-            if !path.starts_with(&root) && !path.starts_with(worktree) {
+        for location in locations.iter().flatten() {
+            let path = std::fs::canonicalize(location).unwrap_or_else(|_| PathBuf::from(location));
+            if path.starts_with(&root) || path.starts_with(worktree) {
+                continue;
+            }
+            let own = names.contains(name);
+            let copy = others
+                .iter()
+                .any(|(other, rel)| other == name && path.ends_with(rel));
+            if own || copy {
                 outside.push(format!("{name}: {}", path.display()));
             }
         }
     }
-    Ok(outside)
+    outside.sort();
+    outside.dedup();
+    outside
 }
 
 #[cfg(test)]

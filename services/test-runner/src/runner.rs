@@ -176,6 +176,8 @@ pub struct Runner {
     flags: Arc<Mutex<FlagCache>>,
     /// The executor's backend configuration, for fix agents.
     backends: Arc<troupe_backends::BackendsConfig>,
+    /// Python interpreters' versions, asked once.
+    versions: Arc<crate::python::VersionCache>,
 }
 
 type FlagCache = std::collections::HashMap<(PathBuf, Option<String>), js::Capabilities>;
@@ -191,6 +193,8 @@ pub(crate) struct Prepared {
     pub(crate) packages: Vec<PathBuf>,
     /// The Python interpreter (pytest), else empty.
     pub(crate) python: String,
+    /// Project packages that import from outside the worktree, as the probe found them.
+    pub(crate) origins: Vec<String>,
 }
 
 /// A claimed worktree path; released on drop.
@@ -220,6 +224,7 @@ impl Runner {
             slots: Arc::default(),
             flags: Arc::default(),
             backends: Arc::default(),
+            versions: Arc::default(),
         }
     }
 
@@ -323,7 +328,7 @@ impl Runner {
                 commit.as_str()
             )));
         }
-        let prepared = match self.prepare(spec, worktree, out_dir, cancel).await {
+        let prepared = match self.prepare(spec, worktree, cancel).await {
             Ok(prepared) => prepared,
             Err(Error::Install { step, detail }) => {
                 // A failed install is its own outcome, with the installer's error as evidence.
@@ -358,6 +363,7 @@ impl Runner {
             install_log,
             packages,
             python,
+            origins,
         } = prepared;
         let run_env = tool.env().clone();
         let base = TestRunReport {
@@ -404,6 +410,8 @@ impl Runner {
         // Before anything runs: the code under test must resolve inside the worktree.
         let escaping = match &tool {
             Tool::Js { .. } => crate::source::escaping_workspace_links(worktree, &packages),
+            // Without setup commands nothing changed since the probe.
+            Tool::Pytest { .. } if spec.setup.is_empty() => origins,
             Tool::Pytest { python, .. } => {
                 let names = crate::python::packages(&worktree.join(workdir));
                 let others = crate::python::all_packages(worktree);
@@ -576,7 +584,6 @@ impl Runner {
         &self,
         spec: &RunSpec,
         worktree: &Path,
-        out_dir: &Path,
         cancel: &CancellationToken,
     ) -> Result<Prepared, Error> {
         let workdir = Path::new(&spec.workdir);
@@ -630,6 +637,7 @@ impl Runner {
                 install_log: installed.log,
                 packages: installed.packages,
                 python: String::new(),
+                origins: Vec::new(),
             });
         }
         let mut notes = Vec::new();
@@ -637,6 +645,7 @@ impl Runner {
             Some(spec.python.as_str()),
             &self.python,
             &root,
+            &self.versions,
             cancel,
         )
         .await?;
@@ -654,12 +663,6 @@ impl Runner {
                 String::new(),
             )
         };
-        let (plugins, version) = pytest::probe(&python, out_dir, cancel).await?;
-        if !plugins.pytest {
-            return Err(Error::NotInstalled(format!(
-                "pytest is not importable by `{python}`; install it there or run with install to build a venv from the repository's requirements"
-            )));
-        }
         // The worktree's own code first: an editable install of another checkout (or a
         // released copy in site-packages) must not answer for the commit under test.
         let roots = crate::python::import_roots(&root);
@@ -685,6 +688,22 @@ impl Runner {
                 bin.parent().unwrap_or(bin).display().to_string(),
             );
         }
+        // One interpreter start answers for the plugins, pytest's version and where the
+        // project's packages import from (checked again after setup commands, which may
+        // install).
+        let names = crate::python::packages(&root);
+        let others = crate::python::all_packages(worktree);
+        let mut asked: Vec<String> = names.clone();
+        asked.extend(others.iter().map(|(n, _)| n.clone()));
+        asked.sort();
+        asked.dedup();
+        let probe = pytest::probe(&python, &root, &env, &asked, cancel).await?;
+        if !probe.plugins.pytest {
+            return Err(Error::NotInstalled(format!(
+                "pytest is not importable by `{python}`; install it there or run with install to build a venv from the repository's requirements"
+            )));
+        }
+        let origins = crate::python::judge(&probe.origins, &names, &others, worktree);
         let monorepo = pytest::monorepo_args(&root);
         if !monorepo.is_empty() {
             notes.push("several Python packages with tests: --import-mode=importlib".to_owned());
@@ -692,10 +711,10 @@ impl Runner {
         Ok(Prepared {
             tool: Tool::Pytest {
                 python: python.clone(),
-                plugins,
+                plugins: probe.plugins,
                 coverage_source: CoverageSource::choose(&spec.coverage_source, &root),
                 extra_args: monorepo,
-                version,
+                version: probe.version,
                 env,
             },
             notes,
@@ -703,6 +722,7 @@ impl Runner {
             install_log,
             packages: Vec::new(),
             python,
+            origins,
         })
     }
 

@@ -224,7 +224,15 @@ impl VenvCache {
                     .await?,
             );
         }
-        let (plugins, _) = pytest::probe(&python_text, &self.root, cancel).await?;
+        let plugins = pytest::probe(
+            &python_text,
+            &self.root,
+            &std::collections::BTreeMap::new(),
+            &[],
+            cancel,
+        )
+        .await?
+        .plugins;
         let missing = missing_tools(plugins);
         if !missing.is_empty() {
             let pip = Command::new(&python_text)
