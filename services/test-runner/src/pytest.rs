@@ -117,11 +117,15 @@ cwd = os.getcwd()
 sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
 for m in ("pytest", "pytest_cov", "pytest_jsonreport", "pytest_timeout"):
     out[m] = importlib.util.find_spec(m) is not None
-try:
-    import importlib.metadata as md
-    out["version"] = md.version("pytest")
-except Exception:
-    out["version"] = None
+# The version from the dist-info beside the package (importlib.metadata scans every
+# distribution of the environment: about 0.1 s a run).
+out["version"] = None
+spec = importlib.util.find_spec("pytest")
+if spec is not None and spec.origin:
+    site = os.path.dirname(os.path.dirname(spec.origin))
+    for entry in sorted(os.listdir(site)):
+        if entry.startswith("pytest-") and entry.endswith(".dist-info") and entry[7:8].isdigit():
+            out["version"] = entry[len("pytest-"):-len(".dist-info")]
 print(json.dumps(out))
 "#;
 
