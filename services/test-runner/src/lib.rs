@@ -178,8 +178,14 @@ impl App {
                 .map_err(|err| Error::InvalidArgument(err.to_string()))?,
             None => troupe_backends::BackendsConfig::default(),
         };
+        let credentials = match &config.worker.git_credentials {
+            Some(path) => troupe_workspace::Credentials::load(path)?,
+            None => troupe_workspace::Credentials::none(),
+        };
         let runner = Arc::new(
-            Runner::new(config.data_dir.clone(), config.python.clone()).with_backends(backends),
+            Runner::new(config.data_dir.clone(), config.python.clone())
+                .with_backends(backends)
+                .with_credentials(Arc::new(credentials)),
         );
         Ok(Self { config, runner })
     }

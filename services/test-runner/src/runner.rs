@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 use troupe_proto::v1::{
     ProjectReport, RunTestsRequest, TestFramework, TestOutcome, TestRunReport, TestTotals,
 };
-use troupe_workspace::{Oid, Repo};
+use troupe_workspace::{Oid, Remote};
 
 use crate::Error;
 use crate::detect;
@@ -32,7 +32,11 @@ const MAX_MESSAGE_CHARS: usize = 4000;
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct RunSpec {
-    /// Absolute path of the git repository.
+    /// The repository's remote (an absolute path is a remote on this machine): the commit
+    /// under test is fetched from it into the runner's own mirror.
+    pub remote: Remote,
+    /// The user's checkout when the remote is a local path (its installed `node_modules` may
+    /// be reused, its generated files are compared); empty for a URL.
     pub repo_path: PathBuf,
     /// Commit-ish to test.
     pub git_ref: String,
@@ -73,8 +77,17 @@ impl RunSpec {
         let framework = TestFramework::try_from(request.framework).map_err(|_| {
             Error::InvalidArgument(format!("unknown framework value {}", request.framework))
         })?;
+        let remote = Remote::parse(&request.repo_path).map_err(|err| {
+            Error::InvalidArgument(format!(
+                "repo_path must be an absolute path or a git URL: {err}"
+            ))
+        })?;
         let spec = Self {
-            repo_path: PathBuf::from(&request.repo_path),
+            repo_path: remote
+                .local_path()
+                .map(Path::to_path_buf)
+                .unwrap_or_default(),
+            remote,
             git_ref: if request.r#ref.is_empty() {
                 "HEAD".to_owned()
             } else {
@@ -128,9 +141,9 @@ impl RunSpec {
     }
 
     pub(crate) fn validate(&self) -> Result<(), Error> {
-        if self.repo_path.as_os_str().is_empty() || !self.repo_path.is_absolute() {
+        if !self.repo_path.as_os_str().is_empty() && !self.repo_path.is_absolute() {
             return Err(Error::InvalidArgument(format!(
-                "repo_path must be an absolute path, got {:?}",
+                "the checkout must be an absolute path, got {:?}",
                 self.repo_path.display().to_string()
             )));
         }
@@ -178,6 +191,8 @@ pub struct Runner {
     backends: Arc<troupe_backends::BackendsConfig>,
     /// Python interpreters' versions, asked once.
     versions: Arc<crate::python::VersionCache>,
+    /// How to reach private remotes.
+    credentials: Arc<troupe_workspace::Credentials>,
 }
 
 type FlagCache = std::collections::HashMap<(PathBuf, Option<String>), js::Capabilities>;
@@ -225,6 +240,7 @@ impl Runner {
             flags: Arc::default(),
             backends: Arc::default(),
             versions: Arc::default(),
+            credentials: Arc::default(),
         }
     }
 
@@ -257,9 +273,45 @@ impl Runner {
         }
     }
 
-    /// The runner's mirrors of remotes (`<data_dir>/mirrors`), where fixes leave from.
+    /// The runner's mirrors of remotes (`<data_dir>/mirrors`): commits under test come from
+    /// them, fixes leave from them.
     pub fn mirrors(&self) -> troupe_workspace::Mirrors {
         troupe_workspace::Mirrors::new(self.data_dir.join("mirrors"))
+            .with_credentials(Arc::clone(&self.credentials))
+    }
+
+    /// Authenticates to private remotes with `credentials`.
+    pub fn with_credentials(mut self, credentials: Arc<troupe_workspace::Credentials>) -> Self {
+        self.credentials = credentials;
+        self
+    }
+
+    /// Pushes a direct run's fix commits to its remote: the final one on the branch
+    /// `troupe-fix/<run id>` (named in the report), every iteration's under
+    /// `refs/troupe/fix/<run id>/<n>`, so what the loop made outlives the runner's mirror.
+    pub async fn share_fixes(
+        &self,
+        spec: &RunSpec,
+        report: &mut TestRunReport,
+    ) -> Result<(), Error> {
+        let Some(fix) = report.fix_loop.as_mut() else {
+            return Ok(());
+        };
+        let mirror = self.mirrors().open(&spec.remote).await?;
+        for iteration in &fix.iterations {
+            if let Some(commit) = Oid::parse(&iteration.commit) {
+                let name = format!("refs/troupe/fix/{}/{}", spec.run_id, iteration.iteration);
+                mirror.push_ref(&name, &commit).await?;
+            }
+        }
+        if let Some(commit) = Oid::parse(&fix.final_commit) {
+            let branch = format!("troupe-fix/{}", spec.run_id);
+            mirror
+                .push_ref(&format!("refs/heads/{branch}"), &commit)
+                .await?;
+            fix.branch = branch;
+        }
+        Ok(())
     }
 
     /// Where a run's reports go.
@@ -268,15 +320,16 @@ impl Runner {
     }
 
     /// Runs the suite once at `spec.git_ref` and reports what the structured reports say.
-    #[tracing::instrument(skip_all, fields(repo = %spec.repo_path.display(), git_ref = %spec.git_ref, run_id = %spec.run_id))]
+    #[tracing::instrument(skip_all, fields(repo = %spec.remote, git_ref = %spec.git_ref, run_id = %spec.run_id))]
     pub async fn run_tests(
         &self,
         spec: &RunSpec,
         cancel: &CancellationToken,
     ) -> Result<TestRunReport, Error> {
         spec.validate()?;
-        let repo = Repo::open(&spec.repo_path).await?;
-        let commit = repo.resolve(&spec.git_ref).await?;
+        let mirror = self.mirrors().open(&spec.remote).await?;
+        let commit = mirror.fetch_rev(&spec.git_ref).await?;
+        let repo = mirror.repo();
         let out_dir = self.out_dir(&spec.run_id);
         // A run id repeats only when a worker died mid-run; its stale reports must not be read
         // as this run's, and its worktree must go.
@@ -411,7 +464,12 @@ impl Runner {
             report.setup_steps = steps;
             return self.finish(report, spec, out_dir, spec.run_number).await;
         }
-        let missing = crate::setup::missing_generated(&spec.repo_path, worktree, cancel).await;
+        let missing = if spec.repo_path.as_os_str().is_empty() {
+            // A URL: no checkout on this machine to compare with.
+            Vec::new()
+        } else {
+            crate::setup::missing_generated(&spec.repo_path, worktree, cancel).await
+        };
         // Before anything runs: the code under test must resolve inside the worktree.
         let escaping = match &tool {
             Tool::Js { .. } => crate::source::escaping_workspace_links(worktree, &packages),

@@ -17,7 +17,7 @@ use troupe_proto::v1::{
     ClaimedTask, ErrorKind, FixScope, LogMessageRequest, TaskResult, TestFramework, TestOutcome,
     TestRunReport, UpdateStateRequest, task_result,
 };
-use troupe_workspace::{Attempt, Claim, ConfirmWith, Oid, Publication, Remote, Repo};
+use troupe_workspace::{Attempt, Claim, ConfirmWith, Oid, Publication, Remote};
 
 use crate::runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner, outcome_name};
 use crate::{Error, FixSpec, detect};
@@ -187,20 +187,33 @@ impl TestRunHandler {
                 None
             }
         };
-        let opened = Repo::open(&repo.path)
+        // The commit under test: the session branch's head on the remote (the session's base
+        // while nothing has landed), fetched by the claim above.
+        let head = match mirror
+            .repo()
+            .branch_head(&repo.branch)
             .await
-            .map_err(|err| into_failure(err.into()))?;
-        let head = opened
-            .resolve(&repo.branch)
-            .await
-            .map_err(|err| into_failure(err.into()))?;
+            .map_err(|err| into_failure(err.into()))?
+        {
+            Some(head) => head,
+            None => Oid::parse(&repo.base_commit).ok_or_else(|| {
+                into_failure(Error::InvalidArgument(format!(
+                    "session branch `{}` does not exist on {remote} and the claim names no base commit",
+                    repo.branch
+                )))
+            })?,
+        };
         ctx.progress(format!(
             "testing {} at {}",
             repo.branch,
             &head.as_str()[..12]
         ));
         let spec = RunSpec {
-            repo_path: opened.path().to_owned(),
+            repo_path: remote
+                .local_path()
+                .map(std::path::Path::to_path_buf)
+                .unwrap_or_default(),
+            remote: remote.clone(),
             git_ref: head.to_string(),
             framework: test.framework,
             coverage_target: test.coverage_target,
