@@ -2,9 +2,11 @@
 
 mod agent_children;
 mod bad_plan;
+mod distributed;
 mod exactly_once;
 mod exec_phase;
 mod grpcurl;
+mod hosts;
 mod lease;
 mod netns;
 mod otlp;
@@ -12,6 +14,7 @@ mod pause;
 mod postgres;
 mod quickstart;
 mod reconnect;
+mod remotes;
 mod shutdown;
 mod support;
 mod tour;
