@@ -503,3 +503,40 @@ fn priority_and_file_action_parsing() {
         troupe_proto::v1::FileAction::Create as i32
     );
 }
+
+#[test]
+fn url_repositories_and_read_only_access() {
+    let plan = plan(json!({"name": "p", "repos": {
+            "app": {"url": "https://git.example.com/t/app.git"},
+            "contract": {"url": "git://h/contract.git", "access": "read"}},
+        "tasks": [task("IMPL-1", &[]),
+            {"id": "VALIDATE-1", "title": "v", "repo": "contract", "depends_on": ["IMPL-1"]}]}))
+    .expect("valid");
+    let app = plan.repo("app").expect("app");
+    assert_eq!(
+        app.source,
+        RepoSource::Url("https://git.example.com/t/app.git".to_owned())
+    );
+    assert_eq!(app.access, Access::Write);
+    assert_eq!(plan.repo("contract").map(|r| r.access), Some(Access::Read));
+
+    // Every problem at once: a password, a scheme, two sources, and work in a read-only repo.
+    let err = problems_of(json!({"name": "p", "repos": {
+            "a": {"url": "https://me:secret@h/a.git"},
+            "b": {"url": "ftp://h/b.git"},
+            "c": {"url": "git://h/c.git", "path": "c"},
+            "d": {"path": "d", "access": "read"}},
+        "tasks": [task("IMPL-1", &[]), {"id": "IMPL-2", "title": "x", "repo": "d"},
+            {"id": "TESTRUN-1", "title": "t", "repo": "d"}]}));
+    let text = messages(&err).join("\n");
+    for expected in [
+        "repo `a`: `url` must not carry a password",
+        "repo `b`: `url` `ftp` must start with",
+        "repo `c`: set one of `path`, `url` and `template`",
+        "task IMPL-2: repo `d` is read-only",
+        "task TESTRUN-1: repo `d` is read-only",
+    ] {
+        assert!(text.contains(expected), "{expected:?} not in:\n{text}");
+    }
+    assert!(!text.contains("secret"), "{text}");
+}

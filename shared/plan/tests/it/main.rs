@@ -128,7 +128,9 @@ fn plans_using_every_field_validate() {
             "$schema": "../../shared/plan/plan.schema.json",
             "name": "full-1", "description": "all fields", "mode": "waves", "on_failure": "block",
             "max_attempts": 3,
-            "repos": {"app": {"path": "repo", "base": "main"}, "lib": {"template": "sample"}},
+            "repos": {"app": {"path": "repo", "base": "main"}, "lib": {"template": "sample"},
+                      "contract": {"url": "https://git.example.com/t/api.git", "base": "v1", "access": "read"},
+                      "web": {"url": "git://127.0.0.1:9418/web.git", "access": "write"}},
             "tasks": [
                 {"id": "IMPL-1", "title": "a", "description": "d", "priority": "critical",
                  "repo": "lib", "files": [{"path": "src/a.py", "action": "CREATE", "change": "new"}],
@@ -191,6 +193,26 @@ fn malformed_plans_are_refused_by_schema_and_parser() {
         (
             "absolute template",
             json!({"name": "p", "repos": {"a": {"template": "/etc"}}, "tasks": [task]}),
+        ),
+        (
+            "url and path",
+            json!({"name": "p", "repos": {"a": {"url": "git://h/a.git", "path": "x"}}, "tasks": [task]}),
+        ),
+        (
+            "unsupported scheme",
+            json!({"name": "p", "repos": {"a": {"url": "ftp://h/a.git"}}, "tasks": [task]}),
+        ),
+        (
+            "password in the url",
+            json!({"name": "p", "repos": {"a": {"url": "https://me:secret@h/a.git"}}, "tasks": [task]}),
+        ),
+        (
+            "bad access",
+            json!({"name": "p", "repos": {"a": {"path": "x", "access": "admin"}}, "tasks": [task]}),
+        ),
+        (
+            "read-only template",
+            json!({"name": "p", "repos": {"a": {"template": "t", "access": "read"}}, "tasks": [task]}),
         ),
         (
             "base on a template",
