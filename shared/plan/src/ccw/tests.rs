@@ -323,6 +323,28 @@ fn troupe_repos_keep_their_default() {
 }
 
 #[test]
+fn exported_urls_and_read_only_access_come_back() {
+    let dir = copy_of("roadmap");
+    edit(&dir.path().join("team-session.json"), |session| {
+        session["troupe"] = json!({
+            "repos": [{"name": "web", "url": "https://git.example.com/t/web.git"},
+                      {"name": "spec", "url": "git://h/spec.git", "access": "read"}],
+        });
+    });
+    let document = import_session(dir.path()).expect("imports");
+    assert_eq!(
+        document["repos"]["web"],
+        json!({"url": "https://git.example.com/t/web.git"})
+    );
+    assert_eq!(
+        document["repos"]["spec"],
+        json!({"url": "git://h/spec.git", "access": "read"})
+    );
+    let plan = Plan::from_json(&document.to_string()).expect("a valid plan");
+    assert_eq!(plan.repo("spec").map(|r| r.access), Some(crate::Access::Read));
+}
+
+#[test]
 fn exported_session_branches_become_repo_bases() {
     let dir = copy_of("roadmap");
     edit(&dir.path().join("team-session.json"), |session| {
