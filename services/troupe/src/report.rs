@@ -415,6 +415,68 @@ mod tests {
     }
 
     #[test]
+    fn a_multi_repo_session_names_each_tasks_repo_and_each_repos_outcome() {
+        let repo =
+            |name: &str, url: &str, access: RepoAccess, head: &str, completed: u32| SessionRepo {
+                name: name.into(),
+                url: url.into(),
+                branch: "troupe/s".into(),
+                base_commit: "a".repeat(40),
+                head: head.into(),
+                access: access as i32,
+                counts: Some(troupe_proto::v1::TaskCounts {
+                    total: completed,
+                    completed,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+        let session = Session {
+            id: "s".into(),
+            state: SessionState::Completed as i32,
+            repos: vec![
+                repo(
+                    "lib",
+                    "git://h/lib.git",
+                    RepoAccess::Write,
+                    &"b".repeat(40),
+                    2,
+                ),
+                repo("spec", "git://h/spec.git", RepoAccess::Read, "", 0),
+            ],
+            ..Default::default()
+        };
+        let header = session_header(&session, &[]);
+        assert!(
+            header.contains(
+                "repo spec: git://h/spec.git @ aaaaaaaaaa -> branch troupe/s (read-only context)"
+            ),
+            "{header}"
+        );
+        let text = final_report(&GetSessionResponse {
+            session: Some(session),
+            tasks: vec![Task {
+                id: "IMPL-1".into(),
+                repo: "lib".into(),
+                state: TaskState::Completed as i32,
+                ..Default::default()
+            }],
+        });
+        assert!(
+            text.contains("IMPL-1         completed  attempts 0/0   [lib]"),
+            "{text}"
+        );
+        assert!(
+            text.contains("repo lib: branch troupe/s of git://h/lib.git at bbbbbbbbbb (from aaaaaaaaaa); 2 task(s): 2 completed"),
+            "{text}"
+        );
+        assert!(
+            text.contains("repo spec (git://h/spec.git) was read-only context at aaaaaaaaaa"),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn a_failed_task_shows_its_error() {
         let response = GetSessionResponse {
             session: Some(Session {

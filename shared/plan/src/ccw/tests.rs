@@ -341,7 +341,10 @@ fn exported_urls_and_read_only_access_come_back() {
         json!({"url": "git://h/spec.git", "access": "read"})
     );
     let plan = Plan::from_json(&document.to_string()).expect("a valid plan");
-    assert_eq!(plan.repo("spec").map(|r| r.access), Some(crate::Access::Read));
+    assert_eq!(
+        plan.repo("spec").map(|r| r.access),
+        Some(crate::Access::Read)
+    );
 }
 
 #[test]
