@@ -108,7 +108,7 @@ pub struct Executor {
 }
 
 /// Executor settings beyond the backends.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Options {
     /// Validator service for self-validation; `None` skips it (and says so in the result).
     pub validator_url: Option<String>,
@@ -117,6 +117,8 @@ pub struct Options {
     /// Repository directory that receives `summary-<ID>.md` on the task branch; `None`
     /// writes no summaries.
     pub summary_dir: Option<String>,
+    /// Credentials of the calls to the validator.
+    pub connector: troupe_grpc::Connector,
 }
 
 /// Where summaries go by default: a directory of the repository, so they travel with the
@@ -129,6 +131,7 @@ impl Default for Options {
             validator_url: None,
             phase_concurrency: 4,
             summary_dir: Some(DEFAULT_SUMMARY_DIR.to_owned()),
+            connector: troupe_grpc::Connector::default(),
         }
     }
 }
@@ -1364,6 +1367,7 @@ impl Executor {
             let checked = match shared {
                 Ok(()) => {
                     validation::validate(
+                        &self.options.connector,
                         url,
                         p.remote.as_str(),
                         current.as_str(),

@@ -105,6 +105,7 @@ async fn main() {
         worker_id: None,
         worker: Default::default(),
         concurrency: 1,
+        security: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

@@ -48,6 +48,7 @@ async fn start() -> TestService {
         worker_id: None,
         worker: Default::default(),
         concurrency: 1,
+        security: Default::default(),
     };
     TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)
@@ -474,6 +475,7 @@ async fn without_plugins_results_come_from_junit_and_coverage_is_not_claimed() {
         worker_id: None,
         worker: Default::default(),
         concurrency: 1,
+        security: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

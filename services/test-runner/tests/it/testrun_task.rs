@@ -34,6 +34,7 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
         worker_id: Some("test-runner-it".to_owned()),
         worker: Default::default(),
         concurrency: 1,
+        security: Default::default(),
     };
     let runner = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(runner_config, listener, shutdown)

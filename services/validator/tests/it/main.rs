@@ -83,6 +83,7 @@ pub(crate) async fn start(judge: Option<String>) -> (TestService, tempfile::Temp
         worker_id: None,
         worker: Default::default(),
         concurrency: 1,
+        security: Default::default(),
     };
     let checks = troupe_validator::CheckConfig {
         tool_dirs: tool_dirs(),

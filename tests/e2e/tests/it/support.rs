@@ -189,6 +189,7 @@ pub(crate) async fn start_embedded(
             data_dir: data_dir.to_path_buf(),
             executor_concurrency: 2,
             python: "python3".into(),
+            security: Default::default(),
         },
         listener,
         shutdown.clone(),
