@@ -134,6 +134,7 @@ impl Partition {
             name: name.to_owned(),
             addr,
             child,
+            tls: None,
         };
         service.wait_serving("").await?;
         Ok(service)
