@@ -248,7 +248,7 @@ pub async fn serve(
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
     let mut routes = services.routes;
-    routes.add_service(health_service);
+    routes.add_service(health_service.clone());
     if options.auth.reflection() != auth::Reflection::Off {
         routes
             .add_service(reflection_v1)
@@ -276,6 +276,26 @@ pub async fn serve(
     );
 
     let stop_accepting = CancellationToken::new();
+    // Probes that cannot speak TLS get the health service alone, in plaintext.
+    let health_only = match options.auth.health_listen {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr).await.map_err(|err| {
+                Error::Config(format!("cannot bind the health listener {addr}: {err}"))
+            })?;
+            tracing::info!(addr = %addr, "health-only listener");
+            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+            Some(tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(health_service.clone())
+                    .serve_with_incoming_shutdown(
+                        incoming,
+                        stop_accepting.clone().cancelled_owned(),
+                    ),
+            ))
+        }
+        None => None,
+    };
+    let _health_only = health_only.map(AbortOnDrop);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = builder
         .add_routes(routes.routes())
@@ -300,6 +320,15 @@ pub async fn serve(
             tracing::warn!(addr = %local_addr, "drain timed out, dropping remaining calls");
             Ok(())
         }
+    }
+}
+
+/// Aborts a spawned task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -392,10 +392,14 @@ async fn with_tokens_and_a_client_ca_either_credential_works_over_tls() {
     let dir = tempfile::tempdir().expect("tempdir");
     let pki = Pki::new(dir.path(), "ca").expect("ca");
     let server_pair = pki.server("server", &["127.0.0.1"], None).expect("cert");
+    let health_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port");
     let security = Security {
         access: Access {
             tls_client_ca: Some(pki.ca_cert.clone()),
             auth_tokens_file: Some(token_file(dir.path())),
+            health_listen: Some(health_addr),
             ..Access::default()
         },
         credentials: Credentials {
@@ -424,6 +428,19 @@ async fn with_tokens_and_a_client_ca_either_credential_works_over_tls() {
     assert_eq!(
         codes(&anonymous, &url).await,
         (Code::Unauthenticated, Code::Unauthenticated)
+    );
+    // The health-only listener answers plaintext probes, and nothing else.
+    let probe_url = format!("http://{health_addr}");
+    assert_eq!(
+        health(&Connector::default(), &probe_url)
+            .await
+            .expect("plaintext health"),
+        1
+    );
+    let admin = connector_with_token(dir.path(), "admin", ADMIN).await;
+    assert_eq!(
+        codes(&admin, &probe_url).await,
+        (Code::Unimplemented, Code::Unimplemented)
     );
     server.stop().await;
 }

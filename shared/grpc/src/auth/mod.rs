@@ -168,6 +168,10 @@ pub struct Access {
     /// Without it such a server refuses to start.
     #[arg(long, env = "TROUPE_INSECURE")]
     pub insecure: bool,
+    /// Also serve `grpc.health.v1.Health` alone on this address, in plaintext and without
+    /// credentials: for probes that cannot speak TLS (Kubernetes' gRPC probes).
+    #[arg(long, env = "TROUPE_HEALTH_LISTEN", value_name = "ADDR")]
+    pub health_listen: Option<SocketAddr>,
 }
 
 impl fmt::Debug for Access {
@@ -181,6 +185,7 @@ impl fmt::Debug for Access {
             .field("tls_client_ca", &self.tls_client_ca)
             .field("reflection", &self.reflection)
             .field("insecure", &self.insecure)
+            .field("health_listen", &self.health_listen)
             .finish()
     }
 }
@@ -225,6 +230,7 @@ pub struct ServerAuth {
     pub(crate) client_ca: bool,
     pub(crate) reflection: Reflection,
     pub(crate) insecure: bool,
+    pub(crate) health_listen: Option<SocketAddr>,
 }
 
 impl Default for ServerAuth {
@@ -237,6 +243,7 @@ impl Default for ServerAuth {
             client_ca: false,
             reflection: Reflection::Open,
             insecure: false,
+            health_listen: None,
         }
     }
 }
@@ -276,6 +283,7 @@ impl ServerAuth {
             client_ca: access.tls_client_ca.is_some(),
             reflection: access.reflection,
             insecure: access.insecure,
+            health_listen: access.health_listen,
         })
     }
 

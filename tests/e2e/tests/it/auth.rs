@@ -704,3 +704,58 @@ async fn quickstart_through_troupe_up_and_run_connect_with_tls_and_tokens() -> a
     assert!(status.success(), "troupe up exited with {status}");
     Ok(())
 }
+
+#[tokio::test]
+async fn the_readme_security_examples_work_as_written() -> anyhow::Result<()> {
+    let root = troupe_testkit::workspace_root();
+    let work = tempfile::tempdir()?;
+    let auth = work.path().join("troupe-auth");
+    let made = tokio::process::Command::new("bash")
+        .arg(root.join("examples/auth/make-certs.sh"))
+        .arg(&auth)
+        .output()
+        .await?;
+    assert!(
+        made.status.success(),
+        "make-certs.sh failed (it needs openssl): {}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let file = |name: &str| auth.join(name).display().to_string();
+    let up = ChildService::start_tls(
+        "troupe",
+        &[
+            "up",
+            "--data-dir",
+            &work.path().join("secure-up").display().to_string(),
+            "--auth-tokens-file",
+            &file("tokens"),
+            "--tls-cert",
+            &file("server.pem"),
+            "--tls-key",
+            &file("server-key.pem"),
+            "--tls-ca",
+            &file("ca.pem"),
+            "--tls-client-ca",
+            &file("ca.pem"),
+        ],
+        &[],
+        &auth.join("ca.pem"),
+    )
+    .await?;
+    let output = tokio::process::Command::new("bash")
+        .arg(root.join("examples/grpcurl/auth.sh"))
+        .env("UP", up.addr.to_string())
+        .env("A", &auth)
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stderr.contains("auth tour complete"),
+        "auth.sh failed ({}):\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    assert!(stdout.contains("\"backends\""), "{stdout}");
+    up.terminate(Duration::from_secs(20)).await?;
+    Ok(())
+}
