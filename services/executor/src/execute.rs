@@ -1110,6 +1110,8 @@ impl Executor {
             .parent()
             .map_or_else(|| self.data_dir.clone(), Path::to_path_buf);
         let chain = mode::candidates(&p.resolved.backend, &self.config);
+        spec.env_allowed_for(&chain)
+            .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
         let mut fallbacks: Vec<String> = Vec::new();
         let mut last: Option<BackendError> = None;
         let mut failures: Vec<String> = Vec::new();
