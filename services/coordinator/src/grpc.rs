@@ -215,4 +215,15 @@ impl coordinator_server::Coordinator for Adapter {
             self.coordinator.pause_session(request.into_inner()).await?,
         ))
     }
+
+    async fn get_plan_assets(
+        &self,
+        request: Request<pb::GetPlanAssetsRequest>,
+    ) -> Result<Response<pb::GetPlanAssetsResponse>, Status> {
+        Ok(Response::new(
+            self.coordinator
+                .get_plan_assets(&request.into_inner().digest)
+                .await?,
+        ))
+    }
 }

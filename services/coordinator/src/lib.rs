@@ -13,6 +13,7 @@ mod convert;
 mod error;
 mod group;
 mod grpc;
+mod repos;
 mod rounds;
 mod sched;
 mod service;
@@ -75,6 +76,11 @@ pub struct Tuning {
     /// weighs them by the plan alone.
     #[arg(long, env = "TROUPE_LEARN_FROM_SESSIONS", default_value_t = 10)]
     pub learn_from_sessions: u32,
+    /// Credentials for private repositories, by URL prefix (a TOML file of `[[remote]]`
+    /// rules: `prefix` plus `token_file`, `token_env` or `ssh_key_file`); intake resolves each
+    /// repository's base commit with them. Never taken from a plan.
+    #[arg(long, env = "TROUPE_GIT_CREDENTIALS")]
+    pub git_credentials: Option<PathBuf>,
 }
 
 impl Default for Tuning {
@@ -82,6 +88,7 @@ impl Default for Tuning {
         Self {
             capability_gap_seconds: 60.0,
             learn_from_sessions: 10,
+            git_credentials: None,
         }
     }
 }
@@ -125,10 +132,15 @@ impl App {
             None => Store::open_file(&data_dir.join("troupe.db")).await?,
         };
         tracing::info!(data_dir = %data_dir.display(), "coordinator store open");
+        let credentials = match &tuning.git_credentials {
+            Some(path) => troupe_workspace::Credentials::load(path)?,
+            None => troupe_workspace::Credentials::none(),
+        };
         Ok(Self {
             inner: Arc::new(Coordinator::new(
                 store,
                 data_dir,
+                Arc::new(credentials),
                 capability_gap,
                 tuning.learn_from_sessions,
             )),

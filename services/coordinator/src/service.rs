@@ -2,7 +2,7 @@
 //! claim, the event stream. Storage is [`Store`]; the wire adapter is `grpc.rs`.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -10,9 +10,8 @@ use futures::Stream;
 use rand::Rng;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use troupe_plan::{Plan, RepoSource};
+use troupe_plan::Plan;
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
-use troupe_workspace::{Oid, Repo};
 
 use crate::Error;
 use crate::check;
@@ -40,6 +39,8 @@ pub(crate) struct Coordinator {
     /// The worker protocol's writes (claim, heartbeat, complete), group-committed.
     group: GroupCommit,
     data_dir: PathBuf,
+    /// How intake reads private remotes (`git ls-remote`).
+    credentials: Arc<troupe_workspace::Credentials>,
     /// Bumped after every committed change; claim long-polls and watchers wait on it. A watch
     /// channel (not `Notify`) so that a change between "look" and "wait" is never missed.
     changes: watch::Sender<u64>,
@@ -126,10 +127,14 @@ fn claimed_protos(claimed: Vec<Claimed>) -> Vec<pb::ClaimedTask> {
                 }),
                 task: Some(task_proto(&claimed.task)),
                 repo: claimed.repo,
+                repos: claimed.repos,
+                assets_digest: claimed.assets_digest,
                 upstream: claimed
                     .upstream
                     .iter()
                     .map(|dep| pb::UpstreamResult {
+                        repo: dep.repo.clone(),
+                        spec: (!dep.spec.is_empty()).then(|| json_to_struct(&dep.spec)),
                         task_id: dep.id.clone(),
                         role: dep.role as i32,
                         files: dep.files.clone(),
@@ -201,22 +206,32 @@ fn counts_of(tasks: &[TaskRow]) -> pb::TaskCounts {
 
 fn view_proto(view: SessionView) -> (pb::Session, Vec<pb::Task>) {
     let counts = counts_of(&view.tasks);
-    let session = session_proto(&view.session, view.repos, counts);
+    let mut repos = view.repos;
+    for repo in &mut repos {
+        let tasks: Vec<&TaskRow> = view.tasks.iter().filter(|t| t.repo == repo.name).collect();
+        let mut counts = pb::TaskCounts::default();
+        for task in &tasks {
+            add_count(&mut counts, task.state, 1);
+        }
+        repo.counts = Some(counts);
+        // The deepest landing is the branch's head: every landing deepens the branch.
+        repo.head = tasks
+            .iter()
+            .filter_map(|t| t.result.as_ref())
+            .filter(|r| r.branch_depth > 0)
+            .max_by_key(|r| r.branch_depth)
+            .map(|r| r.commit.clone())
+            .unwrap_or_default();
+    }
+    let session = session_proto(&view.session, repos, counts);
     (session, view.tasks.iter().map(task_proto).collect())
-}
-
-/// A repository resolved for a new session.
-struct ResolvedRepo {
-    name: String,
-    repo: Option<Repo>,
-    path: PathBuf,
-    base_commit: Option<Oid>,
 }
 
 impl Coordinator {
     pub(crate) fn new(
         store: Store,
         data_dir: PathBuf,
+        credentials: Arc<troupe_workspace::Credentials>,
         capability_gap: Duration,
         learn_from_sessions: u32,
     ) -> Self {
@@ -226,6 +241,7 @@ impl Coordinator {
             group: GroupCommit::new(store.clone()),
             store,
             data_dir,
+            credentials,
             changes,
             claimable,
             stop: CancellationToken::new(),
@@ -363,7 +379,7 @@ impl Coordinator {
     #[tracing::instrument(skip_all, fields(dry_run = request.dry_run))]
     pub(crate) async fn create_session(
         &self,
-        request: pb::CreateSessionRequest,
+        mut request: pb::CreateSessionRequest,
     ) -> Result<pb::CreateSessionResponse, Error> {
         let mut plan = Plan::from_json(&request.plan_json)?;
         let loop_problems: Vec<String> = plan
@@ -377,6 +393,14 @@ impl Coordinator {
                 loop_problems.join("\n")
             )));
         }
+        // The files the plan brings: checked here, stored with the session.
+        let assets = match request.assets.len() {
+            0 => None,
+            _ => Some(
+                troupe_grpc::assets::bundle(std::mem::take(&mut request.assets))
+                    .map_err(|why| Error::InvalidArgument(format!("invalid plan:\n{why}")))?,
+            ),
+        };
         // Tasks without an estimate rank by what their role took lately (see the README's
         // plan format), so a chain of quick checks does not go before slower work.
         plan.weigh_by_role(
@@ -385,26 +409,25 @@ impl Coordinator {
                 .learned_durations(self.learn_from_sessions)
                 .await?,
         );
-        let base_dir = if request.base_dir.is_empty() {
-            None
-        } else {
-            Some(
-                tokio::fs::canonicalize(&request.base_dir)
+        // The submitting machine's plan directory: relative repositories resolve against it
+        // when this machine can see it; across machines, repositories are URLs.
+        let base_dir = match request.base_dir.as_str() {
+            "" => None,
+            dir => Some(
+                tokio::fs::canonicalize(dir)
                     .await
-                    .map_err(|err| {
-                        Error::InvalidArgument(format!("base_dir {}: {err}", request.base_dir))
-                    })?,
-            )
+                    .unwrap_or_else(|_| PathBuf::from(dir)),
+            ),
         };
-        let mut repos = self
-            .resolve_repos(
-                &plan,
-                base_dir.as_deref(),
-                &request.repo_paths,
-                request.dry_run,
-            )
-            .await?;
-        apply_bases(&plan, &mut repos).await?;
+        let repos = crate::repos::Intake {
+            base_dir: base_dir.as_deref(),
+            overrides: &request.repo_paths,
+            dry_run: request.dry_run,
+            data_dir: &self.data_dir,
+            credentials: &self.credentials,
+        }
+        .resolve(&plan)
+        .await?;
         let now = now_ms();
         let plan_dir = base_dir
             .as_ref()
@@ -412,19 +435,7 @@ impl Coordinator {
             .unwrap_or_default();
 
         if request.dry_run {
-            let session_repos = repos
-                .iter()
-                .map(|repo| pb::SessionRepo {
-                    name: repo.name.clone(),
-                    path: repo.path.display().to_string(),
-                    base_commit: repo
-                        .base_commit
-                        .as_ref()
-                        .map(ToString::to_string)
-                        .unwrap_or_default(),
-                    branch: String::new(),
-                })
-                .collect();
+            let session_repos = repos.iter().map(|repo| repo.to_proto("")).collect();
             let session = SessionRow {
                 id: String::new(),
                 name: plan.name.clone(),
@@ -457,27 +468,8 @@ impl Coordinator {
             rand::rng().random_range(0..0x100_0000u32)
         );
         let branch = format!("troupe/{session_id}");
-        let mut created: Vec<(PathBuf, Oid)> = Vec::new();
-        let mut session_repos = Vec::new();
-        for resolved in &repos {
-            let (Some(repo), Some(base)) = (&resolved.repo, &resolved.base_commit) else {
-                return Err(Error::Corrupt(format!(
-                    "repo `{}` was not resolved",
-                    resolved.name
-                )));
-            };
-            if let Err(err) = repo.create_branch(&branch, base).await {
-                delete_branches(&created, &branch).await;
-                return Err(err.into());
-            }
-            created.push((repo.path().to_path_buf(), base.clone()));
-            session_repos.push(pb::SessionRepo {
-                name: resolved.name.clone(),
-                path: repo.path().display().to_string(),
-                base_commit: base.to_string(),
-                branch: branch.clone(),
-            });
-        }
+        let created = crate::repos::create_local_branches(&repos, &branch).await?;
+        let session_repos = repos.iter().map(|repo| repo.to_proto(&branch)).collect();
         let new = NewSession {
             session: SessionRow {
                 id: session_id.clone(),
@@ -493,10 +485,11 @@ impl Coordinator {
             },
             plan_json: request.plan_json,
             repos: session_repos,
+            assets,
             tasks: task_rows(&plan, &session_id, now),
         };
         if let Err(err) = self.store.insert_session(new, now).await {
-            delete_branches(&created, &branch).await;
+            crate::repos::delete_branches(&created, &branch).await;
             return Err(err);
         }
         self.notify();
@@ -508,88 +501,18 @@ impl Coordinator {
         })
     }
 
-    /// Resolves every plan repository to an opened git work tree, collecting every problem.
-    async fn resolve_repos(
+    pub(crate) async fn get_plan_assets(
         &self,
-        plan: &Plan,
-        base_dir: Option<&Path>,
-        overrides: &HashMap<String, String>,
-        dry_run: bool,
-    ) -> Result<Vec<ResolvedRepo>, Error> {
-        let mut problems = Vec::new();
-        let mut unknown: Vec<&String> = overrides
-            .keys()
-            .filter(|name| !name.is_empty() && plan.repo(name).is_none())
-            .collect();
-        unknown.sort();
-        for name in unknown {
-            problems.push(format!("repo_paths names unknown repo `{name}`"));
-        }
-        let relative_to = |path: &str| -> Option<PathBuf> {
-            let path = Path::new(path);
-            if path.is_absolute() {
-                Some(path.to_path_buf())
-            } else {
-                base_dir.map(|dir| dir.join(path))
-            }
-        };
-        let mut resolved = Vec::new();
-        for (index, spec) in plan.repos.iter().enumerate() {
-            let name = &spec.name;
-            // The empty key overrides the default (first) repository: the CLI's `--repo`.
-            let override_path = overrides
-                .get(name)
-                .or_else(|| if index == 0 { overrides.get("") } else { None });
-            let outcome = match (override_path, &spec.source) {
-                (Some(path), _) | (None, RepoSource::Path(path)) => match relative_to(path) {
-                    Some(path) => open_repo(name, &path).await,
-                    None => Err(format!(
-                        "repo `{name}`: relative path `{path}` needs base_dir"
-                    )),
-                },
-                (None, RepoSource::Template(template)) => match relative_to(template) {
-                    Some(source) => {
-                        let dest = self.data_dir.join("repos").join(&plan.name).join(name);
-                        if !source.is_dir() {
-                            Err(format!(
-                                "repo `{name}`: template directory {} does not exist",
-                                source.display()
-                            ))
-                        } else if dry_run {
-                            // Store nothing on a dry run: report the copy the run would make.
-                            Ok(ResolvedRepo {
-                                name: name.clone(),
-                                repo: None,
-                                path: dest,
-                                base_commit: None,
-                            })
-                        } else {
-                            match Repo::init_from_template(&source, &dest).await {
-                                Ok(repo) => with_head(name, repo).await,
-                                Err(err) => Err(format!(
-                                    "repo `{name}`: template {}: {err}",
-                                    source.display()
-                                )),
-                            }
-                        }
-                    }
-                    None => Err(format!(
-                        "repo `{name}`: relative template `{template}` needs base_dir"
-                    )),
-                },
-            };
-            match outcome {
-                Ok(repo) => resolved.push(repo),
-                Err(problem) => problems.push(problem),
-            }
-        }
-        if !problems.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "invalid repositories:\n{}",
-                problems.join("\n")
-            )));
-        }
-        Ok(resolved)
+        digest: &str,
+    ) -> Result<pb::GetPlanAssetsResponse, Error> {
+        require(digest, "digest")?;
+        let bundle = self
+            .store
+            .plan_assets(digest)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("no plan assets with digest {digest}")))?;
+        prost::Message::decode(bundle.as_slice())
+            .map_err(|err| Error::Corrupt(format!("plan assets {digest}: {err}")))
     }
 
     pub(crate) async fn get_session(
@@ -1264,87 +1187,4 @@ fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
             convergence: None,
         })
         .collect()
-}
-
-/// Moves each repository's start from HEAD to the plan's `base` revision, when it names one
-/// (an imported session continues from the exported session's branch). Every revision that
-/// does not name a commit is reported at once.
-async fn apply_bases(plan: &Plan, repos: &mut [ResolvedRepo]) -> Result<(), Error> {
-    let mut problems = Vec::new();
-    for resolved in repos.iter_mut() {
-        let Some(base) = plan
-            .repo(&resolved.name)
-            .and_then(|spec| spec.base.as_deref())
-        else {
-            continue;
-        };
-        let Some(repo) = &resolved.repo else {
-            continue;
-        };
-        match repo.resolve(base).await {
-            Ok(commit) => resolved.base_commit = Some(commit),
-            Err(err) => problems.push(format!(
-                "repo `{}`: base `{base}` does not name a commit in {}: {err} (an imported session \
-                 starts from the exported session's branch: fetch it into this repository, or \
-                 remove `base` to start at HEAD)",
-                resolved.name,
-                resolved.path.display()
-            )),
-        }
-    }
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "invalid repositories:\n{}",
-            problems.join("\n")
-        )))
-    }
-}
-
-async fn open_repo(name: &str, path: &Path) -> Result<ResolvedRepo, String> {
-    match Repo::open(path).await {
-        Ok(repo) => with_head(name, repo).await,
-        Err(err) => Err(format!("repo `{name}`: {err}")),
-    }
-}
-
-async fn with_head(name: &str, repo: Repo) -> Result<ResolvedRepo, String> {
-    match repo.resolve("HEAD").await {
-        Ok(head) => Ok(ResolvedRepo {
-            name: name.to_owned(),
-            path: repo.path().to_path_buf(),
-            repo: Some(repo),
-            base_commit: Some(head),
-        }),
-        Err(err) => Err(format!(
-            "repo `{name}`: HEAD does not name a commit (empty repository?): {err}"
-        )),
-    }
-}
-
-/// Deletes session branches created before a failed insert, so nothing is half-stored.
-/// troupe-workspace has no delete yet; `update-ref -d <ref> <old>` only deletes the branch
-/// if it still points where we put it.
-async fn delete_branches(created: &[(PathBuf, Oid)], branch: &str) {
-    let reference = format!("refs/heads/{branch}");
-    for (path, oid) in created {
-        let output = tokio::process::Command::new("git")
-            .arg("-C")
-            .arg(path)
-            .args(["update-ref", "-d", &reference, oid.as_str()])
-            .kill_on_drop(true)
-            .output()
-            .await;
-        match output {
-            Ok(output) if output.status.success() => {}
-            Ok(output) => tracing::warn!(
-                repo = %path.display(), branch, stderr = %String::from_utf8_lossy(&output.stderr).trim(),
-                "could not delete session branch"
-            ),
-            Err(err) => {
-                tracing::warn!(repo = %path.display(), branch, error = %err, "could not run git")
-            }
-        }
-    }
 }

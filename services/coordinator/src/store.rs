@@ -53,6 +53,16 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("migrations/0005_convergence.sql"),
     ),
     (6, "path ms", include_str!("migrations/0006_path_ms.sql")),
+    (
+        7,
+        "repo urls",
+        include_str!("migrations/0007_repo_urls.sql"),
+    ),
+    (
+        8,
+        "plan assets",
+        include_str!("migrations/0008_plan_assets.sql"),
+    ),
 ];
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
@@ -221,8 +231,17 @@ pub(crate) struct NewSession {
     pub(crate) session: SessionRow,
     pub(crate) plan_json: String,
     pub(crate) repos: Vec<pb::SessionRepo>,
+    /// The plan's files: their digest and encoded bundle (see `troupe_grpc::assets`).
+    pub(crate) assets: Option<(String, Vec<u8>)>,
     /// Tasks in topological order: pending, or completed when imported so.
     pub(crate) tasks: Vec<TaskRow>,
+}
+
+/// What never changes about a stored session and every claim hands out.
+#[derive(Debug, Clone)]
+struct Fixed {
+    repos: Vec<pb::SessionRepo>,
+    assets_digest: String,
 }
 
 /// A session with its repositories and tasks (topological order).
@@ -246,6 +265,10 @@ pub(crate) struct SessionSummary {
 pub(crate) struct Claimed {
     pub(crate) task: TaskRow,
     pub(crate) repo: Option<pb::SessionRepo>,
+    /// Every repository of the session.
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    /// The digest of the session's plan assets ('' for none).
+    pub(crate) assets_digest: String,
     pub(crate) plan_dir: String,
     pub(crate) upstream: Vec<TaskRow>,
 }
@@ -351,8 +374,9 @@ pub(crate) struct Store {
     dialect: Dialect,
     /// The PostgreSQL URL, for the change listener.
     url: Option<String>,
-    /// Each session's repositories, which never change once stored: claims skip the query.
-    repos: std::sync::Arc<std::sync::Mutex<HashMap<String, Vec<pb::SessionRepo>>>>,
+    /// Each session's repositories and plan assets digest, which never change once stored:
+    /// claims skip the queries.
+    repos: std::sync::Arc<std::sync::Mutex<HashMap<String, Fixed>>>,
 }
 
 /// Channel of the PostgreSQL notifications that wake other coordinators' long polls.
@@ -452,22 +476,51 @@ impl Store {
         Ok(store)
     }
 
-    /// A session's repositories, from the cache once read (they never change).
-    async fn repos(&self, tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
-        if let Some(repos) = self.cached_repos().get(session_id) {
-            return Ok(repos.clone());
+    /// A session's repositories and assets digest, from the cache once read (they never
+    /// change).
+    async fn fixed(&self, tx: &mut Tx, session_id: &str) -> Result<Fixed, Error> {
+        if let Some(fixed) = self.cached_repos().get(session_id) {
+            return Ok(fixed.clone());
         }
         let repos = load_repos(tx, session_id).await?;
+        let assets_digest: String =
+            sqlx::query_scalar("SELECT assets_digest FROM sessions WHERE id = $1")
+                .bind(session_id)
+                .fetch_one(&mut **tx)
+                .await?;
+        let fixed = Fixed {
+            repos,
+            assets_digest,
+        };
         let mut cache = self.cached_repos();
         // Bounded: finished sessions' entries are dropped wholesale now and then.
         if cache.len() >= 4096 {
             cache.clear();
         }
-        cache.insert(session_id.to_owned(), repos.clone());
-        Ok(repos)
+        cache.insert(session_id.to_owned(), fixed.clone());
+        Ok(fixed)
     }
 
-    fn cached_repos(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<pb::SessionRepo>>> {
+    /// The bundle of plan assets stored under `digest`, encoded, if there is one.
+    pub(crate) async fn plan_assets(&self, digest: &str) -> Result<Option<Vec<u8>>, Error> {
+        use base64::Engine;
+        let mut tx = self.begin().await?;
+        let bundle: Option<String> =
+            sqlx::query_scalar("SELECT bundle FROM plan_assets WHERE digest = $1")
+                .bind(digest)
+                .fetch_optional(&mut *tx)
+                .await?;
+        tx.commit().await?;
+        bundle
+            .map(|text| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(text)
+                    .map_err(corrupt)
+            })
+            .transpose()
+    }
+
+    fn cached_repos(&self) -> std::sync::MutexGuard<'_, HashMap<String, Fixed>> {
         // A poisoned cache holds nothing wrong: the data is immutable.
         self.repos
             .lock()
@@ -613,9 +666,26 @@ impl Store {
         .bind(now)
         .execute(&mut *tx)
         .await?;
+        if let Some((digest, bundle)) = &new.assets {
+            use base64::Engine;
+            sqlx::query(
+                "INSERT INTO plan_assets (digest, bundle, size, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT (digest) DO NOTHING",
+            )
+            .bind(digest)
+            .bind(base64::engine::general_purpose::STANDARD.encode(bundle))
+            .bind(i64::try_from(bundle.len()).unwrap_or(i64::MAX))
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            sqlx::query("UPDATE sessions SET assets_digest = $1 WHERE id = $2")
+                .bind(digest)
+                .bind(&session.id)
+                .execute(&mut *tx)
+                .await?;
+        }
         for (position, repo) in new.repos.iter().enumerate() {
             sqlx::query(
-                "INSERT INTO session_repos (session_id, name, position, path, base_commit, branch) VALUES ($1, $2, $3, $4, $5, $6)",
+                "INSERT INTO session_repos (session_id, name, position, path, base_commit, branch, url, access) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             )
             .bind(&session.id)
             .bind(&repo.name)
@@ -623,6 +693,8 @@ impl Store {
             .bind(&repo.path)
             .bind(&repo.base_commit)
             .bind(&repo.branch)
+            .bind(&repo.url)
+            .bind(repo.access)
             .execute(&mut *tx)
             .await?;
         }
@@ -859,13 +931,19 @@ impl Store {
         }
         let tasks: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
         let mut upstream_of = load_upstream(tx, &session.id, &tasks).await?;
-        let repos = self.repos(tx, &session.id).await?;
+        let fixed = self.fixed(tx, &session.id).await?;
         for (i, task) in taken {
             let upstream = upstream_of.remove(&task.id).unwrap_or_default();
-            let repo = repos.iter().find(|repo| repo.name == task.repo).cloned();
+            let repo = fixed
+                .repos
+                .iter()
+                .find(|repo| repo.name == task.repo)
+                .cloned();
             out[i].push(Claimed {
                 task,
                 repo,
+                repos: fixed.repos.clone(),
+                assets_digest: fixed.assets_digest.clone(),
                 plan_dir: session.plan_dir.clone(),
                 upstream,
             });
@@ -1973,7 +2051,13 @@ async fn load_upstream(
         }
         per_task.push((task.id.clone(), completed));
     }
-    let columns = lite_columns();
+    // Checkers read what their upstream tasks promised (criteria, verification) from the
+    // upstream specs; other roles need only the results.
+    let columns = if tasks.iter().any(|task| task.role == pb::Role::Validator) {
+        TASK_COLUMNS.to_owned()
+    } else {
+        lite_columns()
+    };
     let loaded = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
     for (task_id, ids) in per_task {
         let mut upstream: Vec<TaskRow> = ids
@@ -2555,7 +2639,7 @@ async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<SessionSummary, E
 
 async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
     let rows = sqlx::query(
-        "SELECT name, path, base_commit, branch FROM session_repos WHERE session_id = $1 ORDER BY position",
+        "SELECT name, path, base_commit, branch, url, access FROM session_repos WHERE session_id = $1 ORDER BY position",
     )
     .bind(session_id)
     .fetch_all(&mut **tx)
@@ -2567,6 +2651,9 @@ async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo
                 path: row.try_get("path")?,
                 base_commit: row.try_get("base_commit")?,
                 branch: row.try_get("branch")?,
+                url: row.try_get("url")?,
+                access: row.try_get("access")?,
+                ..pb::SessionRepo::default()
             })
         })
         .collect()

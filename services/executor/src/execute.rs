@@ -359,9 +359,10 @@ impl Prepared {
     /// The ref that shares this attempt's commit with the validator before it lands.
     fn attempt_ref(&self) -> String {
         match &self.attempt {
+            // Per task (an EXEC phase's parts share their EXEC task's attempt) and attempt.
             Some(attempt) => format!(
                 "refs/troupe/attempt/{}/{}/{}",
-                attempt.session, attempt.task, attempt.attempt
+                attempt.session, self.task_id, attempt.attempt
             ),
             None => format!("refs/troupe/attempt/direct/{}", self.branch),
         }
@@ -400,6 +401,12 @@ impl Executor {
             config: Arc::new(config),
             options: Arc::new(options),
         }
+    }
+
+    /// Authenticates to private remotes with `credentials`.
+    pub fn with_credentials(mut self, credentials: Arc<troupe_workspace::Credentials>) -> Self {
+        self.mirrors = self.mirrors.with_credentials(credentials);
+        self
     }
 
     /// Removes what a previous run of this executor left in its data directory: worktrees of
@@ -567,6 +574,7 @@ impl Executor {
 
         let Some(commit) = produced.commit else {
             return Ok(TaskResult {
+                branch_depth: 0,
                 summary: format!("{task_id}: the agent made no changes (allowed by allow_empty)"),
                 commit: base.to_string(),
                 task_branch: branch,
@@ -602,7 +610,13 @@ impl Executor {
             }
         };
         info!(commit = %integration.commit, fast_forward = integration.fast_forward, files = produced.files.len(), attempt = attempt.attempt, "task landed");
+        let branch_depth = mirror
+            .repo()
+            .first_parent_depth(&integration.commit)
+            .await
+            .map_err(workspace_failure)?;
         Ok(TaskResult {
+            branch_depth,
             summary: format!(
                 "{task_id}: {} file(s) changed by `{}`, integrated into {session_branch} at {} ({})",
                 produced.files.len(),
@@ -642,7 +656,13 @@ impl Executor {
             short(&landed.head)
         );
         info!(task_id, landed_by = landed.attempt, head = %landed.head, "adopting an earlier landing");
+        let branch_depth = mirror
+            .repo()
+            .first_parent_depth(&landed.head)
+            .await
+            .map_err(workspace_failure)?;
         Ok(TaskResult {
+            branch_depth,
             summary: format!(
                 "{task_id}: {} file(s) changed, integrated into {session_branch} at {} by attempt {}",
                 files.len(),
@@ -708,6 +728,7 @@ impl Executor {
             .unwrap_or_else(|| prepared.base.clone());
         mirror.push_new_branch(&prepared.branch, &commit).await?;
         Ok(TaskResult {
+            branch_depth: 0,
             summary: match &produced.commit {
                 Some(commit) => format!(
                     "{}: {} file(s) changed by `{}`, committed on {} at {}",

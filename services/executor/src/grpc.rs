@@ -72,7 +72,7 @@ impl From<Error> for Status {
                 }
             },
             Error::Config(_) => Status::failed_precondition(message),
-            Error::Io { .. } | Error::Grpc(_) => {
+            Error::Io { .. } | Error::Grpc(_) | Error::Children(_) => {
                 tracing::error!(error = %message, "executor failed");
                 Status::internal(message)
             }

@@ -43,7 +43,9 @@ pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, env = "TROUPE_LISTEN", default_value = "127.0.0.1:7072")]
     pub listen: SocketAddr,
-    /// Directory for worktrees (`worktrees/`) and attempt files such as prompts (`attempts/`).
+    /// Directory for worktrees (`worktrees/`), attempt files such as prompts (`attempts/`) and
+    /// records of live agent process groups (`children/`), killed at the next start if they
+    /// outlived this process.
     #[arg(long, env = "TROUPE_DATA_DIR", default_value = ".troupe")]
     pub data_dir: PathBuf,
     /// Coordinator to claim executor tasks from; without it only the RPCs are served.
@@ -114,6 +116,9 @@ pub enum Error {
     /// The backend configuration file is unusable.
     #[error(transparent)]
     Config(#[from] troupe_backends::ConfigError),
+    /// Supervising child processes (the reaper or the records under `children/`) failed.
+    #[error(transparent)]
+    Children(troupe_process::Error),
 }
 
 /// The opened service.
@@ -163,11 +168,22 @@ impl App {
                 source,
             }
         })?;
-        let executor = Arc::new(Executor::with_options(
-            config.data_dir.clone(),
-            backends,
-            options,
-        ));
+        // Before the worktrees are cleared: orphaned agents of a dead run may still write there.
+        let children = config.data_dir.join("children");
+        let killed = troupe_process::supervise_children(&children)
+            .await
+            .map_err(Error::Children)?;
+        if !killed.is_empty() {
+            tracing::warn!(groups = ?killed, "killed child processes left alive by a previous run");
+        }
+        let credentials = match &config.worker.git_credentials {
+            Some(path) => troupe_workspace::Credentials::load(path)?,
+            None => troupe_workspace::Credentials::none(),
+        };
+        let executor = Arc::new(
+            Executor::with_options(config.data_dir.clone(), backends, options)
+                .with_credentials(Arc::new(credentials)),
+        );
         // Worktrees of attempts that died with an earlier run: their tasks come back from the
         // coordinator and start over from the remote.
         executor.recover().await?;
@@ -199,6 +215,7 @@ impl App {
             concurrency: self.config.concurrency,
             tuning: &self.config.worker,
             connector: &self.executor.options().connector,
+            data_dir: &self.config.data_dir,
         };
         run_worker_if_configured(
             settings,

@@ -521,7 +521,12 @@ impl Executor {
             waves: u32::try_from(total).unwrap_or(u32::MAX),
             ..ImplementationReport::default()
         };
+        let branch_depth = match &head {
+            Some(head) => mirror.repo().first_parent_depth(head).await.unwrap_or(0),
+            None => 0,
+        };
         let mut result = TaskResult {
+            branch_depth,
             summary: format!(
                 "{exec_id}: phase {} ran {} task(s) in {total} wave(s): {completed} completed, {} failed, {} skipped",
                 dir.file_name()

@@ -74,8 +74,12 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
     } else {
         repo.branch
     };
-    let remote = troupe_workspace::Remote::parse(&repo.path)
-        .map_err(|err| invalid(&format!("repository {}: {err}", repo.name)))?;
+    let remote = troupe_workspace::Remote::parse(if repo.url.is_empty() {
+        &repo.path
+    } else {
+        &repo.url
+    })
+    .map_err(|err| invalid(&format!("repository {}: {err}", repo.name)))?;
     let base = troupe_workspace::Oid::parse(&repo.base_commit);
     let fencing_token = claim.lease.as_ref().map_or(0, |lease| lease.fencing_token);
     let upstream = claim
@@ -153,8 +157,7 @@ mod tests {
             repo: Some(SessionRepo {
                 name: "app".into(),
                 path: "/repos/app".into(),
-                base_commit: String::new(),
-                branch: String::new(),
+                ..SessionRepo::default()
             }),
             upstream: vec![UpstreamResult {
                 task_id: "IMPL-1".into(),
@@ -166,6 +169,7 @@ mod tests {
                 ..UpstreamResult::default()
             }],
             plan_dir: "/plans/q".into(),
+            ..ClaimedTask::default()
         };
         let job = job_from_claim(claim).expect("valid claim");
         assert_eq!(job.attempt, 3);

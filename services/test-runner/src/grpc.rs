@@ -23,7 +23,11 @@ impl From<Error> for Status {
                 | troupe_workspace::Error::BranchMissing { .. } => Status::not_found(message),
                 _ => Status::internal(message),
             },
-            Error::Process { .. } | Error::Io { .. } | Error::Grpc(_) | Error::Internal(_) => {
+            Error::Process { .. }
+            | Error::Io { .. }
+            | Error::Grpc(_)
+            | Error::Internal(_)
+            | Error::Children(_) => {
                 tracing::error!(error = %message, "test run failed");
                 Status::internal(message)
             }

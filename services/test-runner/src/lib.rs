@@ -46,7 +46,9 @@ pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, env = "TROUPE_LISTEN", default_value = "127.0.0.1:7073")]
     pub listen: SocketAddr,
-    /// Directory for worktrees, reports (`test-runs/<run id>/`) and cached venvs (`venvs/`).
+    /// Directory for worktrees, reports (`test-runs/<run id>/`), cached venvs (`venvs/`) and
+    /// records of live child process groups (`children/`), killed at the next start if they
+    /// outlived this process.
     #[arg(long, env = "TROUPE_DATA_DIR", default_value = ".troupe")]
     pub data_dir: PathBuf,
     /// Coordinator to claim TESTRUN-* tasks from; without it only the RPC is served.
@@ -120,6 +122,9 @@ pub enum Error {
     /// Anything else (an unreadable report).
     #[error("{0}")]
     Internal(String),
+    /// Supervising child processes (the reaper or the records under `children/`) failed.
+    #[error(transparent)]
+    Children(troupe_process::Error),
 }
 
 impl Error {
@@ -153,6 +158,13 @@ impl App {
                 path: config.data_dir.clone(),
                 source,
             })?;
+        let children = config.data_dir.join("children");
+        let killed = troupe_process::supervise_children(&children)
+            .await
+            .map_err(Error::Children)?;
+        if !killed.is_empty() {
+            tracing::warn!(groups = ?killed, "killed child processes left alive by a previous run");
+        }
         let runner = Arc::new(Runner::new(config.data_dir.clone(), config.python.clone()));
         let connector = troupe_grpc::Connector::new(&config.security.credentials).await?;
         Ok(Self {
@@ -197,6 +209,7 @@ impl App {
             concurrency: self.config.concurrency,
             tuning: &self.config.worker,
             connector: &self.connector,
+            data_dir: &self.config.data_dir,
         };
         run_worker_if_configured(settings, Arc::new(handler), shutdown).await?;
         Ok(())

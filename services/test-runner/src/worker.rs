@@ -148,7 +148,12 @@ impl TestRunHandler {
         };
         // The task's fence on the remote: a stale attempt's fixes never land, and fixes an
         // earlier attempt landed (its completion lost) are not landed again.
-        let remote = Remote::parse(&repo.path).map_err(|err| into_failure(err.into()))?;
+        let remote = Remote::parse(if repo.url.is_empty() {
+            &repo.path
+        } else {
+            &repo.url
+        })
+        .map_err(|err| into_failure(err.into()))?;
         let mirror = self
             .runner
             .mirrors()
@@ -580,7 +585,8 @@ fn into_failure(err: Error) -> TaskFailure {
         | Error::Process { .. }
         | Error::Io { .. }
         | Error::Grpc(_)
-        | Error::Internal(_) => TaskFailure::new(ErrorKind::Internal, message, true),
+        | Error::Internal(_)
+        | Error::Children(_) => TaskFailure::new(ErrorKind::Internal, message, true),
     }
 }
 

@@ -153,8 +153,10 @@ impl ReconnectArgs {
 struct RunArgs {
     /// Plan file (JSON or TOML), or a directory holding plan.json / plan.toml.
     plan: PathBuf,
-    /// Repository to work in: `PATH` for the plan's default repo, `NAME=PATH` for a named one.
-    #[arg(long = "repo", value_name = "[NAME=]PATH")]
+    /// Repository to work in: `PATH` or `URL` for the plan's default repo, `NAME=PATH` or
+    /// `NAME=URL` for a named one (file://, git://, ssh://, https://; credentials come from
+    /// the services' --git-credentials, never from here).
+    #[arg(long = "repo", value_name = "[NAME=]PATH|URL")]
     repos: Vec<String>,
     /// Submit to a running server (such as `troupe up`) instead of starting one in-process.
     #[arg(long, env = "TROUPE_CONNECT", value_name = "URL")]
@@ -206,8 +208,10 @@ struct WatchArgs {
 struct ImportArgs {
     /// CCW session folder (holding team-session.json and task-analysis.json).
     dir: PathBuf,
-    /// Repository to work in: `PATH` for the plan's default repo, `NAME=PATH` for a named one.
-    #[arg(long = "repo", value_name = "[NAME=]PATH")]
+    /// Repository to work in: `PATH` or `URL` for the plan's default repo, `NAME=PATH` or
+    /// `NAME=URL` for a named one (file://, git://, ssh://, https://; credentials come from
+    /// the services' --git-credentials, never from here).
+    #[arg(long = "repo", value_name = "[NAME=]PATH|URL")]
     repos: Vec<String>,
     /// Directory that `{plan_dir}` and relative repo paths resolve against (default: the folder).
     #[arg(long, value_name = "DIR")]
@@ -354,6 +358,13 @@ async fn submit_and_follow(
     plan: plan_file::PlanFile,
     repo_paths: std::collections::HashMap<String, String>,
 ) -> anyhow::Result<ExitCode> {
+    let assets = match crate::assets::collect(&plan.json, &plan.base_dir) {
+        Ok(assets) => assets,
+        Err(why) => {
+            eprintln!("error: plan {}: {why}", plan.path.display());
+            return Ok(ExitCode::from(EXIT_PLAN_INVALID));
+        }
+    };
     let mut follower = Follower::new(connector, url, budget)?;
     let created = follower
         .create_session(CreateSessionRequest {
@@ -361,6 +372,7 @@ async fn submit_and_follow(
             base_dir: plan.base_dir.display().to_string(),
             repo_paths,
             dry_run: false,
+            assets,
         })
         .await;
     let created = match created {
@@ -398,7 +410,8 @@ async fn submit_and_follow(
     })
 }
 
-/// Parses `--repo` values: `PATH` names the default repo (key `""`), `NAME=PATH` a named one.
+/// Parses `--repo` values: `PATH` or `URL` names the default repo (key `""`), `NAME=PATH` or
+/// `NAME=URL` a named one. Paths are made absolute; URLs go as given.
 fn parse_repo_args(values: &[String]) -> anyhow::Result<std::collections::HashMap<String, String>> {
     let mut paths = std::collections::HashMap::new();
     for value in values {
@@ -406,12 +419,15 @@ fn parse_repo_args(values: &[String]) -> anyhow::Result<std::collections::HashMa
             Some((name, path)) if !name.contains('/') => (name.to_owned(), path),
             _ => (String::new(), value.as_str()),
         };
-        let absolute =
-            std::path::absolute(path).with_context(|| format!("resolving --repo {value}"))?;
-        if paths
-            .insert(name.clone(), absolute.display().to_string())
-            .is_some()
-        {
+        let location = if path.contains("://") {
+            path.to_owned()
+        } else {
+            std::path::absolute(path)
+                .with_context(|| format!("resolving --repo {value}"))?
+                .display()
+                .to_string()
+        };
+        if paths.insert(name.clone(), location).is_some() {
             bail!(
                 "--repo given twice for {}",
                 if name.is_empty() {

@@ -3,6 +3,9 @@
 //! The coordinator, executor, test-runner and validator are mounted on one gRPC server; the
 //! three workers claim tasks from the coordinator through that same server's address, exactly
 //! as they would across machines, so the embedded mode exercises the real worker protocol.
+//! Opening the executor, test-runner and validator also supervises this process's children
+//! (one reaper, records under `<data_dir>/children`), so agents die with `troupe up`/`run` and
+//! orphans of a killed run are killed at the next start.
 //! When the server requires credentials, its own workers authenticate with a token made at
 //! start that lives only in this process's memory (scope `worker`); over TLS they verify the
 //! server with `--tls-ca`, as the first DNS name of its certificate.

@@ -7,6 +7,7 @@
 //! (JSON or TOML); [`report`] renders progress and the final report; [`follow`] follows a
 //! session across coordinator restarts.
 
+pub mod assets;
 pub mod ccw_export;
 pub mod cli;
 pub mod embedded;

@@ -16,6 +16,7 @@ mod criteria;
 mod grpc;
 mod judge;
 mod lexer;
+mod repos;
 mod review;
 mod syntax;
 mod tools;
@@ -49,7 +50,8 @@ pub struct Config {
     /// Address to serve gRPC on.
     #[arg(long, env = "TROUPE_LISTEN", default_value = "127.0.0.1:7074")]
     pub listen: SocketAddr,
-    /// Directory for the worktrees verification commands run in.
+    /// Directory for the worktrees verification commands run in and records of live child
+    /// process groups (`children/`), killed at the next start if they outlived this process.
     #[arg(long, env = "TROUPE_DATA_DIR", default_value = ".troupe")]
     pub data_dir: PathBuf,
     /// Coordinator to claim VALIDATE-* tasks from; without it only the RPC is served.
@@ -200,8 +202,19 @@ impl App {
                 source,
             }
         })?;
+        let children = config.data_dir.join("children");
+        let killed = troupe_process::supervise_children(&children)
+            .await
+            .map_err(Error::Process)?;
+        if !killed.is_empty() {
+            tracing::warn!(groups = ?killed, "killed child processes left alive by a previous run");
+        }
         let validator = Arc::new(
             Validator::new(config.data_dir.clone())
+                .with_credentials(Arc::new(match &config.worker.git_credentials {
+                    Some(path) => troupe_workspace::Credentials::load(path)?,
+                    None => troupe_workspace::Credentials::none(),
+                }))
                 .with_tools(Tools::new(checks.tool_dirs.clone()))
                 .with_judge(checks.judge()?),
         );
@@ -242,6 +255,7 @@ impl App {
             concurrency: self.config.concurrency,
             tuning: &self.config.worker,
             connector: &self.connector,
+            data_dir: &self.config.data_dir,
         };
         run_worker_if_configured(
             settings,

@@ -165,6 +165,15 @@ impl Validator {
         &self.data_dir
     }
 
+    /// Authenticates to private remotes with `credentials`.
+    pub fn with_credentials(
+        mut self,
+        credentials: std::sync::Arc<troupe_workspace::Credentials>,
+    ) -> Self {
+        self.mirrors = self.mirrors.with_credentials(credentials);
+        self
+    }
+
     /// Removes the checkouts a previous run left (it died while checking); call at start.
     pub async fn recover(&self) -> Result<(), Error> {
         let checkouts = self.data_dir.join("worktrees").join("validate");

@@ -6,38 +6,9 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use troupe_plan::Plan;
 use troupe_proto::v1::{CheckResult, CheckStatus, GoalVerification, VerificationGap};
 
 use crate::Error;
-
-/// The plan the session runs, read from its directory (`plan.json`, else `plan.toml`), so
-/// upstream tasks' criteria and verification commands can be checked.
-pub(crate) fn load_plan(plan_dir: &str) -> Result<Plan, String> {
-    if plan_dir.is_empty() {
-        return Err("the session has no plan directory".to_owned());
-    }
-    let dir = Path::new(plan_dir);
-    let json = dir.join("plan.json");
-    let text = if json.is_file() {
-        std::fs::read_to_string(&json)
-            .map_err(|err| format!("cannot read {}: {err}", json.display()))?
-    } else {
-        let toml_path = dir.join("plan.toml");
-        let text = std::fs::read_to_string(&toml_path).map_err(|_| {
-            format!("no plan.json or plan.toml in {plan_dir}, so upstream criteria cannot be read")
-        })?;
-        let value: toml::Value =
-            toml::from_str(&text).map_err(|err| format!("{}: {err}", toml_path.display()))?;
-        serde_json::to_string(&value).map_err(|err| format!("{}: {err}", toml_path.display()))?
-    };
-    Plan::from_json(&text).map_err(|err| format!("the plan in {plan_dir} does not load: {err}"))
-}
-
-/// A task's spec from the plan, as JSON.
-pub(crate) fn task_spec(plan: &Plan, id: &str) -> Option<Value> {
-    plan.task(id).map(|t| Value::Object(t.spec.clone()))
-}
 
 /// The gap for one check of upstream task `task` that did not pass, if it is one.
 pub(crate) fn gap(task: &str, check: &CheckResult) -> Option<VerificationGap> {

@@ -26,6 +26,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::repos::RepoViews;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
@@ -34,7 +35,6 @@ use troupe_proto::v1::{
     TaskResult, TestRunReport, UpstreamConvergence, UpstreamResult, ValidationReport, Verdict,
     task_result,
 };
-use troupe_workspace::{Oid, Remote, Repo};
 
 use crate::Error;
 use crate::judge::JudgeConfig;
@@ -124,32 +124,11 @@ impl ValidateHandler {
         )
         .map_err(|err| Error::InvalidArgument(format!("judge: {err}")))?;
         let judge = own_judge.as_ref().or(self.validator.default_judge());
-        let remote = Remote::parse(&session_repo.path).map_err(|err| {
-            Error::InvalidArgument(format!("repository {}: {err}", session_repo.name))
-        })?;
-        // Everything a check reads comes from the remote: the session branch and the task
+        // Everything a check reads comes from the remotes: the session branches and the task
         // branches hold every commit an upstream task reported.
-        let mirror = self.validator.mirror(&remote).await?;
-        mirror.fetch_session(&task.session_id).await?;
-        let repo = mirror.repo().clone();
-        let declared_base = Oid::parse(&session_repo.base_commit);
-        let head = match repo.branch_head(&session_repo.branch).await? {
-            Some(head) => head,
-            None => {
-                let base = declared_base.clone().ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "session branch `{}` does not exist on {remote} and the claim names no base commit",
-                        session_repo.branch
-                    ))
-                })?;
-                mirror.ensure_commit(&base, None).await?;
-                base
-            }
-        };
-        let session_base = match declared_base {
-            Some(base) => Some(base),
-            None => first_parent(&repo, &head).await?,
-        };
+        let mut views = RepoViews::new(&self.validator, &claimed);
+        let own = views.own().await?;
+        let (repo, head, session_base) = (own.repo.clone(), own.head.clone(), own.base.clone());
         progress(format!(
             "{kind:?} {} at {}",
             session_repo.branch,
@@ -174,25 +153,16 @@ impl ValidateHandler {
         let mut verification = None;
         if kind == TaskKind::Verify {
             let (upstream_checks, result) = self
-                .verify_upstream(
-                    &claimed,
-                    &repo,
-                    &head,
-                    session_base.as_ref(),
-                    &test_runs,
-                    judge,
-                    cancel,
-                    progress,
-                )
+                .verify_upstream(&claimed, &mut views, &test_runs, judge, cancel, progress)
                 .await?;
             checks = upstream_checks;
             verification = Some(result);
         } else {
-            checks.extend(upstream_file_checks(&claimed, &repo).await?);
+            checks.extend(upstream_file_checks(&claimed, &mut views).await?);
             if kind == TaskKind::Validate {
                 checks.extend(
                     self.upstream_criteria(
-                        &claimed, &repo, &head, &test_runs, judge, cancel, progress,
+                        &claimed, &mut views, &test_runs, judge, cancel, progress,
                     )
                     .await?,
                 );
@@ -251,34 +221,21 @@ impl ValidateHandler {
         Ok(report)
     }
 
-    /// VALIDATE: every upstream executor task's criteria (from the plan) at `head`, named
-    /// `<TASK>/criterion:<n>`. Without a plan, or for a task not in it, there is nothing to
-    /// check here (the executor's self-validation and VERIFY-* cover those).
-    #[allow(clippy::too_many_arguments)]
+    /// VALIDATE: every upstream executor task's criteria (from its spec, as the claim carries
+    /// it) at its repository's session head, named `<TASK>/criterion:<n>`.
     async fn upstream_criteria(
         &self,
         claimed: &ClaimedTask,
-        repo: &Repo,
-        head: &Oid,
+        views: &mut RepoViews<'_>,
         test_runs: &[TestRunReport],
         judge: Option<&JudgeConfig>,
         cancel: &CancellationToken,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<Vec<CheckResult>, Error> {
         let mut checks = Vec::new();
-        if executor_upstream(claimed).next().is_none() {
-            return Ok(checks);
-        }
-        let plan = match verify::load_plan(&claimed.plan_dir) {
-            Ok(plan) => plan,
-            Err(reason) => {
-                tracing::debug!(reason = %reason, "upstream criteria not checked");
-                return Ok(checks);
-            }
-        };
         for upstream in executor_upstream(claimed) {
             let id = upstream.task_id.as_str();
-            let Some(spec) = verify::task_spec(&plan, id) else {
+            let Some(spec) = upstream_spec(upstream) else {
                 continue;
             };
             let convergence = TaskConvergence::parse(&spec)?;
@@ -286,6 +243,7 @@ impl ValidateHandler {
                 continue;
             }
             progress(format!("checking the criteria of {id}"));
+            let view = views.named(&upstream.repo).await?;
             let prefix = format!("{id}/");
             let job = TreeJob {
                 timeout: convergence.timeout,
@@ -303,27 +261,24 @@ impl ValidateHandler {
             };
             let (done, _) = self
                 .validator
-                .in_tree(repo, head, job, Vec::new(), cancel)
+                .in_tree(&view.repo, &view.head, job, Vec::new(), cancel)
                 .await?;
             checks.extend(done);
         }
         Ok(checks)
     }
 
-    /// VERIFY: every upstream executor task's files, verification and criteria at `head`.
-    #[allow(clippy::too_many_arguments)]
+    /// VERIFY: every upstream executor task's files, verification and criteria at its
+    /// repository's session head.
     async fn verify_upstream(
         &self,
         claimed: &ClaimedTask,
-        repo: &Repo,
-        head: &Oid,
-        base: Option<&Oid>,
+        views: &mut RepoViews<'_>,
         test_runs: &[TestRunReport],
         judge: Option<&JudgeConfig>,
         cancel: &CancellationToken,
         progress: &(dyn Fn(String) + Send + Sync),
     ) -> Result<(Vec<CheckResult>, GoalVerification), Error> {
-        let plan = verify::load_plan(&claimed.plan_dir);
         let targets: Vec<_> = executor_upstream(claimed).collect();
         let mut all = Vec::new();
         let mut gaps = Vec::new();
@@ -332,13 +287,12 @@ impl ValidateHandler {
             let id = upstream.task_id.as_str();
             progress(format!("verifying {id}"));
             let prefix = format!("{id}/");
-            let mut checks = check_files(repo, head, base, &upstream.files, &prefix).await?;
-            let spec = match &plan {
-                Ok(plan) => {
-                    verify::task_spec(plan, id).ok_or_else(|| format!("{id} is not in the plan"))
-                }
-                Err(err) => Err(err.clone()),
-            };
+            let view = views.named(&upstream.repo).await?;
+            let (repo, head) = (&view.repo, &view.head);
+            let mut checks =
+                check_files(repo, head, view.base.as_ref(), &upstream.files, &prefix).await?;
+            let spec =
+                upstream_spec(upstream).ok_or_else(|| format!("the claim carries no spec of {id}"));
             match spec {
                 Ok(spec) => {
                     let convergence = TaskConvergence::parse(&spec)?;
@@ -412,10 +366,19 @@ fn executor_upstream(claimed: &ClaimedTask) -> impl Iterator<Item = &UpstreamRes
         .filter(|u| matches!(u.role(), Role::Executor | Role::Unspecified))
 }
 
-/// Upstream executors' files, each at its own result commit.
+/// An upstream task's spec as the claim carries it.
+fn upstream_spec(upstream: &UpstreamResult) -> Option<Value> {
+    upstream
+        .spec
+        .as_ref()
+        .map(troupe_proto::json::from_struct)
+        .filter(|spec| spec.as_object().is_some_and(|o| !o.is_empty()))
+}
+
+/// Upstream executors' files, each at its own result commit in its own repository.
 async fn upstream_file_checks(
     claimed: &ClaimedTask,
-    repo: &Repo,
+    views: &mut RepoViews<'_>,
 ) -> Result<Vec<CheckResult>, Error> {
     let mut checks = Vec::new();
     for upstream in &claimed.upstream {
@@ -442,6 +405,8 @@ async fn upstream_file_checks(
             });
             continue;
         }
+        let view = views.named(&upstream.repo).await?;
+        let repo = &view.repo;
         let commit = repo.resolve(commit).await?;
         let base = first_parent(repo, &commit).await?;
         checks.extend(

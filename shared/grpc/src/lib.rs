@@ -19,6 +19,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic_health::ServingStatus;
 
+pub mod assets;
 pub mod auth;
 mod connect;
 pub mod worker;
@@ -51,6 +52,9 @@ pub enum Error {
     /// A setting is out of range.
     #[error("{0}")]
     Config(String),
+    /// A plan's assets could not be fetched or written.
+    #[error("plan assets: {0}")]
+    Assets(String),
     /// A call to the coordinator failed.
     #[error("coordinator call {rpc} failed: {status}")]
     Call {

@@ -215,6 +215,10 @@ pub struct WorkerConfig {
     pub rpc_timeout: Duration,
     /// Credentials and TLS of the calls to the coordinator.
     pub connector: Connector,
+    /// Where the files plans bring along are kept (`<dir>/<digest>/`); a claimed task's
+    /// `plan_dir` becomes its bundle's directory there. `None` leaves `plan_dir` as the claim
+    /// gives it (the submitting machine's directory).
+    pub assets_dir: Option<std::path::PathBuf>,
 }
 
 impl WorkerConfig {
@@ -236,6 +240,7 @@ impl WorkerConfig {
             drain_timeout: Duration::from_secs(10),
             rpc_timeout: Duration::from_secs_f64(tuning.rpc_timeout_seconds),
             connector: Connector::default(),
+            assets_dir: None,
         }
     }
 
@@ -270,6 +275,11 @@ pub struct WorkerTuning {
         default_value_t = 10.0
     )]
     pub rpc_timeout_seconds: f64,
+    /// Credentials for private repositories, by URL prefix: a TOML file of `[[remote]]` rules
+    /// (`prefix` plus `token_file`, `token_env` or `ssh_key_file`; see the README). Never
+    /// taken from a plan.
+    #[arg(long, env = "TROUPE_GIT_CREDENTIALS")]
+    pub git_credentials: Option<std::path::PathBuf>,
 }
 
 impl WorkerTuning {
@@ -289,6 +299,7 @@ impl Default for WorkerTuning {
         Self {
             lease_seconds: 30.0,
             rpc_timeout_seconds: 10.0,
+            git_credentials: None,
         }
     }
 }
@@ -351,6 +362,8 @@ pub struct WorkerSettings<'a> {
     pub tuning: &'a WorkerTuning,
     /// Credentials of the calls to the coordinator.
     pub connector: &'a Connector,
+    /// The service's data directory: the files plans bring along go to `<dir>/assets`.
+    pub data_dir: &'a std::path::Path,
 }
 
 /// Runs the worker loop when a coordinator URL is configured; otherwise the service only
@@ -377,7 +390,27 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
         WorkerConfig::new(url, worker_id, vec![settings.role]).tuned(settings.tuning)?;
     config.concurrency = settings.concurrency.max(1);
     config.connector = settings.connector.clone();
+    config.assets_dir = Some(settings.data_dir.join("assets"));
     run_worker(config, handler, shutdown).await.map(drop)
+}
+
+/// Points the claim's `plan_dir` at the files its plan brought, fetched into this worker's
+/// assets directory on first use.
+async fn with_assets(
+    config: &WorkerConfig,
+    client: &CoordinatorClient,
+    claimed: &mut ClaimedTask,
+) -> Result<(), TaskFailure> {
+    let (Some(dir), false) = (&config.assets_dir, claimed.assets_digest.is_empty()) else {
+        return Ok(());
+    };
+    match crate::assets::materialize(client, dir, &claimed.assets_digest).await {
+        Ok(local) => {
+            claimed.plan_dir = local.display().to_string();
+            Ok(())
+        }
+        Err(err) => Err(TaskFailure::new(ErrorKind::Internal, err.to_string(), true)),
+    }
 }
 
 /// Returns `<role>-<hostname>-<pid>`, the default worker id.
@@ -568,8 +601,15 @@ async fn run_leased<H: TaskHandler>(
         cancel.clone(),
         Arc::clone(&held),
     );
+    let mut claimed = claimed;
+    let assets = with_assets(config, client, &mut claimed).await;
     let outcome = {
-        let handle = handler.handle(claimed, ctx.clone());
+        let handle = async {
+            match assets {
+                Ok(()) => handler.handle(claimed, ctx.clone()).await,
+                Err(failure) => Err(failure),
+            }
+        };
         let keeper = keep_lease(&held, &ctx);
         tokio::pin!(handle);
         tokio::pin!(keeper);
@@ -810,6 +850,7 @@ mod tests {
             .tuned(&WorkerTuning {
                 lease_seconds: 3.0,
                 rpc_timeout_seconds: 0.5,
+                git_credentials: None,
             })
             .expect("valid");
         assert_eq!(
@@ -822,6 +863,7 @@ mod tests {
                 .tuned(&WorkerTuning {
                     lease_seconds: lease,
                     rpc_timeout_seconds: rpc,
+                    git_credentials: None,
                 })
                 .expect_err("refused");
             assert!(

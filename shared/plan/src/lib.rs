@@ -293,10 +293,24 @@ impl FileSpec {
 /// Where a plan repository comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RepoSource {
-    /// An existing git work tree, relative to the plan's base directory unless absolute.
+    /// An existing git repository on the coordinator's machine (a local remote), relative to
+    /// the plan's base directory unless absolute.
     Path(String),
     /// A directory (relative to the base directory) copied into a fresh repository once.
     Template(String),
+    /// A remote by URL (`file://`, `git://`, `ssh://`, `http://`, `https://`), without
+    /// credentials: those belong to the coordinator's and workers' configuration.
+    Url(String),
+}
+
+/// What tasks may do to a repository.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Access {
+    /// Tasks change it (the default).
+    #[default]
+    Write,
+    /// Context only: checked out beside other repositories' tasks; any change is refused.
+    Read,
 }
 
 /// One repository of a plan.
@@ -306,10 +320,12 @@ pub struct RepoSpec {
     pub name: String,
     /// Where it comes from.
     pub source: RepoSource,
-    /// The git revision (commit, branch, tag) the session branch starts at, for a `path`
-    /// repository; `None` starts at HEAD. `troupe import` sets it to the commit an exported
-    /// session's branch had reached.
+    /// The git revision (commit, branch, tag) the session branch starts at, for a `path` or
+    /// `url` repository; `None` starts at the remote's HEAD. `troupe import` sets it to the
+    /// commit an exported session's branch had reached.
     pub base: Option<String>,
+    /// Whether tasks may change it.
+    pub access: Access,
 }
 
 /// One validated task.

@@ -7,8 +7,9 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::{
-    DEFAULT_ESTIMATE_MS, DEFAULT_MAX_ATTEMPTS, EFFORT_SECONDS, FileAction, FileSpec, IMPLICIT_REPO,
-    Mode, OnFailure, Plan, PlanError, PlanTask, Priority, RepoSource, RepoSpec, Role,
+    Access, DEFAULT_ESTIMATE_MS, DEFAULT_MAX_ATTEMPTS, EFFORT_SECONDS, FileAction, FileSpec,
+    IMPLICIT_REPO, Mode, OnFailure, Plan, PlanError, PlanTask, Priority, RepoSource, RepoSpec,
+    Role,
 };
 
 /// Upper bound on attempts, so a typo cannot make a task retry forever.
@@ -285,13 +286,14 @@ fn repos(root: &Map<String, Value>, order: &[String], problems: &mut Problems) -
                 name: IMPLICIT_REPO.to_owned(),
                 source: RepoSource::Path(".".to_owned()),
                 base: None,
+                access: Access::Write,
             }];
         }
         Some(Value::Object(map)) => map,
         Some(_) => {
             problems.push(
                 ProblemKind::InvalidValue,
-                "plan: `repos` must be an object of name -> {path} or {template}",
+                "plan: `repos` must be an object of name -> {path}, {url} or {template}",
             );
             return Vec::new();
         }
@@ -321,15 +323,31 @@ fn repos(root: &Map<String, Value>, order: &[String], problems: &mut Problems) -
         let Some(Value::Object(spec)) = declared.get(name) else {
             problems.push(
                 ProblemKind::InvalidValue,
-                format!("{owner}: must be an object with `path` or `template`"),
+                format!("{owner}: must be an object with `path`, `url` or `template`"),
             );
             continue;
         };
         let path = spec.get("path").filter(|value| !value.is_null());
         let template = spec.get("template").filter(|value| !value.is_null());
-        let source = match (path, template) {
-            (Some(Value::String(path)), None) if !path.is_empty() => RepoSource::Path(path.clone()),
-            (None, Some(Value::String(template))) if !template.is_empty() => {
+        let url = spec.get("url").filter(|value| !value.is_null());
+        let source = match (path, template, url) {
+            (None, None, Some(Value::String(url))) if !url.is_empty() => {
+                if let Some(why) = bad_url(url) {
+                    problems.push(ProblemKind::InvalidValue, format!("{owner}: `url` {why}"));
+                }
+                RepoSource::Url(url.clone())
+            }
+            (None, None, Some(_)) => {
+                problems.push(
+                    ProblemKind::InvalidValue,
+                    format!("{owner}: `url` must be a non-empty string"),
+                );
+                continue;
+            }
+            (Some(Value::String(path)), None, None) if !path.is_empty() => {
+                RepoSource::Path(path.clone())
+            }
+            (None, Some(Value::String(template)), None) if !template.is_empty() => {
                 if escapes_root(template) {
                     problems.push(
                         ProblemKind::PathEscape,
@@ -338,17 +356,19 @@ fn repos(root: &Map<String, Value>, order: &[String], problems: &mut Problems) -
                 }
                 RepoSource::Template(template.clone())
             }
-            (Some(_), Some(_)) => {
+            (None, None, None) => {
                 problems.push(
-                    ProblemKind::InvalidValue,
-                    format!("{owner}: set either `path` or `template`, not both"),
+                    ProblemKind::MissingField,
+                    format!("{owner}: missing `path`, `url` or `template`"),
                 );
                 continue;
             }
-            (None, None) => {
+            (path, template, url)
+                if [path, template, url].iter().filter(|v| v.is_some()).count() > 1 =>
+            {
                 problems.push(
-                    ProblemKind::MissingField,
-                    format!("{owner}: missing `path` or `template`"),
+                    ProblemKind::InvalidValue,
+                    format!("{owner}: set one of `path`, `url` and `template`"),
                 );
                 continue;
             }
@@ -379,13 +399,56 @@ fn repos(root: &Map<String, Value>, order: &[String], problems: &mut Problems) -
                 None
             }
         };
+        let access = match spec.get("access") {
+            None | Some(Value::Null) => Access::Write,
+            Some(Value::String(text)) if text == "write" => Access::Write,
+            Some(Value::String(text)) if text == "read" => {
+                if matches!(source, RepoSource::Template(_)) {
+                    problems.push(
+                        ProblemKind::InvalidValue,
+                        format!("{owner}: a template repository is made to be written; `access: read` needs `path` or `url`"),
+                    );
+                }
+                Access::Read
+            }
+            Some(other) => {
+                problems.push(
+                    ProblemKind::InvalidValue,
+                    format!("{owner}: `access` must be \"write\" or \"read\", got {other}"),
+                );
+                Access::Write
+            }
+        };
         repos.push(RepoSpec {
             name: name.clone(),
             source,
             base,
+            access,
         });
     }
     repos
+}
+
+/// Why `url` is not a repository URL troupe takes, if it is not.
+fn bad_url(url: &str) -> Option<String> {
+    const SCHEMES: &[&str] = &["file://", "git://", "ssh://", "http://", "https://"];
+    let Some(scheme) = SCHEMES.iter().find(|scheme| url.starts_with(**scheme)) else {
+        return Some(format!(
+            "`{}` must start with file://, git://, ssh://, http:// or https://",
+            url.split("://").next().unwrap_or(url)
+        ));
+    };
+    let authority = url[scheme.len()..].split('/').next().unwrap_or_default();
+    if let Some((userinfo, _)) = authority.split_once('@')
+        && userinfo.contains(':')
+    {
+        return Some(
+            "must not carry a password: credentials come from the coordinator's and workers' configuration"
+                .to_owned(),
+        );
+    }
+    (url.chars().any(char::is_control) || url.contains(' '))
+        .then(|| "must not contain spaces or control characters".to_owned())
 }
 
 /// True when `path` is absolute or climbs above its root with `..`.
@@ -644,6 +707,16 @@ fn task(
             default_repo.to_owned()
         }
     };
+    if matches!(role, Some(Role::Executor | Role::TestRunner))
+        && repos
+            .iter()
+            .any(|spec| spec.name == repo && spec.access == Access::Read)
+    {
+        problems.push(
+            ProblemKind::InvalidValue,
+            format!("{owner}: repo `{repo}` is read-only (`access: read`): only validator tasks may work in it; other tasks get it as context"),
+        );
+    }
     let files = files(object, owner, problems);
     let focus_paths = string_list(object, "focus_paths", owner, problems);
     for (position, path) in focus_paths.iter().enumerate() {

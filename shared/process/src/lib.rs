@@ -7,10 +7,25 @@
 //! started in the background die with it. Output is captured concurrently and only its tail is
 //! kept, so a chatty child cannot exhaust memory.
 //!
+//! Children also die with the process that started them, however it dies (SIGKILL included):
+//! every live group is registered with a reaper, a small `/bin/sh` process per process that
+//! holds the read end of a pipe whose write end only we hold (close-on-exec), and SIGKILLs
+//! every registered group when that pipe reports end-of-file. `PR_SET_PDEATHSIG` is not used:
+//! it reaches only the direct child, not an agent's grandchildren, and fires when the spawning
+//! *thread* exits, which a tokio blocking-pool thread does after 10 s idle. A service also calls
+//! [`supervise_children`] at boot with a directory of its own: while a group lives it is
+//! recorded there (`<pgid>` holding the leader's start time and session, the boot id, and the
+//! starting process's pid and start time), and the next boot kills whatever a dead run left
+//! alive when even the reaper could not act, without ever touching a process that merely
+//! reused the pid, or the children of a live process that shares the directory.
+//!
 //! [`command_line_to_argv`] turns a plan author's command string into an argv vector, falling
 //! back to `sh -c <line>` verbatim only when the line uses shell syntax.
 
 mod argv;
+mod children;
+mod proc;
+mod reaper;
 
 use std::collections::BTreeMap;
 use std::io;
@@ -30,6 +45,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 pub use argv::command_line_to_argv;
+pub use children::{KilledGroup, supervise_children};
 
 /// Variables a child inherits from our environment by default; everything else must be given
 /// explicitly (so API keys and tokens reach only the children that need them).
@@ -77,6 +93,18 @@ pub enum Error {
     /// A command line that cannot be split (unterminated quote, trailing backslash).
     #[error("cannot parse command line: {0}")]
     Parse(String),
+    /// The directory recording live child groups cannot be created or read.
+    #[error("child records in {}: {source}", path.display())]
+    Records {
+        /// The directory.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// The reaper that kills children when this process dies cannot be started.
+    #[error("cannot start the child reaper (/bin/sh): {0}")]
+    Reaper(#[source] io::Error),
 }
 
 /// How a run ended.
@@ -347,7 +375,7 @@ impl Command {
         let mut guard = GroupGuard {
             pgid,
             grace: self.kill_grace,
-            armed: true,
+            registration: Some(children::register(pgid, &self.program)),
         };
 
         if let (Some(bytes), Some(mut stdin)) = (self.stdin, child.stdin.take()) {
@@ -403,7 +431,9 @@ impl Command {
             // The leader is gone; anything it left running in its group goes too.
             reap_stragglers(pgid, self.kill_grace).await;
         }
-        guard.armed = false;
+        if let Some(registration) = guard.registration.take() {
+            registration.end();
+        }
 
         // A grandchild that escaped the group (setsid) may still hold the pipes open; do not
         // wait for it forever.
@@ -431,33 +461,33 @@ impl Command {
 struct GroupGuard {
     pgid: Pid,
     grace: Duration,
-    armed: bool,
+    /// Taken once the group is dead; dropping it kills the group (with SIGKILL) first.
+    registration: Option<children::Registration>,
 }
 
 impl Drop for GroupGuard {
     fn drop(&mut self) {
-        if !self.armed {
+        let Some(registration) = self.registration.take() else {
             return;
-        }
+        };
         signal_group(self.pgid, Signal::SIGTERM);
-        let pgid = self.pgid;
         let grace = self.grace;
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
+                // If the runtime shuts down before the grace is over, the task is dropped
+                // unrun and the registration still SIGKILLs the group.
                 handle.spawn(async move {
                     tokio::time::sleep(grace).await;
-                    signal_group(pgid, Signal::SIGKILL);
+                    drop(registration);
                 });
             }
-            Err(_) => {
-                signal_group(pgid, Signal::SIGKILL);
-            }
+            Err(_) => drop(registration),
         }
     }
 }
 
 /// Sends `signal` to the group; a group that no longer exists is fine.
-fn signal_group(pgid: Pid, signal: Signal) -> bool {
+pub(crate) fn signal_group(pgid: Pid, signal: Signal) -> bool {
     match killpg(pgid, signal) {
         Ok(()) => true,
         Err(Errno::ESRCH) => false,

@@ -55,6 +55,16 @@ impl Git {
 
     /// Runs `git <args>` with a wall-clock limit of `timeout` (a push bounded by a lease).
     pub(crate) async fn run_for(&self, args: &[&str], timeout: Duration) -> Result<Output, Error> {
+        self.run_with(args, &[], timeout).await
+    }
+
+    /// Runs `git <args>` with extra environment (a remote's credentials) within `timeout`.
+    pub(crate) async fn run_with(
+        &self,
+        args: &[&str],
+        env: &[(String, String)],
+        timeout: Duration,
+    ) -> Result<Output, Error> {
         let cmd = Command::new("git")
             .args(GIT_CONFIG.iter().copied())
             .args(args.iter().copied())
@@ -65,6 +75,7 @@ impl Git {
             .env("GIT_AUTHOR_EMAIL", "troupe@localhost")
             .env("GIT_COMMITTER_NAME", "troupe")
             .env("GIT_COMMITTER_EMAIL", "troupe@localhost")
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .timeout(timeout)
             .max_output_bytes(16 * 1024 * 1024);
         let output = cmd.run(&CancellationToken::new()).await?;

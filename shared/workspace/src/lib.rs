@@ -8,6 +8,7 @@
 //! merge with `git merge-tree --write-tree` + `git commit-tree`, then moves the branch with a
 //! compare-and-swap `git update-ref`, retrying when another integration won the race.
 
+mod credentials;
 pub mod fence;
 mod git;
 mod mirror;
@@ -21,6 +22,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use tracing::{debug, info};
 
+pub use crate::credentials::Credentials;
 pub use crate::fence::{Attempt, Claim, ConfirmWith, Held, Landed, Lease, Publication, Unleased};
 use crate::git::{Git, failure};
 pub use crate::mirror::{Mirror, Mirrors};
@@ -116,6 +118,14 @@ pub enum Error {
     /// Running git failed (not installed, timeout).
     #[error(transparent)]
     Process(#[from] troupe_process::Error),
+    /// The credentials file (or one of its rules) cannot be used.
+    #[error("git credentials {}: {why}", path.display())]
+    Credentials {
+        /// The file, or the rule's prefix.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
     /// A repository address that is neither an absolute path nor a supported URL.
     #[error("invalid repository `{remote}`: {why}")]
     InvalidRemote {
@@ -420,6 +430,20 @@ impl Repo {
             .run(&["update-ref", "-d", &full, expected.as_str()])
             .await?;
         Ok(output.success())
+    }
+
+    /// How deep `commit` lies on its first-parent chain (a root commit is 1). Each landing on a
+    /// session branch deepens it, so depths order the branch's heads.
+    pub async fn first_parent_depth(&self, commit: &Oid) -> Result<u64, Error> {
+        let text = self
+            .git
+            .ok(&["rev-list", "--first-parent", "--count", commit.as_str()])
+            .await?;
+        text.trim().parse().map_err(|_| Error::Git {
+            command: "git rev-list --count".to_owned(),
+            code: Some(0),
+            stderr: format!("unexpected output `{text}`"),
+        })
     }
 
     /// Whether `ancestor` is reachable from `descendant` (a commit is its own ancestor).

@@ -6,23 +6,37 @@
 //! branches and fences, or one revision), and its fetches take turns.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tracing::debug;
 
 use crate::git::{Git, failure};
-use crate::{Error, Oid, Remote, Repo, lock_for, parse_oid};
+use crate::{Credentials, Error, Oid, Remote, Repo, lock_for, parse_oid};
+
+/// How long a fetch or push may take: a first fetch of a large repository.
+const TRANSFER_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The mirrors of one worker, under `dir`.
 #[derive(Debug, Clone)]
 pub struct Mirrors {
     dir: PathBuf,
+    credentials: Arc<Credentials>,
 }
 
 impl Mirrors {
-    /// Mirrors kept under `dir` (created on first use).
+    /// Mirrors kept under `dir` (created on first use), for public remotes and local paths.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into() }
+        Self {
+            dir: dir.into(),
+            credentials: Arc::new(Credentials::none()),
+        }
+    }
+
+    /// Authenticates to remotes with `credentials`.
+    pub fn with_credentials(mut self, credentials: Arc<Credentials>) -> Self {
+        self.credentials = credentials;
+        self
     }
 
     /// The directory holding the mirrors.
@@ -89,6 +103,7 @@ impl Mirrors {
         Ok(Mirror {
             remote: remote.clone(),
             repo: Repo::bare(path),
+            credentials: Arc::clone(&self.credentials),
         })
     }
 }
@@ -98,6 +113,7 @@ impl Mirrors {
 pub struct Mirror {
     remote: Remote,
     repo: Repo,
+    credentials: Arc<Credentials>,
 }
 
 /// The refspecs that carry a session: its branch, its task branches and its tasks' fences.
@@ -126,6 +142,16 @@ impl Mirror {
         self.repo.git()
     }
 
+    /// Runs a git command that talks to the remote, with the remote's credentials.
+    async fn transfer(
+        &self,
+        args: &[&str],
+        timeout: Duration,
+    ) -> Result<troupe_process::Output, Error> {
+        let env = self.credentials.env_for(&self.remote)?;
+        self.git().run_with(args, &env, timeout).await
+    }
+
     /// Fetches `refspecs` from the remote. Fetches of one mirror take turns with each other
     /// and with its worktree bookkeeping: a fetch's connectivity check reads every worktree's
     /// records, and one half written by a concurrent `worktree add` fails it.
@@ -142,7 +168,7 @@ impl Mirror {
             self.remote.as_str(),
         ];
         args.extend(refspecs.iter().map(String::as_str));
-        let output = self.git().run(&args).await?;
+        let output = self.transfer(&args, TRANSFER_TIMEOUT).await?;
         if output.success() {
             return Ok(());
         }
@@ -198,7 +224,7 @@ impl Mirror {
             self.remote.as_str(),
             rev,
         ];
-        let output = self.git().run(&args).await?;
+        let output = self.transfer(&args, TRANSFER_TIMEOUT).await?;
         if !output.success() {
             let stderr = output.stderr_text();
             if stderr.contains("couldn't find remote ref") || stderr.contains("not our ref") {
@@ -309,7 +335,7 @@ impl Mirror {
         args.push("--end-of-options");
         args.push(self.remote.as_str());
         args.extend(refspecs.iter().map(String::as_str));
-        let output = match self.git().run_for(&args, timeout).await {
+        let output = match self.transfer(&args, timeout).await {
             Ok(output) => output,
             // A push cut off by its deadline may or may not have landed; the caller reads the
             // remote to find out, as after a lost race.

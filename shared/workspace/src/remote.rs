@@ -5,7 +5,8 @@ use std::path::Path;
 
 use sha2::{Digest, Sha256};
 
-use crate::Error;
+use crate::git::{Git, failure};
+use crate::{Credentials, Error, Oid};
 
 /// A repository's address: an absolute local path (a remote on this machine, as `git push
 /// /path` treats it) or a `file://`, `git://`, `ssh://`, `http(s)://` URL. Never carries a
@@ -98,6 +99,66 @@ impl Remote {
         let digest = Sha256::digest(self.0.as_bytes());
         let hash: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
         format!("{readable}-{hash}.git")
+    }
+}
+
+impl Remote {
+    /// Resolves `rev` (a branch, a tag, a full ref, or the remote's `HEAD` when `None`) to a
+    /// commit without a clone (`git ls-remote`). A full commit id is taken as given for a URL
+    /// (remotes advertise refs, not commits: the workers that fetch it will say if it is
+    /// missing) and checked in a local remote.
+    pub async fn resolve(
+        &self,
+        credentials: &Credentials,
+        rev: Option<&str>,
+    ) -> Result<Oid, Error> {
+        let rev = rev.unwrap_or("HEAD");
+        if rev.is_empty() || rev.starts_with('-') {
+            return Err(Error::UnknownRevision {
+                rev: rev.to_owned(),
+            });
+        }
+        if let Some(oid) = Oid::parse(rev) {
+            if let Some(path) = self.local_path() {
+                let spec = format!("{oid}^{{commit}}");
+                let found = Git::new(path).run(&["cat-file", "-e", &spec]).await?;
+                if !found.success() {
+                    return Err(Error::UnknownRevision {
+                        rev: rev.to_owned(),
+                    });
+                }
+            }
+            return Ok(oid);
+        }
+        let env = credentials.env_for(self)?;
+        let args = ["ls-remote", "--end-of-options", self.as_str(), rev];
+        let output = Git::new("/")
+            .run_with(&args, &env, std::time::Duration::from_secs(120))
+            .await?;
+        if !output.success() {
+            return Err(Error::Unreachable {
+                remote: self.to_string(),
+                detail: failure(&args, &output).to_string(),
+            });
+        }
+        let text = output.stdout_text();
+        let refs: Vec<(&str, &str)> = text
+            .lines()
+            .filter_map(|line| line.split_once('\t'))
+            .collect();
+        let wanted = [
+            rev.to_owned(),
+            format!("refs/heads/{rev}"),
+            format!("refs/tags/{rev}^{{}}"),
+            format!("refs/tags/{rev}"),
+        ];
+        wanted
+            .iter()
+            .find_map(|name| refs.iter().find(|(_, r)| r == name))
+            .and_then(|(oid, _)| Oid::parse(oid))
+            .ok_or_else(|| Error::UnknownRevision {
+                rev: rev.to_owned(),
+            })
     }
 }
 

@@ -118,7 +118,7 @@ async fn bad_plans_are_refused_with_every_problem_and_nothing_is_stored(db: Db) 
     assert_code(
         harness.try_create(&plan).await,
         Code::InvalidArgument,
-        "not the top of a git work tree",
+        "is not a git repository",
     );
 
     let listed = harness
@@ -198,7 +198,7 @@ async fn repo_paths_override_the_default_repo(db: Db) {
             plan_json: json!({"name": "override", "repos": {"app": {"path": "missing"}}, "tasks": [t("IMPL-1", &[])]}).to_string(),
             base_dir: harness.base_dir.display().to_string(),
             repo_paths: [(String::new(), other.display().to_string())].into_iter().collect(),
-            dry_run: false,
+            ..Default::default()
         })
         .await
         .expect("create")

@@ -412,6 +412,7 @@ async fn worker_process() {
         drain_timeout: Duration::from_secs(1),
         rpc_timeout: Duration::from_secs(1),
         connector: troupe_grpc::Connector::default(),
+        assets_dir: None,
     };
     troupe_grpc::worker::run_worker(config, Arc::new(Forever), CancellationToken::new())
         .await

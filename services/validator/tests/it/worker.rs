@@ -44,6 +44,8 @@ fn to_value(value: &Value) -> prost_types::Value {
 struct Session {
     dir: tempfile::TempDir,
     plan_dir: tempfile::TempDir,
+    /// The plan; upstream results carry their task's spec from it, as the coordinator's do.
+    plan: Value,
     data: tempfile::TempDir,
     base: String,
     impl1: String,
@@ -98,12 +100,13 @@ fn session() -> Session {
             {"id": "VERIFY-001", "title": "verify", "description": "goal check", "depends_on": ["IMPL-001", "IMPL-002"]},
         ]
     });
-    std::fs::write(plan_dir.path().join("plan.json"), plan.to_string()).expect("plan");
+    // No plan file anywhere: a checker reads what upstream tasks promised from the claim.
     let data = tempfile::tempdir().expect("data");
     let validator = Validator::new(data.path().to_path_buf()).with_tools(Tools::new(tool_dirs()));
     Session {
         dir,
         plan_dir,
+        plan,
         data,
         base,
         impl1,
@@ -127,6 +130,11 @@ impl Session {
                 commit: commit.to_owned(),
                 ..TaskResult::default()
             }),
+            repo: "app".into(),
+            spec: self.plan["tasks"]
+                .as_array()
+                .and_then(|tasks| tasks.iter().find(|t| t["id"] == id))
+                .map(to_struct),
         }
     }
 
@@ -145,6 +153,7 @@ impl Session {
                 path: self.dir.path().display().to_string(),
                 base_commit: self.base.clone(),
                 branch: "troupe/s1".into(),
+                ..SessionRepo::default()
             }),
             upstream,
             plan_dir: self.plan_dir.path().display().to_string(),
@@ -300,18 +309,19 @@ async fn verify_finds_gaps_and_writes_verification_md() {
             .contains("status: passed\n")
     );
 
-    // A plan directory without a plan: criteria cannot be read, which is a gap, not a pass.
-    let mut claimed = s.claimed(
-        "VERIFY-003",
-        json!({}),
-        vec![s.upstream_impl("IMPL-001", &s.impl1, &[("stats.py", FileAction::Create)])],
-    );
-    claimed.plan_dir = s.data.path().display().to_string();
+    // An upstream result without its spec: criteria cannot be read, which is a gap, not a pass.
+    let mut upstream = s.upstream_impl("IMPL-001", &s.impl1, &[("stats.py", FileAction::Create)]);
+    upstream.spec = None;
+    let claimed = s.claimed("VERIFY-003", json!({}), vec![upstream]);
     let failure = s.run(claimed).await.expect_err("unverifiable");
     let report = validation(failure.partial.as_ref().expect("partial")).clone();
     let v = report.verification.expect("verification");
     assert_eq!(v.gaps.len(), 1, "{v:#?}");
-    assert!(v.gaps[0].actual.contains("no plan.json"), "{:?}", v.gaps[0]);
+    assert!(
+        v.gaps[0].actual.contains("carries no spec"),
+        "{:?}",
+        v.gaps[0]
+    );
 }
 
 #[tokio::test]
@@ -378,6 +388,8 @@ async fn review_tasks_approve_conditionally_or_block() {
 async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
     let s = session();
     let testrun = UpstreamResult {
+        repo: "app".into(),
+        spec: None,
         task_id: "TESTRUN-001".into(),
         role: Role::TestRunner as i32,
         files: vec![],
@@ -483,14 +495,11 @@ async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
     assert!(report.convergence_verified.is_empty());
     assert_eq!(report.convergence_met, "");
 
-    // Without a plan there is nothing to read the upstream criteria from: no entries, and
-    // no failure for that alone.
-    let mut claimed = s.claimed(
-        "VALIDATE-004",
-        json!({}),
-        vec![s.upstream_impl("IMPL-001", &s.impl1, &[("stats.py", FileAction::Create)])],
-    );
-    claimed.plan_dir = String::new();
+    // Without the upstream's spec there is nothing to read its criteria from: no entries,
+    // and no failure for that alone.
+    let mut upstream = s.upstream_impl("IMPL-001", &s.impl1, &[("stats.py", FileAction::Create)]);
+    upstream.spec = None;
+    let claimed = s.claimed("VALIDATE-004", json!({}), vec![upstream]);
     let done = s.run(claimed).await.expect("files pass");
     assert!(validation(&done).upstream_convergence.is_empty());
 

@@ -32,6 +32,8 @@ pub const RPCS: &[(&str, &str, &[Scope])] = &[
     ("troupe.v1.Coordinator", "Heartbeat", WORKER),
     ("troupe.v1.Coordinator", "CompleteTask", WORKER),
     ("troupe.v1.Coordinator", "FailTask", WORKER),
+    // The files a plan brought along, fetched by the workers that run its tasks.
+    ("troupe.v1.Coordinator", "GetPlanAssets", WORKER),
     // Workers post messages and their role state (the test-runner's CCW state_update);
     // clients do too (CCW's team_msg is open to the operator).
     ("troupe.v1.Coordinator", "LogMessage", BOTH),

@@ -1,5 +1,6 @@
 //! End-to-end tests: real services, real git, real SQLite, real pytest, real grpcurl.
 
+mod agent_children;
 mod auth;
 mod bad_plan;
 mod exactly_once;
