@@ -597,3 +597,58 @@ async fn bad_settings_are_refused_with_the_file_and_line() {
     .expect_err("missing certificate");
     assert!(err.to_string().contains("missing.pem"), "{err}");
 }
+
+#[tokio::test]
+async fn debug_output_never_shows_a_token_or_a_private_key() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let pki = Pki::new(dir.path(), "ca").expect("ca");
+    let pair = pki
+        .server("server", &["127.0.0.1"], Some("worker"))
+        .expect("cert");
+    let key_pem = std::fs::read_to_string(&pair.key).expect("key");
+    let key_line = key_pem.lines().nth(1).expect("a key line").to_owned();
+    let security = Security {
+        access: Access {
+            auth_tokens_file: Some(token_file(dir.path())),
+            auth_tokens: Some(format!("admin:{ADMIN}")),
+            tls_client_ca: Some(pki.ca_cert.clone()),
+            ..Access::default()
+        },
+        credentials: Credentials {
+            tls_ca: Some(pki.ca_cert.clone()),
+            tls_cert: Some(pair.cert.clone()),
+            tls_key: Some(pair.key.clone()),
+            token_file: Some(write(&dir.path().join("mine"), WORKER)),
+        },
+    };
+    let auth = ServerAuth::load(&security).await.expect("auth");
+    let connector = Connector::new(&security.credentials)
+        .await
+        .expect("connector");
+    let shown = format!(
+        "{security:?} {auth:?} {connector:?} {:?}",
+        connector.outbound(std::time::Duration::from_secs(1))
+    );
+    for secret in [WORKER, CLIENT, ADMIN, key_line.as_str()] {
+        assert!(
+            !shown.contains(secret),
+            "a secret in Debug output:\n{shown}"
+        );
+    }
+    // Key bytes would show as a list of numbers.
+    let key_der = key_der(&key_pem);
+    assert!(
+        !shown.contains(&format!("{:?}", &key_der[..8])),
+        "key bytes in Debug output:\n{shown}"
+    );
+}
+
+/// The DER bytes of a PEM private key.
+fn key_der(pem: &str) -> Vec<u8> {
+    use rustls::pki_types::PrivateKeyDer;
+    use rustls::pki_types::pem::PemObject;
+    PrivateKeyDer::from_pem_slice(pem.as_bytes())
+        .expect("a key")
+        .secret_der()
+        .to_vec()
+}

@@ -63,8 +63,9 @@ fn pair<'a>(
     }
 }
 
-/// A server's TLS material, loaded and checked at start.
-#[derive(Clone, Debug)]
+/// A server's TLS material, loaded and checked at start. Its `Debug` leaves the key out
+/// (tonic's `Identity` would print it).
+#[derive(Clone)]
 pub(crate) struct ServerTls {
     identity: Identity,
     client_ca: Option<Certificate>,
@@ -115,10 +116,28 @@ impl ServerTls {
     }
 }
 
-/// A client's TLS settings for `https://` URLs.
-#[derive(Clone, Debug)]
+impl std::fmt::Debug for ServerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerTls")
+            .field("names", &self.names)
+            .field("client_ca", &self.client_ca.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A client's TLS settings for `https://` URLs. Its `Debug` leaves the key out.
+#[derive(Clone)]
 pub(crate) struct ClientTls {
     config: ClientTlsConfig,
+    has_identity: bool,
+}
+
+impl std::fmt::Debug for ClientTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls")
+            .field("client_certificate", &self.has_identity)
+            .finish_non_exhaustive()
+    }
 }
 
 impl ClientTls {
@@ -136,7 +155,10 @@ impl ClientTls {
         if let Some((cert, key)) = identity {
             config = config.identity(identity_of(cert, key)?);
         }
-        Ok(Some(Self { config }))
+        Ok(Some(Self {
+            config,
+            has_identity: identity.is_some(),
+        }))
     }
 
     /// The settings, verifying the server as `domain` instead of the URL's host when given.
