@@ -1,6 +1,7 @@
 # Sourced by scripts/test. Installs node_modules for the test-runner's Jest and Vitest fixture
-# projects (services/test-runner/tests/fixtures/*-proj) from their committed package.json and
-# package-lock.json. Idempotent: a project is skipped when its tool binary exists and the stamp
+# projects (services/test-runner/tests/fixtures/*-proj: Jest 30, Jest 30 with ts-jest, Jest 22,
+# Vitest 4 and 1) from their committed package.json and package-lock.json. Idempotent: a
+# project is skipped when its tool binary exists and the stamp
 # (a hash of package.json + package-lock.json) matches what was installed. Uses the normal npm
 # cache (~/.npm), so a reinstall on a warm machine fetches no tarballs.
 # `npm ci` is tried first and `npm install` is the fallback: npm 11 rejects some lockfiles it
@@ -15,7 +16,7 @@ troupe_node_fixtures() {
     echo "npm is required for the test-runner's Jest/Vitest fixtures" >&2
     return 1
   fi
-  for dir in jest-proj:jest vitest-proj:vitest; do
+  for dir in jest-proj:jest vitest-proj:vitest jest22-proj:jest vitest1-proj:vitest jest-ts-proj:jest; do
     tool="${dir#*:}"
     dir="$root/${dir%%:*}"
     want="$(troupe_fixture_hash "$dir")"

@@ -105,6 +105,7 @@ async fn main() {
         worker_id: None,
         worker: Default::default(),
         concurrency: 1,
+        backends_config: None,
         security: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {

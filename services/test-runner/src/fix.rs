@@ -5,8 +5,15 @@
 //! hand the failing tests' details to the fixing agent (troupe-backends), check the diff
 //! against the fix scope (out-of-scope edits are reverted and refused), commit a checkpoint,
 //! run the affected tests, then the full suite. An iteration that lowers the pass rate or
-//! makes a passing test fail is reverted to the previous checkpoint. The loop stops when the
-//! pass rate is at least 0.95 and coverage meets the target.
+//! makes a passing test fail is reverted to the previous checkpoint.
+//!
+//! The loop starts whenever the suite ran and is not PASSED (a single failing test, a file that
+//! failed to load, coverage under the target or the project's own threshold) and goes on until
+//! the suite passes or the iterations run out; only then does CCW's criterion (pass rate ≥
+//! 0.95 and coverage ≥ target) decide whether it succeeded. The agent is any backend of
+//! troupe-backends, built from the executor's backend configuration, run with its retry and
+//! fallback policy (`troupe_backends::chain`); each iteration records the backend that
+//! produced the change, the ones that failed first, the classified error and the token usage.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -34,6 +41,8 @@ pub struct FixSpec {
     pub backend: String,
     /// The `command` backend's argv template.
     pub command: Vec<String>,
+    /// Backends tried after a classified failure; `None` = the configuration's chain.
+    pub fallback: Option<Vec<String>>,
     /// Files the agent may change.
     pub scope: FixScope,
     /// Limit of one agent run.
@@ -45,12 +54,13 @@ pub struct FixSpec {
 impl FixSpec {
     /// Checks the backend exists and has what it needs.
     pub(crate) fn validate(&self) -> Result<(), Error> {
-        if troupe_backends::by_name(&self.backend).is_none() {
-            return Err(Error::InvalidArgument(format!(
-                "unknown fix backend `{}` (known: {})",
-                self.backend,
-                troupe_backends::BACKEND_NAMES.join(", ")
-            )));
+        for name in std::iter::once(&self.backend).chain(self.fallback.iter().flatten()) {
+            if troupe_backends::by_name(name).is_none() {
+                return Err(Error::InvalidArgument(format!(
+                    "unknown fix backend `{name}` (known: {})",
+                    troupe_backends::BACKEND_NAMES.join(", ")
+                )));
+            }
         }
         if self.backend == "command" && self.command.is_empty() {
             return Err(Error::InvalidArgument(
@@ -64,6 +74,23 @@ impl FixSpec {
             )));
         }
         Ok(())
+    }
+}
+
+/// Name of a classified backend error, as reports write it.
+fn kind_name(kind: troupe_backends::ErrorKind) -> &'static str {
+    use troupe_backends::ErrorKind as K;
+    match kind {
+        K::NotInstalled => "not_installed",
+        K::Auth => "auth",
+        K::RateLimited => "rate_limited",
+        K::Quota => "quota",
+        K::Timeout => "timeout",
+        K::Crash => "crash",
+        K::BadOutput => "bad_output",
+        K::InvalidTask => "invalid_task",
+        K::Internal => "internal",
+        K::Cancelled => "cancelled",
     }
 }
 
@@ -99,11 +126,27 @@ fn in_scope(scope: FixScope, path: &str) -> bool {
     }
 }
 
-/// Success: pass rate ≥ 0.95, coverage ≥ target, and the suite actually ran.
+/// Whether a report is worth a fix loop: the suite ran (or loaded) and did not pass.
+pub(crate) fn needs_fixing(report: &TestRunReport) -> bool {
+    matches!(
+        report.outcome(),
+        TestOutcome::TestsFailed
+            | TestOutcome::CoverageBelowTarget
+            | TestOutcome::LoadError
+            | TestOutcome::CollectionError
+            | TestOutcome::CoverageThreshold
+    )
+}
+
+/// CCW's success criterion, applied after the loop: pass rate ≥ 0.95, coverage ≥ target, and
+/// the suite actually ran.
 pub(crate) fn meets_target(report: &TestRunReport, target: f64) -> bool {
     let ran = matches!(
         report.outcome(),
-        TestOutcome::Passed | TestOutcome::TestsFailed | TestOutcome::CoverageBelowTarget
+        TestOutcome::Passed
+            | TestOutcome::TestsFailed
+            | TestOutcome::CoverageBelowTarget
+            | TestOutcome::CoverageThreshold
     );
     let coverage_ok = target <= 0.0
         || report
@@ -210,16 +253,17 @@ async fn git(worktree: &Path, args: &[&str], cancel: &CancellationToken) -> Resu
 /// Puts the worktree back at `checkpoint`, keeping the linked `node_modules`.
 async fn reset(worktree: &Path, checkpoint: &str, cancel: &CancellationToken) -> Result<(), Error> {
     git(worktree, &["reset", "-q", "--hard", checkpoint], cancel).await?;
+    // The linked node_modules (the root's and each workspace package's) are not the agent's.
     git(
         worktree,
-        &["clean", "-q", "-fd", "-e", "/node_modules"],
+        &["clean", "-q", "-fd", "-e", "node_modules"],
         cancel,
     )
     .await?;
     Ok(())
 }
 
-/// Paths the agent changed (tracked and untracked), `node_modules` excluded.
+/// Paths the agent changed (tracked and untracked), every `node_modules` excluded.
 async fn changed_paths(worktree: &Path, cancel: &CancellationToken) -> Result<Vec<String>, Error> {
     let text = git(
         worktree,
@@ -239,7 +283,7 @@ async fn changed_paths(worktree: &Path, cancel: &CancellationToken) -> Result<Ve
         .lines()
         .filter_map(|line| line.get(3..))
         .map(|p| p.trim_matches('"').to_owned())
-        .filter(|p| !p.is_empty() && p != "node_modules")
+        .filter(|p| !p.is_empty() && !p.split('/').any(|part| part == "node_modules"))
         .collect())
 }
 
@@ -373,11 +417,16 @@ pub(crate) async fn run_loop(
     record.coverage_history.push(coverage_of(&current));
     record.pass_rate_history.push(current.pass_rate);
 
-    let backend = troupe_backends::by_name(&ctx.fix.backend).ok_or_else(|| {
-        Error::InvalidArgument(format!("unknown fix backend `{}`", ctx.fix.backend))
-    })?;
+    let config = ctx.runner.backends();
+    let chain =
+        troupe_backends::chain::candidates(&ctx.fix.backend, ctx.fix.fallback.as_deref(), config);
+    let mut total_usage: Option<troupe_proto::v1::Usage> = None;
     let mut iteration = 0;
-    while !meets_target(&current, target) && iteration < ctx.fix.max_iterations {
+    // Until the suite passes: a pass rate already at 0.95 still has failures to fix.
+    while current.outcome() != TestOutcome::Passed
+        && needs_fixing(&current)
+        && iteration < ctx.fix.max_iterations
+    {
         iteration += 1;
         let critical = current
             .failures
@@ -413,28 +462,62 @@ pub(crate) async fn run_loop(
         .into_iter()
         .collect();
         placeholders.extend(ctx.spec.placeholders.clone());
-        let outcome = backend
-            .run(
-                troupe_backends::RunSpec {
-                    worktree: ctx.worktree.to_owned(),
-                    prompt: text,
-                    prompt_file,
-                    placeholders,
-                    command: ctx.fix.command.clone(),
-                    timeout: Some(ctx.fix.timeout),
-                    // CLI backends (codex, claude, ...) need a private HOME/TMPDIR per run.
-                    home: Some(iter_dir.join("agent-home")),
-                    ..troupe_backends::RunSpec::default()
-                },
-                cancel,
-            )
-            .await;
+        let settings = config.backend(&ctx.fix.backend);
+        let (worktree, at) = (ctx.worktree, checkpoint.as_str());
+        let chained = troupe_backends::chain::run_chain(
+            &chain,
+            config,
+            |name, run| troupe_backends::RunSpec {
+                worktree: ctx.worktree.to_owned(),
+                prompt: text.clone(),
+                prompt_file: prompt_file.clone(),
+                placeholders: placeholders.clone(),
+                command: ctx.fix.command.clone(),
+                timeout: Some(ctx.fix.timeout),
+                idle_timeout: config.backend(name).idle_timeout().or(settings.idle_timeout()),
+                // CLI backends (codex, claude, ...) need a private HOME/TMPDIR per run.
+                home: Some(iter_dir.join(format!("agent-home-{name}-{run}"))),
+                ..troupe_backends::RunSpec::default()
+            },
+            move || async move {
+                if let Err(err) = reset(worktree, at, cancel).await {
+                    tracing::warn!(error = %err, "cannot reset the worktree after a failed agent run");
+                }
+            },
+            cancel,
+        )
+        .await;
         if cancel.is_cancelled() {
             return Err(Error::Cancelled);
         }
+        step.backend = chained.backend.clone();
+        step.fallbacks = chained.fallbacks.clone();
+        let outcome = chained.result;
+        if let Ok(done) = &outcome
+            && let Some(usage) = done.usage
+        {
+            let usage = troupe_proto::v1::Usage {
+                input_tokens: usage.input_tokens,
+                output_tokens: usage.output_tokens,
+                cached_input_tokens: usage.cached_input_tokens,
+            };
+            let sum = total_usage.get_or_insert_with(Default::default);
+            sum.input_tokens += usage.input_tokens;
+            sum.output_tokens += usage.output_tokens;
+            sum.cached_input_tokens += usage.cached_input_tokens;
+            step.usage = Some(usage);
+        }
         if let Err(err) = outcome {
             step.verdict = "agent_failed".to_owned();
-            step.detail = err.to_string();
+            step.error_kind = kind_name(err.kind()).to_owned();
+            step.detail = if chained.errors.len() > 1 {
+                format!(
+                    "{err} (earlier: {})",
+                    chained.errors[..chained.errors.len() - 1].join("; ")
+                )
+            } else {
+                err.to_string()
+            };
             reset(ctx.worktree, &checkpoint, cancel).await?;
             record.iterations.push(step);
             continue;
@@ -567,6 +650,7 @@ pub(crate) async fn run_loop(
         record.iterations.push(step);
     }
     record.succeeded = meets_target(&current, target);
+    record.usage = total_usage;
     let reverted = record
         .iterations
         .iter()

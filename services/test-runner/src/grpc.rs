@@ -60,9 +60,14 @@ impl TestRunner for TestRunnerService {
         let cancel = CancellationToken::new();
         let _guard = cancel.clone().drop_guard();
         let runner = Arc::clone(&self.runner);
-        let report = tokio::spawn(async move { runner.run_tests(&spec, &cancel).await })
-            .await
-            .map_err(|err| Status::internal(format!("test run task failed: {err}")))??;
+        let report = tokio::spawn(async move {
+            let mut report = runner.run_tests(&spec, &cancel).await?;
+            // Outside a session, fixes go back to the remote on a branch of their own.
+            runner.share_fixes(&spec, &mut report).await?;
+            Ok::<_, crate::Error>(report)
+        })
+        .await
+        .map_err(|err| Status::internal(format!("test run task failed: {err}")))??;
         Ok(Response::new(RunTestsResponse {
             report: Some(report),
         }))

@@ -9,7 +9,7 @@
 //! file that failed to load is LOAD_ERROR, and a non-zero exit with nothing failing (coverage
 //! thresholds, Vitest's unhandled errors) is a crash with the stderr tail kept.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::LazyLock;
 use std::time::Duration;
@@ -37,6 +37,87 @@ pub(crate) enum Selection {
     Files(Vec<String>),
 }
 
+/// What a Jest or Vitest binary accepts, probed once per binary and version: the flags its
+/// `--help` lists, plus the ones known from its version (Vitest lists dotted `--coverage.*`
+/// options only under `--help --coverage`).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Capabilities {
+    /// The framework's version (`30.5.2`), from its package.json.
+    pub(crate) version: Option<String>,
+    /// Flags `--help` lists; empty when the probe failed (then every flag is tried).
+    listed: BTreeSet<String>,
+}
+
+static HELP_FLAG: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"(?m)^\s+(?:-\w,\s+)?(--[A-Za-z][A-Za-z0-9.-]*)")
+        .expect("help flag pattern compiles")
+});
+
+impl Capabilities {
+    /// Parses `--help` output.
+    pub(crate) fn from_help(version: Option<String>, help: &str) -> Self {
+        Self {
+            version,
+            listed: HELP_FLAG
+                .captures_iter(help)
+                .map(|caps| caps[1].to_owned())
+                .collect(),
+        }
+    }
+
+    /// Whether the binary accepts `flag` (`--testTimeout`, ...).
+    pub(crate) fn accepts(&self, flag: &str) -> bool {
+        if self.listed.is_empty() {
+            return true;
+        }
+        self.listed.contains(flag)
+            || flag.starts_with("--coverage.") && self.listed.contains("--coverage")
+    }
+}
+
+/// The framework's version from the package that holds the resolved binary
+/// (`.bin/jest -> ../jest/bin/jest.js`).
+pub(crate) fn version_of(framework: TestFramework, bin: &Path) -> Option<String> {
+    let name = crate::detect::name(framework);
+    std::fs::canonicalize(bin)
+        .ok()
+        .and_then(|real| {
+            real.ancestors()
+                .find(|dir| {
+                    dir.file_name()
+                        .is_some_and(|n| n == name || n == "jest-cli")
+                })
+                .map(|dir| dir.join("package.json"))
+        })
+        .and_then(|manifest| std::fs::read_to_string(manifest).ok())
+        .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+        .and_then(|p| p.get("version")?.as_str().map(str::to_owned))
+}
+
+/// Probes the binary: its flags from `--help`.
+pub(crate) async fn capabilities(
+    bin: &Path,
+    version: Option<String>,
+    cwd: &Path,
+    cancel: &CancellationToken,
+) -> Capabilities {
+    let help = Command::new(bin.display().to_string())
+        .arg("--help")
+        .cwd(cwd)
+        .env("CI", "true")
+        .env("NO_COLOR", "1")
+        .timeout(Duration::from_secs(60))
+        .run(cancel)
+        .await;
+    let help = match help {
+        Ok(output) if output.termination == Termination::Exited => {
+            format!("{}\n{}", output.stdout_text(), output.stderr_text())
+        }
+        _ => String::new(),
+    };
+    Capabilities::from_help(version, &help)
+}
+
 /// What [`run`] needs.
 #[derive(Debug)]
 pub(crate) struct JsRun<'a> {
@@ -51,8 +132,13 @@ pub(crate) struct JsRun<'a> {
     pub(crate) timeout: Duration,
     pub(crate) test_timeout_seconds: u32,
     pub(crate) selection: Selection,
-    /// Extra environment for the child (tests use it to learn the test processes' pids).
+    /// Extra environment for the child: the run's `env` (tests also use it to learn the test
+    /// processes' pids).
     pub(crate) env: &'a BTreeMap<String, String>,
+    /// What the binary accepts.
+    pub(crate) capabilities: &'a Capabilities,
+    /// Repo-relative directory the suite runs in.
+    pub(crate) workdir: &'a Path,
 }
 
 /// The argv for one run (test-frameworks.md §1).
@@ -61,10 +147,18 @@ pub(crate) fn command_argv(run: &JsRun<'_>) -> Vec<String> {
     let results = format!("--outputFile={}", out.join("results.json").display());
     let coverage_dir = out.join("coverage");
     let mut argv = vec![run.bin.display().to_string()];
+    let caps = run.capabilities;
+    let timeout_flag = (run.test_timeout_seconds > 0 && caps.accepts("--testTimeout")).then(|| {
+        format!(
+            "--testTimeout={}",
+            u64::from(run.test_timeout_seconds) * 1000
+        )
+    });
     if run.framework == TestFramework::Jest {
         argv.extend(
             ["--ci", "--json", "--testLocationInResults"]
                 .iter()
+                .filter(|flag| caps.accepts(flag))
                 .map(|s| (*s).to_owned()),
         );
         argv.push(results);
@@ -74,17 +168,14 @@ pub(crate) fn command_argv(run: &JsRun<'_>) -> Vec<String> {
             argv.push("--coverageReporters=json".to_owned());
             argv.push(format!("--coverageDirectory={}", coverage_dir.display()));
         }
-        if run.test_timeout_seconds > 0 {
-            argv.push(format!(
-                "--testTimeout={}",
-                u64::from(run.test_timeout_seconds) * 1000
-            ));
-        }
+        argv.extend(timeout_flag);
         argv.push("--forceExit".to_owned());
         match &run.selection {
             Selection::All => {}
             Selection::Related(files) => {
-                argv.push("--passWithNoTests".to_owned());
+                if caps.accepts("--passWithNoTests") {
+                    argv.push("--passWithNoTests".to_owned());
+                }
                 argv.push("--findRelatedTests".to_owned());
                 argv.extend(files.iter().cloned());
             }
@@ -101,11 +192,10 @@ pub(crate) fn command_argv(run: &JsRun<'_>) -> Vec<String> {
             }
             Selection::All | Selection::Files(_) => argv.push("run".to_owned()),
         }
-        argv.extend(
-            ["--reporter=json", "--includeTaskLocation"]
-                .iter()
-                .map(|s| (*s).to_owned()),
-        );
+        argv.push("--reporter=json".to_owned());
+        if caps.accepts("--includeTaskLocation") {
+            argv.push("--includeTaskLocation".to_owned());
+        }
         argv.push(results);
         if run.coverage {
             argv.extend(
@@ -124,12 +214,7 @@ pub(crate) fn command_argv(run: &JsRun<'_>) -> Vec<String> {
                 coverage_dir.display()
             ));
         }
-        if run.test_timeout_seconds > 0 {
-            argv.push(format!(
-                "--testTimeout={}",
-                u64::from(run.test_timeout_seconds) * 1000
-            ));
-        }
+        argv.extend(timeout_flag);
         match &run.selection {
             Selection::All => {}
             Selection::Related(files) | Selection::Files(files) => {
@@ -190,6 +275,9 @@ struct Location {
     line: u32,
 }
 
+/// Per test file (repo-relative, absolute outside the worktree) counts.
+pub(crate) type FileTotals = Vec<(String, TestTotals)>;
+
 /// Counts and failures from one results file.
 #[derive(Debug, Default)]
 pub(crate) struct JsResults {
@@ -197,8 +285,10 @@ pub(crate) struct JsResults {
     /// Files that failed to load first, then failing tests.
     pub(crate) failures: Vec<TestFailure>,
     pub(crate) load_errors: u32,
-    /// Every test's full name with whether it passed (for the fix loop's comparisons).
+    /// Failures that were per-test timeouts.
     pub(crate) timed_out: u32,
+    /// Test files by repo-relative path (absolute when outside the worktree), with counts.
+    pub(crate) files: FileTotals,
 }
 
 static FRAME: LazyLock<Regex> = LazyLock::new(|| {
@@ -255,6 +345,7 @@ pub(crate) fn parse_results(
     text: &str,
     root: &Path,
     test_timeout_ms: u64,
+    declarations: bool,
 ) -> Result<JsResults, serde_json::Error> {
     let results: Results = serde_json::from_str(text)?;
     let mut out = JsResults {
@@ -271,6 +362,19 @@ pub(crate) fn parse_results(
     let mut test_failures = Vec::new();
     for file in &results.test_results {
         let rel = relative(&file.name, root);
+        let mut counts = TestTotals::default();
+        for test in &file.assertion_results {
+            counts.total += 1;
+            match test.status.as_str() {
+                "passed" => counts.passed += 1,
+                "failed" => counts.failed += 1,
+                _ => counts.skipped += 1,
+            }
+        }
+        if file.assertion_results.is_empty() && file.status == "failed" {
+            counts.errors = 1;
+        }
+        out.files.push((rel.clone(), counts));
         if file.assertion_results.is_empty() && file.status == "failed" {
             // A file that failed to run: syntax or import error; the message is all there is.
             let message = strip_ansi(&file.message);
@@ -330,11 +434,19 @@ pub(crate) fn parse_results(
             }
             let raw = strip_ansi(test.failure_messages.first().map_or("", String::as_str));
             let frames = repo_frames(&raw, root);
-            let test_line = test.location.as_ref().map_or(0, |l| l.line);
+            // With the location flag, `location` is where the test is declared. Without it,
+            // Vitest 1 still writes one: the first frame of the error, in whichever file that
+            // is (its messages carry no stack to tell), so it is not used.
+            let test_line = if declarations {
+                test.location.as_ref().map_or(0, |l| l.line)
+            } else {
+                0
+            };
+            // The failure line is in the test file (`file`); a frame elsewhere is the error's
+            // origin, never reported under the test file's name.
             let line = frames
                 .iter()
                 .find(|(path, _)| *path == rel)
-                .or(frames.first())
                 .map_or(test_line, |(_, line)| *line);
             let mut message = message_head(&raw);
             // Checked against the test's own duration, so only a real timeout is renamed.
@@ -412,6 +524,7 @@ pub(crate) fn decide(
     coverage: Option<f64>,
     target: f64,
     tool: &str,
+    own_threshold: bool,
 ) -> (TestOutcome, Vec<String>) {
     let mut warnings = Vec::new();
     if exit == Exit::TimedOut {
@@ -435,9 +548,15 @@ pub(crate) fn decide(
     }
     match exit {
         Exit::Code(0) => {}
+        Exit::Code(code) if own_threshold && coverage.is_some() => {
+            warnings.push(format!(
+                "every test passed but {tool} exited {code}: the project's own coverage threshold failed the run; see the stderr tail"
+            ));
+            return (TestOutcome::CoverageThreshold, warnings);
+        }
         Exit::Code(code) => {
             warnings.push(format!(
-                "{tool} exited {code} although its results show no failing test (a coverage threshold, an unhandled error or a bad environment); see the stderr tail"
+                "{tool} exited {code} although its results show no failing test (an unhandled error or a bad environment); see the stderr tail"
             ));
             return (TestOutcome::RunnerCrashed, warnings);
         }
@@ -447,6 +566,31 @@ pub(crate) fn decide(
         }
     }
     crate::runner::clean_run_outcome(totals, coverage, target, "every test was skipped", warnings)
+}
+
+/// Whether the project configures its own coverage threshold (Jest `coverageThreshold`,
+/// Vitest `coverage.thresholds` or the older `coverage.lines`-style keys) in the files the
+/// framework reads its configuration from.
+pub(crate) fn has_own_threshold(framework: TestFramework, dir: &Path) -> bool {
+    let (stems, needles): (&[&str], &[&str]) = if framework == TestFramework::Jest {
+        (&["jest.config", "package"], &["coverageThreshold"])
+    } else {
+        (
+            &["vitest.config", "vite.config", "vitest.workspace"],
+            &["thresholds", "perFile", "100:"],
+        )
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return false;
+    };
+    entries.flatten().any(|entry| {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        stems
+            .iter()
+            .any(|stem| name.starts_with(&format!("{stem}.")))
+            && std::fs::read_to_string(entry.path())
+                .is_ok_and(|text| needles.iter().any(|n| text.contains(n)))
+    })
 }
 
 async fn read_if_present(path: &Path) -> Result<Option<String>, Error> {
@@ -465,7 +609,7 @@ async fn read_if_present(path: &Path) -> Result<Option<String>, Error> {
 pub(crate) async fn run(
     run: JsRun<'_>,
     cancel: &CancellationToken,
-) -> Result<(TestRunReport, u32), Error> {
+) -> Result<(TestRunReport, u32, FileTotals), Error> {
     let tool = crate::detect::name(run.framework);
     let argv = command_argv(&run);
     let results_path = run.out_dir.join("results.json");
@@ -483,7 +627,7 @@ pub(crate) async fn run(
     }
     let output = Command::from_argv(&argv)
         .map_err(|source| Error::process(tool, source))?
-        .cwd(run.worktree)
+        .cwd(run.worktree.join(run.workdir))
         .env("CI", "true")
         .env("NO_COLOR", "1")
         .envs(run.env.clone())
@@ -501,6 +645,22 @@ pub(crate) async fn run(
     tracing::info!(exit = ?exit, duration_ms = output.duration.as_millis(), tool, "js test run finished");
     let mut report_paths = Vec::new();
     let mut warnings = Vec::new();
+    if run.framework == TestFramework::Vitest && !argv.iter().any(|a| a == "--includeTaskLocation")
+    {
+        warnings.push(format!(
+            "vitest {} does not accept --includeTaskLocation: its report has no test declaration lines and no stacks, so failure lines are unknown (0)",
+            run.capabilities.version.as_deref().unwrap_or("(unknown version)")
+        ));
+    }
+    if run.test_timeout_seconds > 0 && !argv.iter().any(|a| a.starts_with("--testTimeout")) {
+        warnings.push(format!(
+            "{tool} {} does not accept --testTimeout: its own default per-test timeout applies",
+            run.capabilities
+                .version
+                .as_deref()
+                .unwrap_or("(unknown version)")
+        ));
+    }
     let results = match read_if_present(&results_path).await? {
         Some(text) => {
             report_paths.push(results_path.display().to_string());
@@ -509,6 +669,8 @@ pub(crate) async fn run(
                     &text,
                     run.worktree,
                     u64::from(run.test_timeout_seconds) * 1000,
+                    argv.iter()
+                        .any(|a| a == "--testLocationInResults" || a == "--includeTaskLocation"),
                 )
                 .map_err(|err| {
                     Error::Internal(format!("cannot parse {}: {err}", results_path.display()))
@@ -540,8 +702,47 @@ pub(crate) async fn run(
         }
     };
     let overall = coverage.as_ref().and_then(|c| c.overall);
-    let (outcome, why) = decide(exit, results.as_ref(), overall, run.coverage_target, tool);
+    let own_threshold = has_own_threshold(run.framework, &run.worktree.join(run.workdir))
+        || has_own_threshold(run.framework, run.worktree);
+    let (mut outcome, why) = decide(
+        exit,
+        results.as_ref(),
+        overall,
+        run.coverage_target,
+        tool,
+        own_threshold,
+    );
     warnings.extend(why);
+    // Covered files and test files are named by absolute path; one outside the worktree is
+    // code that is not the commit's (a workspace link into another checkout).
+    let mut outside_paths: Vec<String> = coverage
+        .as_ref()
+        .map(|c| {
+            c.files
+                .keys()
+                .filter(|k| k.starts_with('/'))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(results) = &results {
+        outside_paths.extend(
+            results
+                .files
+                .iter()
+                .filter(|(name, _)| name.starts_with('/'))
+                .map(|(name, _)| name.clone()),
+        );
+    }
+    outside_paths.sort();
+    outside_paths.dedup();
+    if !outside_paths.is_empty() {
+        outcome = TestOutcome::WrongSource;
+        warnings.push(crate::source::wrong_source_warning(
+            "covered or test files",
+            &outside_paths,
+        ));
+    }
     if exit == Exit::TimedOut {
         warnings.push(format!(
             "the run hit its {}s wall-clock limit and its process group was killed",
@@ -549,10 +750,8 @@ pub(crate) async fn run(
         ));
     }
     let results = results.unwrap_or_default();
-    let mut stderr_tail = String::new();
-    if outcome != TestOutcome::Passed && outcome != TestOutcome::TestsFailed {
-        stderr_tail = troupe_process::tail(&strip_ansi(&output.stderr_text()), 40, 8000);
-    }
+    // Kept for every run: the evidence of what the framework said besides its report.
+    let stderr_tail = troupe_process::tail(&strip_ansi(&output.stderr_text()), 40, 8000);
     let report = TestRunReport {
         framework: run.framework as i32,
         outcome: outcome as i32,
@@ -571,9 +770,12 @@ pub(crate) async fn run(
         stderr_tail,
         warnings,
         test_timeout_seconds: run.test_timeout_seconds,
+        outside_paths,
+        framework_version: run.capabilities.version.clone().unwrap_or_default(),
+        projects: Vec::new(),
         ..TestRunReport::default()
     };
-    Ok((report, results.timed_out))
+    Ok((report, results.timed_out, results.files))
 }
 
 #[cfg(test)]
@@ -595,7 +797,7 @@ mod tests {
            "assertionResults": [
              {"fullName": "parseUser handles missing name (thrown error)", "status": "failed", "location": {"line": 7, "column": 1},
               "failureMessages": ["TypeError: Cannot read properties of undefined (reading 'trim')\n    at trim (/proj/jest-proj/src/strings.js:7:28)\n    at Object.parseUser (/proj/jest-proj/tests/strings.test.js:8:16)"]}]}]}"#;
-        let results = parse_results(text, Path::new(ROOT), 0).expect("parses");
+        let results = parse_results(text, Path::new(ROOT), 0, true).expect("parses");
         assert_eq!(
             results.totals,
             TestTotals {
@@ -625,13 +827,13 @@ mod tests {
     fn a_file_that_fails_to_load_is_a_load_error_with_ansi_stripped() {
         let text = "{\"numTotalTests\": 0, \"testResults\": [{\"name\": \"/proj/jest-proj/tests/syntax.test.ts\", \"status\": \"failed\", \"assertionResults\": [],\
           \"message\": \"\\u001b[31mSyntaxError: /proj/jest-proj/tests/syntax.test.ts: Unexpected token (2:18)\\u001b[39m\"}]}";
-        let results = parse_results(text, Path::new(ROOT), 0).expect("parses");
+        let results = parse_results(text, Path::new(ROOT), 0, true).expect("parses");
         assert_eq!(results.load_errors, 1);
         let failure = &results.failures[0];
         assert_eq!(failure.file, "tests/syntax.test.ts");
         assert_eq!(failure.line, 2);
         assert!(!failure.message.contains('\u{1b}'), "{}", failure.message);
-        let (outcome, _) = decide(Exit::Code(1), Some(&results), None, 0.0, "jest");
+        let (outcome, _) = decide(Exit::Code(1), Some(&results), None, 0.0, "jest", false);
         assert_eq!(outcome, TestOutcome::LoadError);
     }
 
@@ -640,13 +842,13 @@ mod tests {
         let text = r#"{"numTotalTests": 1, "numFailedTests": 1, "testResults": [{"name": "/proj/jest-proj/tests/slow.test.ts",
           "status": "failed", "assertionResults": [{"fullName": "slow", "status": "failed", "duration": 1014.08,
           "location": {"line": 3}, "failureMessages": ["Error: STACK_TRACE_ERROR\n    at /proj/jest-proj/tests/slow.test.ts:3:1"]}]}]}"#;
-        let results = parse_results(text, Path::new(ROOT), 1000).expect("parses");
+        let results = parse_results(text, Path::new(ROOT), 1000, true).expect("parses");
         assert_eq!(results.timed_out, 1);
         assert_eq!(
             results.failures[0].message,
             "TestTimeoutError: Test timed out in 1000ms."
         );
-        let results = parse_results(text, Path::new(ROOT), 5000).expect("parses");
+        let results = parse_results(text, Path::new(ROOT), 5000, true).expect("parses");
         assert_eq!(results.timed_out, 0);
     }
 
@@ -654,11 +856,11 @@ mod tests {
     fn applies_the_exit_code_rules() {
         let none = JsResults::default();
         assert_eq!(
-            decide(Exit::Code(1), Some(&none), None, 0.0, "jest").0,
+            decide(Exit::Code(1), Some(&none), None, 0.0, "jest", false).0,
             TestOutcome::NoTests
         );
         assert_eq!(
-            decide(Exit::Code(1), None, None, 0.0, "jest").0,
+            decide(Exit::Code(1), None, None, 0.0, "jest", false).0,
             TestOutcome::RunnerCrashed
         );
         let ok = JsResults {
@@ -670,19 +872,19 @@ mod tests {
             ..JsResults::default()
         };
         assert_eq!(
-            decide(Exit::Code(1), Some(&ok), Some(90.0), 0.0, "vitest").0,
+            decide(Exit::Code(1), Some(&ok), Some(90.0), 0.0, "vitest", false).0,
             TestOutcome::RunnerCrashed
         );
         assert_eq!(
-            decide(Exit::Code(0), Some(&ok), Some(50.0), 80.0, "vitest").0,
+            decide(Exit::Code(0), Some(&ok), Some(50.0), 80.0, "vitest", false).0,
             TestOutcome::CoverageBelowTarget
         );
         assert_eq!(
-            decide(Exit::Code(0), Some(&ok), Some(90.0), 80.0, "vitest").0,
+            decide(Exit::Code(0), Some(&ok), Some(90.0), 80.0, "vitest", false).0,
             TestOutcome::Passed
         );
         assert_eq!(
-            decide(Exit::TimedOut, None, None, 0.0, "jest").0,
+            decide(Exit::TimedOut, None, None, 0.0, "jest", false).0,
             TestOutcome::Timeout
         );
     }
@@ -702,6 +904,7 @@ mod tests {
     #[test]
     fn builds_the_documented_commands() {
         let env = BTreeMap::new();
+        let caps = Capabilities::default();
         let mut run = JsRun {
             framework: TestFramework::Vitest,
             bin: Path::new("/w/node_modules/.bin/vitest"),
@@ -713,6 +916,8 @@ mod tests {
             test_timeout_seconds: 30,
             selection: Selection::All,
             env: &env,
+            capabilities: &caps,
+            workdir: Path::new(""),
         };
         assert_eq!(
             command_argv(&run).join(" "),
@@ -735,5 +940,51 @@ mod tests {
              --coverage --coverageReporters=json-summary --coverageReporters=json --coverageDirectory=/out/coverage \
              --testTimeout=30000 --forceExit"
         );
+        // Jest 22: no --testTimeout; Vitest 1: no --includeTaskLocation.
+        let jest22 = Capabilities::from_help(
+            Some("22.4.4".into()),
+            "  --ci   Whether to run\n  --json  Prints\n  --testLocationInResults  Add\n  --forceExit  x\n  --coverage  x\n",
+        );
+        run.capabilities = &jest22;
+        let argv = command_argv(&run).join(" ");
+        assert!(!argv.contains("--testTimeout"), "{argv}");
+        assert!(argv.contains("--testLocationInResults"), "{argv}");
+        let vitest1 = Capabilities::from_help(
+            Some("1.6.1".into()),
+            "  -r, --root <path>  Root\n  --coverage  Enable\n  --testTimeout <timeout>  x\n",
+        );
+        run.capabilities = &vitest1;
+        run.framework = TestFramework::Vitest;
+        let argv = command_argv(&run).join(" ");
+        assert!(!argv.contains("--includeTaskLocation"), "{argv}");
+        assert!(argv.contains("--coverage.reportOnFailure"), "{argv}");
+        assert!(argv.contains("--testTimeout=30000"), "{argv}");
+    }
+
+    #[test]
+    fn without_declarations_vitest_1_locations_are_not_claimed() {
+        // Vitest 1's `location` is the error's first frame, here in src/strings.ts, with no
+        // stack in the message to say so.
+        let text = r#"{"numTotalTests": 1, "numFailedTests": 1, "testResults": [{"name": "/proj/jest-proj/tests/a.test.js",
+          "status": "failed", "assertionResults": [{"fullName": " adds", "status": "failed",
+          "location": {"line": 7, "column": 28}, "failureMessages": ["Cannot read properties of undefined (reading 'trim')"]}]}]}"#;
+        let results = parse_results(text, Path::new(ROOT), 0, false).expect("parses");
+        let failure = &results.failures[0];
+        assert_eq!((failure.line, failure.test_line), (0, 0));
+        assert_eq!(failure.file, "tests/a.test.js");
+    }
+
+    #[test]
+    fn a_failure_line_is_never_taken_from_another_file() {
+        let text = r#"{"numTotalTests": 1, "numFailedTests": 1, "testResults": [{"name": "/proj/jest-proj/tests/a.test.js",
+          "status": "failed", "assertionResults": [{"fullName": "a", "status": "failed", "location": {"line": 3},
+          "failureMessages": ["TypeError: x\n    at f (/proj/jest-proj/src/a.js:9:2)\n    at g (/proj/jest-proj/node_modules/x/y.js:1:1)"]}]}]}"#;
+        let results = parse_results(text, Path::new(ROOT), 0, true).expect("parses");
+        let failure = &results.failures[0];
+        assert_eq!(
+            (failure.file.as_str(), failure.line),
+            ("tests/a.test.js", 3)
+        );
+        assert_eq!(failure.error_origin, "src/a.js:9");
     }
 }

@@ -1,14 +1,18 @@
-//! The troupe test-runner: runs a repository's Jest, Vitest or Pytest suite at a commit, in a
-//! detached worktree, and reports totals, failures and coverage read from the framework's
-//! structured reports (never from its console text).
+//! The troupe test-runner: runs a repository's Jest (≥ 22), Vitest (≥ 1) or Pytest (≥ 7) suite
+//! at a commit, in a detached worktree, and reports totals, failures and coverage read from the
+//! framework's structured reports (never from its console text).
 //!
-//! Jest 30 and Vitest 4 run from the project's local binaries with results and istanbul
-//! coverage written to files (test-frameworks.md §1); Pytest uses JUnit XML,
-//! pytest-json-report and coverage.py JSON, with an optional cached venv. Every run is one
-//! process group killed at a wall-clock limit; when every test hits the per-test timeout the
-//! run is retried once with a longer one. With `fix`, CCW's fix loop (flaky re-run, strategy,
-//! an agent through troupe-backends, scope check, checkpoint commits, revert-if-worse) runs on
-//! the worktree. The service answers `TestRunner.RunTests` and, with `--coordinator-url`,
+//! Jest and Vitest run from the project's local binaries with only the flags the installed
+//! version accepts, results and istanbul coverage written to files (docs/test-frameworks.md §1,
+//! §8); Pytest uses JUnit XML, pytest-json-report and coverage.py JSON. The code under test is
+//! the worktree's own: workspace links are re-made inside it, the Python import roots go first
+//! on `PYTHONPATH`, and anything resolving elsewhere is WRONG_SOURCE (`source`). Installs follow
+//! the project (npm, pnpm, yarn, bun; pyproject extras and groups, requirements, uv.lock), the
+//! run's `setup` commands, `env` and `workdir` apply, and every run is one process group killed
+//! at a wall-clock limit; when every test hits the per-test timeout the run is retried once with
+//! a longer one. With `fix`, CCW's fix loop (flaky re-run, strategy, any agent backend with the
+//! executor's retry and fallback policy, scope check, checkpoint commits, revert-if-worse) runs
+//! on the worktree. The service answers `TestRunner.RunTests` and, with `--coordinator-url`,
 //! claims TESTRUN-* tasks as a worker, integrates successful fixes into the session branch and
 //! reports `state_update` and `tests_passed` / `tests_failed` on the bus.
 
@@ -21,7 +25,10 @@ mod grpc;
 mod js;
 mod node;
 mod pytest;
+mod python;
 mod runner;
+mod setup;
+mod source;
 mod venv;
 mod worker;
 
@@ -47,14 +54,15 @@ pub struct Config {
     #[arg(long, env = "TROUPE_LISTEN", default_value = "127.0.0.1:7073")]
     pub listen: SocketAddr,
     /// Directory for worktrees, reports (`test-runs/<run id>/`), cached venvs (`venvs/`) and
-    /// records of live child process groups (`children/`), killed at the next start if they
-    /// outlived this process.
+    /// cached JS installs (`node/`) and records of live child process groups (`children/`),
+    /// killed at the next start if they outlived this process.
     #[arg(long, env = "TROUPE_DATA_DIR", default_value = ".troupe")]
     pub data_dir: PathBuf,
     /// Coordinator to claim TESTRUN-* tasks from; without it only the RPC is served.
     #[arg(long, env = "TROUPE_COORDINATOR_URL")]
     pub coordinator_url: Option<String>,
-    /// Python interpreter used when a run does not ask for an install (and to build venvs).
+    /// Default Python interpreter for pytest and its venvs; a run's `python`, or the project's
+    /// `requires-python` when this one does not satisfy it, chooses another.
     #[arg(long, env = "TROUPE_PYTHON", default_value = "python3")]
     pub python: String,
     /// Worker id (default `test-runner-<hostname>-<pid>`).
@@ -66,6 +74,11 @@ pub struct Config {
     /// Test runs at once as a worker.
     #[arg(long, env = "TROUPE_TEST_RUNNER_CONCURRENCY", default_value_t = 1)]
     pub concurrency: usize,
+    /// The executor's backend configuration file (TOML), used to build fix agents (codex,
+    /// claude, gemini, qwen, opencode, agent, command) with the same commands, endpoints, keys,
+    /// timeouts, fallback chain and retries as the executor.
+    #[arg(long = "backends-config", env = "TROUPE_EXECUTOR_CONFIG")]
+    pub backends_config: Option<PathBuf>,
     /// Authentication: accepted tokens and client certificates, this server's certificate,
     /// and the credentials of its own calls.
     #[command(flatten)]
@@ -165,7 +178,20 @@ impl App {
         if !killed.is_empty() {
             tracing::warn!(groups = ?killed, "killed child processes left alive by a previous run");
         }
-        let runner = Arc::new(Runner::new(config.data_dir.clone(), config.python.clone()));
+        let backends = match &config.backends_config {
+            Some(path) => troupe_backends::BackendsConfig::load(path)
+                .map_err(|err| Error::InvalidArgument(err.to_string()))?,
+            None => troupe_backends::BackendsConfig::default(),
+        };
+        let credentials = match &config.worker.git_credentials {
+            Some(path) => troupe_workspace::Credentials::load(path)?,
+            None => troupe_workspace::Credentials::none(),
+        };
+        let runner = Arc::new(
+            Runner::new(config.data_dir.clone(), config.python.clone())
+                .with_backends(backends)
+                .with_credentials(Arc::new(credentials)),
+        );
         let connector = troupe_grpc::Connector::new(&config.security.credentials).await?;
         Ok(Self {
             config,

@@ -32,6 +32,10 @@ pub(crate) struct SuiteResults {
     pub(crate) failures: Vec<TestFailure>,
     /// Test files that failed to import or parse.
     pub(crate) collection_errors: u32,
+    /// Skipped tests by reason (pytest-json-report only).
+    pub(crate) skip_reasons: std::collections::BTreeMap<String, u32>,
+    /// pytest's rootdir (what node ids are relative to), when the report says.
+    pub(crate) root: Option<String>,
 }
 
 /// The test file of a pytest node id (the part before the first `::`).
@@ -82,6 +86,7 @@ pub(crate) fn collection_failure(nodeid: &str, longrepr: &str) -> TestFailure {
 
 /// Which pytest plugins an interpreter can import (§5.8: detect before running).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(default)]
 pub(crate) struct Plugins {
     pub(crate) pytest: bool,
     pub(crate) pytest_cov: bool,
@@ -89,20 +94,67 @@ pub(crate) struct Plugins {
     pub(crate) pytest_timeout: bool,
 }
 
-const PROBE: &str = "import importlib.util, json\n\
-print(json.dumps({m: importlib.util.find_spec(m) is not None for m in \
-('pytest', 'pytest_cov', 'pytest_jsonreport', 'pytest_timeout')}))";
+const PROBE: &str = r#"
+import importlib.util, json, os, sys
+out = {}
+# Where the project's packages (argv) would be imported from, with the run's sys.path.
+origins = {}
+for name in sys.argv[1:]:
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception:
+        spec = None
+    if spec is None:
+        origins[name] = None
+    elif spec.submodule_search_locations:
+        origins[name] = list(spec.submodule_search_locations)
+    else:
+        origins[name] = [spec.origin]
+out["origins"] = origins
+# The tools, without the working directory on the path: a stray pytest.py in a repository
+# must not answer for the real pytest.
+cwd = os.getcwd()
+sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
+for m in ("pytest", "pytest_cov", "pytest_jsonreport", "pytest_timeout"):
+    out[m] = importlib.util.find_spec(m) is not None
+# The version from the dist-info beside the package (importlib.metadata scans every
+# distribution of the environment: about 0.1 s a run).
+out["version"] = None
+spec = importlib.util.find_spec("pytest")
+if spec is not None and spec.origin:
+    site = os.path.dirname(os.path.dirname(spec.origin))
+    for entry in sorted(os.listdir(site)):
+        if entry.startswith("pytest-") and entry.endswith(".dist-info") and entry[7:8].isdigit():
+            out["version"] = entry[len("pytest-"):-len(".dist-info")]
+print(json.dumps(out))
+"#;
 
-/// Asks `python` which plugins it can import. Runs in `cwd` (an empty directory, so a stray
-/// `pytest.py` in a repository cannot answer for the real one).
+/// What one interpreter probe found.
+#[derive(Debug, Default)]
+pub(crate) struct Probe {
+    pub(crate) plugins: Plugins,
+    /// pytest's version.
+    pub(crate) version: Option<String>,
+    /// Where each asked-for package imports from (`None`: not importable).
+    pub(crate) origins: std::collections::BTreeMap<String, Option<Vec<String>>>,
+}
+
+/// Asks `python` in one start: which plugins it can import (§5.8: detect before running),
+/// pytest's version, and where each of `packages` would be imported from with the run's
+/// environment `env` in `cwd`.
 pub(crate) async fn probe(
     python: &str,
     cwd: &Path,
+    env: &std::collections::BTreeMap<String, String>,
+    packages: &[String],
     cancel: &CancellationToken,
-) -> Result<Plugins, Error> {
+) -> Result<Probe, Error> {
     let output = Command::new(python)
         .args(["-c", PROBE])
+        .args(packages.iter().cloned())
         .cwd(cwd)
+        .envs(env.clone())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
         .timeout(Duration::from_secs(60))
         .run(cancel)
         .await
@@ -118,8 +170,26 @@ pub(crate) async fn probe(
         )));
     }
     let text = output.stdout_text();
-    serde_json::from_str(text.trim())
-        .map_err(|err| Error::Internal(format!("plugin probe printed {text:?}: {err}")))
+    let value: serde_json::Value = serde_json::from_str(text.trim())
+        .map_err(|err| Error::Internal(format!("plugin probe printed {text:?}: {err}")))?;
+    let version = value
+        .get("version")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_owned);
+    let origins = value
+        .get("origins")
+        .cloned()
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|err| Error::Internal(format!("plugin probe printed {text:?}: {err}")))?
+        .unwrap_or_default();
+    let plugins = serde_json::from_value(value)
+        .map_err(|err| Error::Internal(format!("plugin probe printed {text:?}: {err}")))?;
+    Ok(Probe {
+        plugins,
+        version,
+        origins,
+    })
 }
 
 /// Where pytest-cov takes its source from.
@@ -129,26 +199,86 @@ pub(crate) enum CoverageSource {
     Configured,
     /// `--cov=<path or package>`.
     Explicit(String),
+    /// The project's own packages, one `--cov=<name>` each (so files never imported count at
+    /// 0 % and the tests themselves are not measured).
+    Packages(Vec<String>),
 }
 
 impl CoverageSource {
-    /// The explicit source if given, else the repository's coverage configuration, else `.`.
-    pub(crate) fn choose(explicit: &str, worktree: &Path) -> Self {
+    /// The explicit source if given, else the repository's coverage configuration, else the
+    /// project's packages, else `.`.
+    pub(crate) fn choose(explicit: &str, root: &Path) -> Self {
         if !explicit.trim().is_empty() {
             Self::Explicit(explicit.trim().to_owned())
-        } else if repo_configures_coverage_source(worktree) {
+        } else if repo_configures_coverage_source(root) {
             Self::Configured
         } else {
-            Self::Explicit(".".to_owned())
+            let packages = crate::python::packages(root);
+            if packages.is_empty() {
+                Self::Explicit(".".to_owned())
+            } else {
+                Self::Packages(packages)
+            }
         }
     }
 
-    fn flag(&self) -> String {
+    fn flags(&self) -> Vec<String> {
         match self {
-            Self::Configured => "--cov".to_owned(),
-            Self::Explicit(source) => format!("--cov={source}"),
+            Self::Configured => vec!["--cov".to_owned()],
+            Self::Explicit(source) => vec![format!("--cov={source}")],
+            Self::Packages(names) => names.iter().map(|n| format!("--cov={n}")).collect(),
         }
     }
+}
+
+/// The project's own coverage threshold (`fail_under` of coverage.py's report section, or
+/// `--cov-fail-under` in pytest's `addopts`), when it sets one.
+pub(crate) fn fail_under(root: &Path) -> Option<f64> {
+    let read = |name: &str| std::fs::read_to_string(root.join(name)).ok();
+    for (file, section) in [
+        (".coveragerc", "[report]"),
+        ("pyproject.toml", "[tool.coverage.report]"),
+        ("setup.cfg", "[coverage:report]"),
+        ("tox.ini", "[coverage:report]"),
+    ] {
+        if let Some(value) = read(file).and_then(|text| section_value(&text, section, "fail_under"))
+            && let Ok(number) = value.trim_matches(['"', '\'']).parse::<f64>()
+            && number > 0.0
+        {
+            return Some(number);
+        }
+    }
+    for file in ["pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini"] {
+        let Some(text) = read(file) else { continue };
+        if let Some(at) = text.find("--cov-fail-under") {
+            let number: String = text[at + "--cov-fail-under".len()..]
+                .trim_start_matches(['=', ' '])
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect();
+            if let Ok(number) = number.parse::<f64>()
+                && number > 0.0
+            {
+                return Some(number);
+            }
+        }
+    }
+    None
+}
+
+fn section_value(text: &str, section: &str, key: &str) -> Option<String> {
+    let mut inside = false;
+    for line in text.lines().map(str::trim) {
+        if line.starts_with('[') {
+            inside = line == section;
+        } else if inside
+            && let Some((name, value)) = line.split_once('=')
+            && name.trim() == key
+        {
+            return Some(value.trim().to_owned());
+        }
+    }
+    None
 }
 
 /// Whether a coverage.py config file in the repository root sets `source` (or `source_pkgs`)
@@ -225,7 +355,7 @@ pub(crate) fn command_argv(
         argv.push(format!("--json-report-file={}", files.json.display()));
     }
     if plugins.pytest_cov {
-        argv.push(coverage.flag());
+        argv.extend(coverage.flags());
         argv.push("--cov-branch".to_owned());
         argv.push(format!("--cov-report=json:{}", files.coverage.display()));
     }
@@ -257,6 +387,7 @@ pub(crate) fn decide(
     results: Option<&SuiteResults>,
     coverage: Option<f64>,
     target: f64,
+    fail_under: Option<f64>,
 ) -> (TestOutcome, Vec<String>) {
     let mut warnings = Vec::new();
     if exit == Exit::TimedOut {
@@ -295,8 +426,14 @@ pub(crate) fn decide(
         return (TestOutcome::TestsFailed, warnings);
     }
     if code != 0 {
+        if let (1, Some(threshold), Some(_)) = (code, fail_under, coverage) {
+            warnings.push(format!(
+                "every test passed but the project's own coverage threshold (fail_under {threshold}%) failed the run"
+            ));
+            return (TestOutcome::CoverageThreshold, warnings);
+        }
         warnings.push(format!(
-            "pytest exited {code} although its report shows no failing test (interrupted, a plugin error or a coverage fail-under setting)"
+            "pytest exited {code} although its report shows no failing test (interrupted or a plugin error); see the stderr tail"
         ));
         return (TestOutcome::RunnerCrashed, warnings);
     }
@@ -333,6 +470,33 @@ pub(crate) struct PytestRun<'a> {
     /// Appended to the command: `--import-mode=importlib` for several packages, node ids or
     /// test files for a subset.
     pub(crate) extra_args: Vec<String>,
+    /// Repo-relative directory pytest runs in.
+    pub(crate) workdir: &'a Path,
+    /// Environment on top of troupe's (the run's `env`, PYTHONPATH).
+    pub(crate) env: &'a std::collections::BTreeMap<String, String>,
+}
+
+/// `path` (relative to `base`, or absolute) as a repo-relative path, when inside `worktree`.
+fn repo_relative(path: &str, base: &Path, worktree: &Path) -> Option<String> {
+    let full = if Path::new(path).is_absolute() {
+        PathBuf::from(path)
+    } else {
+        base.join(path)
+    };
+    let mut normal = PathBuf::new();
+    for component in full.components() {
+        match component {
+            std::path::Component::ParentDir => {
+                normal.pop();
+            }
+            std::path::Component::CurDir => {}
+            other => normal.push(other),
+        }
+    }
+    normal
+        .strip_prefix(worktree)
+        .ok()
+        .map(|rel| rel.display().to_string())
 }
 
 /// Arguments for a repository with several Python packages each holding a `tests/` directory
@@ -385,7 +549,8 @@ pub(crate) async fn run(
     }
     let output = Command::from_argv(&argv)
         .map_err(|source| Error::process(run.python, source))?
-        .cwd(run.worktree)
+        .cwd(run.worktree.join(run.workdir))
+        .envs(run.env.clone())
         .env("COVERAGE_FILE", files.coverage_data.display().to_string())
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .timeout(run.timeout)
@@ -419,12 +584,25 @@ pub(crate) async fn run(
     if files.junit.is_file() {
         report_paths.push(files.junit.display().to_string());
     }
+    let cwd = run.worktree.join(run.workdir);
+    let mut outside_paths = Vec::new();
     let coverage: Option<Coverage> = match read_if_present(&files.coverage).await? {
         Some(text) => {
             report_paths.push(files.coverage.display().to_string());
-            Some(coverage::parse(&text).map_err(|err| {
+            let mut parsed = coverage::parse(&text).map_err(|err| {
                 Error::Internal(format!("cannot parse {}: {err}", files.coverage.display()))
-            })?)
+            })?;
+            // coverage.py names files relative to the cwd when under it, else absolutely; a
+            // file outside the worktree is code that is not the commit's.
+            outside_paths = crate::source::outside_files(parsed.files.keys(), run.worktree, &cwd);
+            parsed.files = parsed
+                .files
+                .into_iter()
+                .filter_map(|(name, pct)| {
+                    repo_relative(&name, &cwd, run.worktree).map(|rel| (rel, pct))
+                })
+                .collect();
+            Some(parsed)
         }
         None => {
             if run.plugins.pytest_cov && exit != Exit::TimedOut {
@@ -434,15 +612,46 @@ pub(crate) async fn run(
         }
     };
     let overall = coverage.as_ref().and_then(|c| c.overall);
-    let (outcome, why) = decide(exit, results.as_ref(), overall, run.coverage_target);
+    let (mut outcome, why) = decide(
+        exit,
+        results.as_ref(),
+        overall,
+        run.coverage_target,
+        fail_under(&cwd),
+    );
     warnings.extend(why);
+    if !outside_paths.is_empty() {
+        outcome = TestOutcome::WrongSource;
+        warnings.push(crate::source::wrong_source_warning(
+            "covered files",
+            &outside_paths,
+        ));
+    }
     if exit == Exit::TimedOut {
         warnings.push(format!(
             "the run hit its {}s wall-clock limit and its process group was killed",
             run.timeout.as_secs()
         ));
     }
-    let results = results.unwrap_or_default();
+    let mut results = results.unwrap_or_default();
+    // Node ids and tracebacks are relative to pytest's rootdir; files are reported
+    // repo-relative.
+    let rootdir = results
+        .root
+        .as_deref()
+        .map_or_else(|| cwd.clone(), PathBuf::from);
+    if rootdir != run.worktree {
+        for failure in &mut results.failures {
+            if let Some(rel) = repo_relative(&failure.file, &rootdir, run.worktree) {
+                failure.file = rel;
+            }
+            if let Some((path, line)) = failure.error_origin.rsplit_once(':')
+                && let Some(rel) = repo_relative(path, &rootdir, run.worktree)
+            {
+                failure.error_origin = format!("{rel}:{line}");
+            }
+        }
+    }
     let mut stderr_tail = troupe_process::tail(&strip_ansi(&output.stderr_text()), 40, 8000);
     if stderr_tail.trim().is_empty()
         && matches!(
@@ -471,6 +680,8 @@ pub(crate) async fn run(
         stderr_tail,
         warnings,
         test_timeout_seconds: run.test_timeout_seconds,
+        outside_paths,
+        skip_reasons: results.skip_reasons.into_iter().collect(),
         ..TestRunReport::default()
     })
 }
@@ -507,6 +718,7 @@ mod tests {
             },
             failures: Vec::new(),
             collection_errors,
+            ..SuiteResults::default()
         }
     }
 
@@ -514,52 +726,92 @@ mod tests {
     fn decides_outcomes_from_exit_and_report() {
         let ok = results(3, 3, 0, 0, 0);
         assert_eq!(
-            decide(Exit::Code(0), Some(&ok), Some(90.0), 80.0).0,
+            decide(Exit::Code(0), Some(&ok), Some(90.0), 80.0, None).0,
             TestOutcome::Passed
         );
         assert_eq!(
-            decide(Exit::Code(0), Some(&ok), Some(70.0), 80.0).0,
+            decide(Exit::Code(0), Some(&ok), Some(70.0), 80.0, None).0,
             TestOutcome::CoverageBelowTarget
         );
         assert_eq!(
-            decide(Exit::Code(0), Some(&ok), None, 80.0).0,
+            decide(Exit::Code(0), Some(&ok), None, 80.0, None).0,
             TestOutcome::CoverageBelowTarget
         );
         assert_eq!(
-            decide(Exit::Code(0), Some(&ok), None, 0.0).0,
+            decide(Exit::Code(0), Some(&ok), None, 0.0, None).0,
             TestOutcome::Passed
         );
         assert_eq!(
-            decide(Exit::Code(1), Some(&results(3, 2, 1, 0, 0)), None, 0.0).0,
+            decide(
+                Exit::Code(1),
+                Some(&results(3, 2, 1, 0, 0)),
+                None,
+                0.0,
+                None
+            )
+            .0,
             TestOutcome::TestsFailed
         );
         assert_eq!(
-            decide(Exit::Code(1), Some(&results(3, 3, 0, 0, 1)), None, 0.0).0,
+            decide(
+                Exit::Code(1),
+                Some(&results(3, 3, 0, 0, 1)),
+                None,
+                0.0,
+                None
+            )
+            .0,
             TestOutcome::CollectionError
         );
         assert_eq!(
-            decide(Exit::Code(5), Some(&results(0, 0, 0, 0, 0)), None, 80.0).0,
+            decide(
+                Exit::Code(5),
+                Some(&results(0, 0, 0, 0, 0)),
+                None,
+                80.0,
+                None
+            )
+            .0,
             TestOutcome::NoTests
         );
         assert_eq!(
-            decide(Exit::Code(0), Some(&results(2, 0, 0, 2, 0)), None, 0.0).0,
+            decide(
+                Exit::Code(0),
+                Some(&results(2, 0, 0, 2, 0)),
+                None,
+                0.0,
+                None
+            )
+            .0,
             TestOutcome::NoTests
         );
         assert_eq!(
-            decide(Exit::TimedOut, None, None, 0.0).0,
+            decide(Exit::TimedOut, None, None, 0.0, None).0,
             TestOutcome::Timeout
         );
         assert_eq!(
-            decide(Exit::Code(1), None, None, 0.0).0,
+            decide(Exit::Code(1), None, None, 0.0, None).0,
             TestOutcome::RunnerCrashed
         );
         assert_eq!(
-            decide(Exit::Code(4), Some(&results(0, 0, 0, 0, 0)), None, 0.0).0,
+            decide(
+                Exit::Code(4),
+                Some(&results(0, 0, 0, 0, 0)),
+                None,
+                0.0,
+                None
+            )
+            .0,
             TestOutcome::RunnerCrashed
+        );
+        // The project's own fail_under: its own outcome.
+        assert_eq!(
+            decide(Exit::Code(1), Some(&ok), Some(60.0), 0.0, Some(90.0)).0,
+            TestOutcome::CoverageThreshold
         );
         // Exit 1 with nothing failing is not a pass, and not a test failure either.
         assert_eq!(
-            decide(Exit::Code(1), Some(&ok), Some(90.0), 0.0).0,
+            decide(Exit::Code(1), Some(&ok), Some(90.0), 0.0, None).0,
             TestOutcome::RunnerCrashed
         );
     }
@@ -610,6 +862,24 @@ mod tests {
         assert!(!argv.iter().any(|a| a.starts_with("--cov")
             || a.starts_with("--json")
             || a.starts_with("--timeout")));
+    }
+
+    #[test]
+    fn reads_the_projects_own_threshold() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(fail_under(dir.path()), None);
+        std::fs::write(
+            dir.path().join("pyproject.toml"),
+            "[tool.coverage.report]\nfail_under = 95\n",
+        )
+        .expect("write");
+        assert_eq!(fail_under(dir.path()), Some(95.0));
+        std::fs::write(
+            dir.path().join("pyproject.toml"),
+            "[tool.pytest.ini_options]\naddopts = \"--cov-fail-under=80 -q\"\n",
+        )
+        .expect("write");
+        assert_eq!(fail_under(dir.path()), Some(80.0));
     }
 
     #[test]

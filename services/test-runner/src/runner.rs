@@ -8,9 +8,13 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
+use std::collections::BTreeMap;
 use tokio_util::sync::CancellationToken;
-use troupe_proto::v1::{RunTestsRequest, TestFramework, TestOutcome, TestRunReport, TestTotals};
-use troupe_workspace::{Oid, Repo};
+
+use troupe_proto::v1::{
+    ProjectReport, RunTestsRequest, TestFramework, TestOutcome, TestRunReport, TestTotals,
+};
+use troupe_workspace::{Oid, Remote};
 
 use crate::Error;
 use crate::detect;
@@ -28,7 +32,11 @@ const MAX_MESSAGE_CHARS: usize = 4000;
 /// What to run.
 #[derive(Clone, Debug)]
 pub struct RunSpec {
-    /// Absolute path of the git repository.
+    /// The repository's remote (an absolute path is a remote on this machine): the commit
+    /// under test is fetched from it into the runner's own mirror.
+    pub remote: Remote,
+    /// The user's checkout when the remote is a local path (its installed `node_modules` may
+    /// be reused, its generated files are compared); empty for a URL.
     pub repo_path: PathBuf,
     /// Commit-ish to test.
     pub git_ref: String,
@@ -40,7 +48,7 @@ pub struct RunSpec {
     pub install: bool,
     /// Wall-clock limit of the run (install excluded).
     pub timeout: Duration,
-    /// Per-test limit, when pytest-timeout is available.
+    /// Per-test limit passed to the framework; 0 = none.
     pub test_timeout_seconds: u32,
     /// `--cov` source; empty = the repository's configuration, else `.`.
     pub coverage_source: String,
@@ -50,8 +58,14 @@ pub struct RunSpec {
     pub run_number: u32,
     /// The fix loop to run when the first run is below target.
     pub fix: Option<crate::fix::FixSpec>,
-    /// Extra environment for the test command.
+    /// Environment for the setup commands and the suite (allow-listed names only).
     pub env: std::collections::BTreeMap<String, String>,
+    /// Argv commands run in the worktree before the suite.
+    pub setup: Vec<Vec<String>>,
+    /// Repo-relative directory to run the suite in (empty = the root).
+    pub workdir: String,
+    /// Python interpreter for pytest (empty = `requires-python`'s match, else the server's).
+    pub python: String,
     /// Values for the fix agent's argv placeholders (`{plan_dir}`, `{session_id}`, `{task_id}`)
     /// when the run belongs to a session task; `{worktree}` and `{repo}` are always set.
     pub placeholders: std::collections::BTreeMap<String, String>,
@@ -63,8 +77,17 @@ impl RunSpec {
         let framework = TestFramework::try_from(request.framework).map_err(|_| {
             Error::InvalidArgument(format!("unknown framework value {}", request.framework))
         })?;
+        let remote = Remote::parse(&request.repo_path).map_err(|err| {
+            Error::InvalidArgument(format!(
+                "repo_path must be an absolute path or a git URL: {err}"
+            ))
+        })?;
         let spec = Self {
-            repo_path: PathBuf::from(&request.repo_path),
+            repo_path: remote
+                .local_path()
+                .map(Path::to_path_buf)
+                .unwrap_or_default(),
+            remote,
             git_ref: if request.r#ref.is_empty() {
                 "HEAD".to_owned()
             } else {
@@ -78,6 +101,7 @@ impl RunSpec {
                 secs => Duration::from_secs(u64::from(secs)),
             },
             test_timeout_seconds: match request.test_timeout_seconds {
+                _ if request.no_test_timeout => 0,
                 0 => DEFAULT_TEST_TIMEOUT_SECONDS,
                 secs => secs,
             },
@@ -93,6 +117,7 @@ impl RunSpec {
                         fix.backend.clone()
                     },
                     scope: fix.scope(),
+                    fallback: (!fix.fallback.is_empty()).then(|| fix.fallback.clone()),
                     command: fix.command,
                     timeout: match fix.timeout_seconds {
                         0 => crate::fix::DEFAULT_AGENT_TIMEOUT,
@@ -104,17 +129,21 @@ impl RunSpec {
                     },
                 }),
             },
-            env: std::collections::BTreeMap::new(),
+            env: request.env.into_iter().collect(),
+            setup: request.setup.into_iter().map(|c| c.argv).collect(),
+            workdir: request.workdir,
+            python: request.python,
             placeholders: std::collections::BTreeMap::new(),
         };
         spec.validate()?;
+        crate::setup::check_env(&spec.env)?;
         Ok(spec)
     }
 
     pub(crate) fn validate(&self) -> Result<(), Error> {
-        if self.repo_path.as_os_str().is_empty() || !self.repo_path.is_absolute() {
+        if !self.repo_path.as_os_str().is_empty() && !self.repo_path.is_absolute() {
             return Err(Error::InvalidArgument(format!(
-                "repo_path must be an absolute path, got {:?}",
+                "the checkout must be an absolute path, got {:?}",
                 self.repo_path.display().to_string()
             )));
         }
@@ -127,6 +156,8 @@ impl RunSpec {
         if let Some(fix) = &self.fix {
             fix.validate()?;
         }
+        crate::setup::check_setup(&self.setup)?;
+        crate::setup::check_workdir(&self.workdir)?;
         let safe = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
         if self.run_id.is_empty() || self.run_id.starts_with('.') || !self.run_id.chars().all(safe)
         {
@@ -154,6 +185,31 @@ pub struct Runner {
     venvs: VenvCache,
     /// Worktree paths in use, so concurrent runs of one repository get distinct slots.
     slots: Arc<Mutex<BTreeSet<PathBuf>>>,
+    /// Flags each Jest/Vitest binary accepts, by resolved path and version.
+    flags: Arc<Mutex<FlagCache>>,
+    /// The executor's backend configuration, for fix agents.
+    backends: Arc<troupe_backends::BackendsConfig>,
+    /// Python interpreters' versions, asked once.
+    versions: Arc<crate::python::VersionCache>,
+    /// How to reach private remotes.
+    credentials: Arc<troupe_workspace::Credentials>,
+}
+
+type FlagCache = std::collections::HashMap<(PathBuf, Option<String>), js::Capabilities>;
+
+/// A framework made ready for a run.
+#[derive(Debug)]
+pub(crate) struct Prepared {
+    pub(crate) tool: Tool,
+    pub(crate) notes: Vec<String>,
+    pub(crate) installer: String,
+    pub(crate) install_log: String,
+    /// JS workspace package directories (repo-relative).
+    pub(crate) packages: Vec<PathBuf>,
+    /// The Python interpreter (pytest), else empty.
+    pub(crate) python: String,
+    /// Project packages that import from outside the worktree, as the probe found them.
+    pub(crate) origins: Vec<String>,
 }
 
 /// A claimed worktree path; released on drop.
@@ -175,13 +231,29 @@ impl Drop for Slot {
 impl Runner {
     /// A runner keeping its worktrees, reports and venvs under `data_dir` (absolute).
     pub fn new(data_dir: PathBuf, python: String) -> Self {
-        let venvs = VenvCache::new(data_dir.join("venvs"), python.clone());
+        let venvs = VenvCache::new(data_dir.join("venvs"));
         Self {
             data_dir,
             python,
             venvs,
             slots: Arc::default(),
+            flags: Arc::default(),
+            backends: Arc::default(),
+            versions: Arc::default(),
+            credentials: Arc::default(),
         }
+    }
+
+    /// Builds fix agents from `config` (the executor's backend configuration).
+    #[must_use]
+    pub fn with_backends(mut self, config: troupe_backends::BackendsConfig) -> Self {
+        self.backends = Arc::new(config);
+        self
+    }
+
+    /// The backend configuration fix agents are built from.
+    pub(crate) fn backends(&self) -> &troupe_backends::BackendsConfig {
+        &self.backends
     }
 
     /// The first free worktree slot of a repository: `worktrees/test-runs/<repo hash>-<n>`.
@@ -201,9 +273,45 @@ impl Runner {
         }
     }
 
-    /// The runner's mirrors of remotes (`<data_dir>/mirrors`), where fixes leave from.
+    /// The runner's mirrors of remotes (`<data_dir>/mirrors`): commits under test come from
+    /// them, fixes leave from them.
     pub fn mirrors(&self) -> troupe_workspace::Mirrors {
         troupe_workspace::Mirrors::new(self.data_dir.join("mirrors"))
+            .with_credentials(Arc::clone(&self.credentials))
+    }
+
+    /// Authenticates to private remotes with `credentials`.
+    pub fn with_credentials(mut self, credentials: Arc<troupe_workspace::Credentials>) -> Self {
+        self.credentials = credentials;
+        self
+    }
+
+    /// Pushes a direct run's fix commits to its remote: the final one on the branch
+    /// `troupe-fix/<run id>` (named in the report), every iteration's under
+    /// `refs/troupe/fix/<run id>/<n>`, so what the loop made outlives the runner's mirror.
+    pub async fn share_fixes(
+        &self,
+        spec: &RunSpec,
+        report: &mut TestRunReport,
+    ) -> Result<(), Error> {
+        let Some(fix) = report.fix_loop.as_mut() else {
+            return Ok(());
+        };
+        let mirror = self.mirrors().open(&spec.remote).await?;
+        for iteration in &fix.iterations {
+            if let Some(commit) = Oid::parse(&iteration.commit) {
+                let name = format!("refs/troupe/fix/{}/{}", spec.run_id, iteration.iteration);
+                mirror.push_ref(&name, &commit).await?;
+            }
+        }
+        if let Some(commit) = Oid::parse(&fix.final_commit) {
+            let branch = format!("troupe-fix/{}", spec.run_id);
+            mirror
+                .push_ref(&format!("refs/heads/{branch}"), &commit)
+                .await?;
+            fix.branch = branch;
+        }
+        Ok(())
     }
 
     /// Where a run's reports go.
@@ -212,15 +320,16 @@ impl Runner {
     }
 
     /// Runs the suite once at `spec.git_ref` and reports what the structured reports say.
-    #[tracing::instrument(skip_all, fields(repo = %spec.repo_path.display(), git_ref = %spec.git_ref, run_id = %spec.run_id))]
+    #[tracing::instrument(skip_all, fields(repo = %spec.remote, git_ref = %spec.git_ref, run_id = %spec.run_id))]
     pub async fn run_tests(
         &self,
         spec: &RunSpec,
         cancel: &CancellationToken,
     ) -> Result<TestRunReport, Error> {
         spec.validate()?;
-        let repo = Repo::open(&spec.repo_path).await?;
-        let commit = repo.resolve(&spec.git_ref).await?;
+        let mirror = self.mirrors().open(&spec.remote).await?;
+        let commit = mirror.fetch_rev(&spec.git_ref).await?;
+        let repo = mirror.repo();
         let out_dir = self.out_dir(&spec.run_id);
         // A run id repeats only when a worker died mid-run; its stale reports must not be read
         // as this run's, and its worktree must go.
@@ -269,20 +378,154 @@ impl Runner {
         commit: &Oid,
         cancel: &CancellationToken,
     ) -> Result<TestRunReport, Error> {
-        let (tool, notes) = self.prepare(spec, worktree, out_dir, cancel).await?;
-        let suite = Suite {
-            tool: &tool,
-            spec,
-            worktree,
+        let workdir = Path::new(&spec.workdir);
+        if !worktree.join(workdir).is_dir() {
+            return Err(Error::InvalidArgument(format!(
+                "workdir `{}` is not a directory at {}",
+                spec.workdir,
+                commit.as_str()
+            )));
+        }
+        let prepared = match self.prepare(spec, worktree, cancel).await {
+            Ok(prepared) => prepared,
+            Err(Error::Install { step, detail }) => {
+                // A failed install is its own outcome, with the installer's error as evidence.
+                let framework = match spec.framework {
+                    TestFramework::Unspecified => detect::detect(&worktree.join(workdir))
+                        .unwrap_or(TestFramework::Unspecified),
+                    other => other,
+                };
+                let report = TestRunReport {
+                    framework: framework as i32,
+                    outcome: TestOutcome::InstallFailed as i32,
+                    commit: commit.to_string(),
+                    coverage_target: spec.coverage_target,
+                    installer: step.clone(),
+                    install_log: detail.clone(),
+                    workdir: spec.workdir.clone(),
+                    env: spec.env.clone().into_iter().collect(),
+                    warnings: vec![format!(
+                        "install failed: `{step}`: {}",
+                        crash_reason(&detail)
+                    )],
+                    ..TestRunReport::default()
+                };
+                return self.finish(report, spec, out_dir, spec.run_number).await;
+            }
+            Err(err) => return Err(err),
         };
-        let mut report = self
-            .run_suite(suite, out_dir, &Selection::All, cancel)
-            .await?;
-        report.commit = commit.to_string();
+        let Prepared {
+            tool,
+            notes,
+            installer,
+            install_log,
+            packages,
+            python,
+            origins,
+        } = prepared;
+        let run_env = tool.env().clone();
+        let base = TestRunReport {
+            framework: tool.framework() as i32,
+            commit: commit.to_string(),
+            coverage_target: spec.coverage_target,
+            installer: installer.clone(),
+            install_log: install_log.clone(),
+            workdir: spec.workdir.clone(),
+            env: run_env
+                .clone()
+                .into_iter()
+                .filter(|(name, _)| name != "PATH")
+                .collect(),
+            python: python.clone(),
+            framework_version: tool.version().unwrap_or_default(),
+            ..TestRunReport::default()
+        };
+        // The project's build steps, with the run's environment (and its venv first on PATH).
+        let (steps, setup_ok) = crate::setup::run_setup(
+            &spec.setup,
+            &worktree.join(workdir),
+            &run_env,
+            spec.timeout,
+            cancel,
+        )
+        .await?;
+        if !setup_ok {
+            let failed = steps.last().cloned().unwrap_or_default();
+            let mut report = base;
+            report.outcome = TestOutcome::SetupFailed as i32;
+            report.warnings = notes;
+            report.warnings.push(format!(
+                "setup command `{}` failed (exit {}): {}",
+                failed.argv.join(" "),
+                failed.exit_code,
+                crash_reason(&failed.output_tail)
+            ));
+            report.stderr_tail = failed.output_tail.clone();
+            report.setup_steps = steps;
+            return self.finish(report, spec, out_dir, spec.run_number).await;
+        }
+        let missing = if spec.repo_path.as_os_str().is_empty() {
+            // A URL: no checkout on this machine to compare with.
+            Vec::new()
+        } else {
+            crate::setup::missing_generated(&spec.repo_path, worktree, cancel).await
+        };
+        // Before anything runs: the code under test must resolve inside the worktree.
+        let escaping = match &tool {
+            Tool::Js { .. } => crate::source::escaping_workspace_links(worktree, &packages),
+            // Without setup commands nothing changed since the probe.
+            Tool::Pytest { .. } if spec.setup.is_empty() => origins,
+            Tool::Pytest { python, .. } => {
+                let names = crate::python::packages(&worktree.join(workdir));
+                let others = crate::python::all_packages(worktree);
+                crate::python::foreign_origins(
+                    python,
+                    &names,
+                    &others,
+                    &worktree.join(workdir),
+                    worktree,
+                    &run_env,
+                    cancel,
+                )
+                .await?
+            }
+        };
+        let mut report = if escaping.is_empty() {
+            let suite = Suite {
+                tool: &tool,
+                spec,
+                worktree,
+            };
+            let mut report = self
+                .run_suite(suite, out_dir, &Selection::All, cancel)
+                .await?;
+            report.commit = commit.to_string();
+            report
+        } else {
+            let mut report = base.clone();
+            report.outcome = TestOutcome::WrongSource as i32;
+            report.warnings.push(crate::source::wrong_source_warning(
+                "the project's code resolves",
+                &escaping,
+            ));
+            report.outside_paths = escaping;
+            report
+        };
+        report.installer = installer;
+        report.install_log = install_log;
+        report.workdir = spec.workdir.clone();
+        report.env = run_env
+            .into_iter()
+            .filter(|(name, _)| name != "PATH")
+            .collect();
+        report.python = python;
+        report.framework_version = base.framework_version.clone();
+        report.setup_steps = steps;
+        report.missing_generated = missing;
         if let Some(fix) = &spec.fix
-            && !crate::fix::meets_target(&report, spec.coverage_target)
+            && crate::fix::needs_fixing(&report)
         {
-            let base = report.clone();
+            let first = report.clone();
             report = crate::fix::run_loop(
                 crate::fix::FixContext {
                     runner: self,
@@ -292,7 +535,7 @@ impl Runner {
                     worktree,
                     out_dir,
                 },
-                base,
+                first,
                 cancel,
             )
             .await?;
@@ -316,6 +559,47 @@ impl Runner {
                     tracing::warn!(git_ref = %name, stderr = %output.stderr_text().trim(), "cannot keep the fix ref");
                 }
             }
+        }
+        let mut notes = notes;
+        if !report.missing_generated.is_empty() {
+            let shown: Vec<&str> = report
+                .missing_generated
+                .iter()
+                .take(10)
+                .map(String::as_str)
+                .collect();
+            notes.push(format!(
+                "generated files the checkout {} has are missing from the tested commit's worktree (gitignored build output; add the command that makes them to test.setup): {}{}",
+                spec.repo_path.display(),
+                shown.join(", "),
+                if report.missing_generated.len() > shown.len() {
+                    format!(" and {} more", report.missing_generated.len() - shown.len())
+                } else {
+                    String::new()
+                }
+            ));
+        }
+        let skipped_missing = crate::setup::skips_for_missing(
+            &report.skip_reasons.clone().into_iter().collect(),
+            &report.missing_generated,
+        );
+        if !report.skip_reasons.is_empty() {
+            let mut reasons: Vec<(&String, &u32)> = report.skip_reasons.iter().collect();
+            reasons.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+            let shown: Vec<String> = reasons
+                .iter()
+                .take(5)
+                .map(|(reason, count)| format!("{count} × {reason}"))
+                .collect();
+            notes.push(format!(
+                "skipped tests by reason: {}{}",
+                shown.join("; "),
+                if skipped_missing > 0 {
+                    format!(" ({skipped_missing} of them for missing files or modules)")
+                } else {
+                    String::new()
+                }
+            ));
         }
         // Notes on how the tools were found apply to every run of the loop.
         report.warnings.splice(0..0, notes);
@@ -363,18 +647,20 @@ impl Runner {
         &self,
         spec: &RunSpec,
         worktree: &Path,
-        out_dir: &Path,
         cancel: &CancellationToken,
-    ) -> Result<(Tool, Vec<String>), Error> {
+    ) -> Result<Prepared, Error> {
+        let workdir = Path::new(&spec.workdir);
+        let root = worktree.join(workdir);
         let framework = match spec.framework {
-            TestFramework::Unspecified => detect::detect(worktree)?,
+            TestFramework::Unspecified => detect::detect(&root)?,
             other => other,
         };
-        let mut notes = Vec::new();
+        let mut env = spec.env.clone();
         if framework != TestFramework::Pytest {
             let name = detect::name(framework);
-            let (bin, found) = crate::node::ensure_tool(
+            let installed = crate::node::ensure_tool(
                 worktree,
+                workdir,
                 &spec.repo_path,
                 name,
                 spec.install,
@@ -382,55 +668,152 @@ impl Runner {
                 cancel,
             )
             .await?;
-            notes.extend(found);
-            notes.push(format!(
-                "package manager: {}",
-                crate::node::package_manager(worktree)
-            ));
+            let mut notes = installed.notes;
+            if !notes.iter().any(|n| n.starts_with("package manager:")) {
+                notes.push(format!(
+                    "package manager: {}",
+                    crate::node::package_manager(worktree).name()
+                ));
+            }
             // Vitest needs `@vitest/coverage-v8` at its own version (§5.8); Jest's is built in.
             let coverage = framework == TestFramework::Jest
-                || worktree
-                    .join("node_modules")
-                    .join("@vitest")
-                    .join("coverage-v8")
-                    .is_dir();
-            return Ok((
-                Tool::Js {
+                || [root.clone(), worktree.to_path_buf()].iter().any(|dir| {
+                    dir.join("node_modules")
+                        .join("@vitest")
+                        .join("coverage-v8")
+                        .is_dir()
+                });
+            let capabilities = self
+                .capabilities(framework, &installed.bin, &root, cancel)
+                .await;
+            return Ok(Prepared {
+                tool: Tool::Js {
                     framework,
-                    bin,
+                    bin: installed.bin,
                     coverage,
+                    capabilities,
+                    env,
+                    packages: installed.packages.clone(),
                 },
                 notes,
-            ));
+                installer: installed.installer,
+                install_log: installed.log,
+                packages: installed.packages,
+                python: String::new(),
+                origins: Vec::new(),
+            });
         }
-        let python = if spec.install {
-            let venv = self.venvs.ensure(worktree, cancel).await?;
+        let mut notes = Vec::new();
+        let (base_python, chosen) = crate::python::choose_interpreter(
+            Some(spec.python.as_str()),
+            &self.python,
+            &root,
+            &self.versions,
+            cancel,
+        )
+        .await?;
+        notes.extend(chosen);
+        let (python, installer, install_log) = if spec.install {
+            let venv = self.venvs.ensure(&root, &base_python, cancel).await?;
             if venv.built {
                 notes.push(format!("built a venv at {}", venv.python.display()));
             }
-            venv.python.display().to_string()
+            (venv.python.display().to_string(), venv.installer, venv.log)
         } else {
-            self.python.clone()
+            (
+                base_python.clone(),
+                format!("no install: the interpreter {base_python} as it is"),
+                String::new(),
+            )
         };
-        let plugins = pytest::probe(&python, out_dir, cancel).await?;
-        if !plugins.pytest {
+        // The worktree's own code first: an editable install of another checkout (or a
+        // released copy in site-packages) must not answer for the commit under test.
+        let roots = crate::python::import_roots(&root);
+        if !roots.is_empty() {
+            let joined: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+            env.insert("PYTHONPATH".to_owned(), joined.join(":"));
+            let shown: Vec<String> = roots
+                .iter()
+                .filter_map(|r| r.strip_prefix(worktree).ok())
+                .map(|r| r.display().to_string())
+                .collect();
+            notes.push(format!(
+                "PYTHONPATH={} (the worktree's own import roots go first)",
+                shown.join(":")
+            ));
+        }
+        // The venv's scripts first on PATH, for setup commands (`pip`, `msgfmt` wrappers).
+        if let Some(bin) = Path::new(&python).parent().filter(|_| spec.install) {
+            let path = std::env::var("PATH").unwrap_or_default();
+            env.insert("PATH".to_owned(), format!("{}:{path}", bin.display()));
+            env.insert(
+                "VIRTUAL_ENV".to_owned(),
+                bin.parent().unwrap_or(bin).display().to_string(),
+            );
+        }
+        // One interpreter start answers for the plugins, pytest's version and where the
+        // project's packages import from (checked again after setup commands, which may
+        // install).
+        let names = crate::python::packages(&root);
+        let others = crate::python::all_packages(worktree);
+        let mut asked: Vec<String> = names.clone();
+        asked.extend(others.iter().map(|(n, _)| n.clone()));
+        asked.sort();
+        asked.dedup();
+        let probe = pytest::probe(&python, &root, &env, &asked, cancel).await?;
+        if !probe.plugins.pytest {
             return Err(Error::NotInstalled(format!(
                 "pytest is not importable by `{python}`; install it there or run with install to build a venv from the repository's requirements"
             )));
         }
-        let monorepo = pytest::monorepo_args(worktree);
+        let origins = crate::python::judge(&probe.origins, &names, &others, worktree);
+        let monorepo = pytest::monorepo_args(&root);
         if !monorepo.is_empty() {
             notes.push("several Python packages with tests: --import-mode=importlib".to_owned());
         }
-        Ok((
-            Tool::Pytest {
-                python,
-                plugins,
-                coverage_source: CoverageSource::choose(&spec.coverage_source, worktree),
+        Ok(Prepared {
+            tool: Tool::Pytest {
+                python: python.clone(),
+                plugins: probe.plugins,
+                coverage_source: CoverageSource::choose(&spec.coverage_source, &root),
                 extra_args: monorepo,
+                version: probe.version,
+                env,
             },
             notes,
-        ))
+            installer,
+            install_log,
+            packages: Vec::new(),
+            python,
+            origins,
+        })
+    }
+
+    /// What a Jest/Vitest binary accepts, probed once per binary path and version.
+    async fn capabilities(
+        &self,
+        framework: TestFramework,
+        bin: &Path,
+        cwd: &Path,
+        cancel: &CancellationToken,
+    ) -> js::Capabilities {
+        let real = std::fs::canonicalize(bin).unwrap_or_else(|_| bin.to_path_buf());
+        let version = js::version_of(framework, bin);
+        let key = (real, version.clone());
+        if let Some(found) = self
+            .flags
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+        {
+            return found.clone();
+        }
+        let found = js::capabilities(bin, version, cwd, cancel).await;
+        self.flags
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key, found.clone());
+        found
     }
 
     /// Runs (part of) the suite; when every test that ran hit the per-test timeout, raises the
@@ -446,7 +829,12 @@ impl Runner {
         let first = self
             .execute(suite, out_dir, selection, spec.test_timeout_seconds, cancel)
             .await?;
-        if !every_test_timed_out(&first) || spec.test_timeout_seconds == 0 {
+        // A framework that took no per-test timeout flag would only run out of time again.
+        let flagged = first
+            .command
+            .iter()
+            .any(|a| a.starts_with("--testTimeout=") || a.starts_with("--timeout="));
+        if !every_test_timed_out(&first) || spec.test_timeout_seconds == 0 || !flagged {
             return Ok(first);
         }
         let raised = spec.test_timeout_seconds.saturating_mul(TIMEOUT_RAISE);
@@ -491,8 +879,11 @@ impl Runner {
                 framework,
                 bin,
                 coverage,
+                capabilities,
+                env,
+                packages,
             } => {
-                let (report, _) = js::run(
+                let (mut report, _, files) = js::run(
                     JsRun {
                         framework: *framework,
                         bin,
@@ -503,11 +894,14 @@ impl Runner {
                         timeout: spec.timeout,
                         test_timeout_seconds,
                         selection: selection.clone(),
-                        env: &spec.env,
+                        env,
+                        capabilities,
+                        workdir: Path::new(&spec.workdir),
                     },
                     cancel,
                 )
                 .await?;
+                report.projects = projects_of(&files, &report, worktree, packages);
                 Ok(report)
             }
             Tool::Pytest {
@@ -515,6 +909,8 @@ impl Runner {
                 plugins,
                 coverage_source,
                 extra_args,
+                version,
+                env,
             } => {
                 let mut extra = extra_args.clone();
                 match selection {
@@ -536,10 +932,16 @@ impl Runner {
                         timeout: spec.timeout,
                         test_timeout_seconds,
                         extra_args: extra,
+                        workdir: Path::new(&spec.workdir),
+                        env,
                     },
                     cancel,
                 )
                 .await
+                .map(|mut report| {
+                    report.framework_version = version.clone().unwrap_or_default();
+                    report
+                })
             }
         }
     }
@@ -563,13 +965,126 @@ pub(crate) enum Tool {
         framework: TestFramework,
         bin: PathBuf,
         coverage: bool,
+        capabilities: js::Capabilities,
+        /// The run's environment.
+        env: BTreeMap<String, String>,
+        /// Workspace package directories (repo-relative), for per-project counts.
+        packages: Vec<PathBuf>,
     },
     Pytest {
         python: String,
         plugins: Plugins,
         coverage_source: CoverageSource,
         extra_args: Vec<String>,
+        version: Option<String>,
+        /// The run's environment, PYTHONPATH and the venv's PATH included.
+        env: BTreeMap<String, String>,
     },
+}
+
+impl Tool {
+    pub(crate) fn framework(&self) -> TestFramework {
+        match self {
+            Self::Js { framework, .. } => *framework,
+            Self::Pytest { .. } => TestFramework::Pytest,
+        }
+    }
+
+    pub(crate) fn env(&self) -> &BTreeMap<String, String> {
+        match self {
+            Self::Js { env, .. } | Self::Pytest { env, .. } => env,
+        }
+    }
+
+    pub(crate) fn version(&self) -> Option<String> {
+        match self {
+            Self::Js { capabilities, .. } => capabilities.version.clone(),
+            Self::Pytest { version, .. } => version.clone(),
+        }
+    }
+}
+
+/// The reason of a crash in one line: the first lines of what the tool said that carry text
+/// (not the bullet or banner lines alone), so `● Unrecognized CLI Parameter:` comes with the
+/// parameter it is about.
+pub(crate) fn crash_reason(text: &str) -> String {
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(|l| l.trim_start_matches(['●', '×', '✖', '!', '>']).trim())
+        .filter(|l| !l.is_empty())
+        .take(3)
+        .collect();
+    let mut reason = lines.join(" ");
+    if let Some((cut, _)) = reason.char_indices().nth(300) {
+        reason.truncate(cut);
+        reason.push('…');
+    }
+    reason
+}
+
+/// Counts per JS workspace package or Python package directory (`packages/*`), from the
+/// failures and the per-file results; empty for a single project.
+fn projects_of(
+    files: &[(String, TestTotals)],
+    report: &TestRunReport,
+    worktree: &Path,
+    packages: &[PathBuf],
+) -> Vec<ProjectReport> {
+    let mut roots: Vec<PathBuf> = packages.to_vec();
+    if roots.is_empty()
+        && let Ok(entries) = std::fs::read_dir(worktree.join("packages"))
+    {
+        roots.extend(
+            entries
+                .flatten()
+                .filter(|e| e.path().is_dir())
+                .map(|e| PathBuf::from("packages").join(e.file_name())),
+        );
+        roots.sort();
+    }
+    if roots.len() < 2 || files.is_empty() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for root in roots {
+        let prefix = format!("{}/", root.display());
+        let mut totals = TestTotals::default();
+        for (file, counts) in files {
+            if file.starts_with(&prefix) {
+                totals.total += counts.total;
+                totals.passed += counts.passed;
+                totals.failed += counts.failed;
+                totals.skipped += counts.skipped;
+                totals.errors += counts.errors;
+            }
+        }
+        if totals.total == 0 && totals.errors == 0 {
+            continue;
+        }
+        let failures = u32::try_from(
+            report
+                .failures
+                .iter()
+                .filter(|f| f.file.starts_with(&prefix))
+                .count(),
+        )
+        .unwrap_or(u32::MAX);
+        let name = std::fs::read_to_string(worktree.join(&root).join("package.json"))
+            .ok()
+            .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+            .and_then(|p| p.get("name")?.as_str().map(str::to_owned))
+            .unwrap_or_else(|| root.display().to_string());
+        out.push(ProjectReport {
+            name,
+            root: root.display().to_string(),
+            pass_rate: crate::pytest::pass_rate(&totals),
+            totals: Some(totals),
+            failures,
+        });
+    }
+    out
 }
 
 /// Whether a failure message is a per-test timeout (Jest, Vitest, pytest-timeout).
@@ -687,6 +1202,10 @@ pub(crate) fn outcome_name(outcome: TestOutcome) -> &'static str {
         TestOutcome::Timeout => "timeout",
         TestOutcome::CoverageBelowTarget => "coverage_below_target",
         TestOutcome::RunnerCrashed => "runner_crashed",
+        TestOutcome::WrongSource => "wrong_source",
+        TestOutcome::InstallFailed => "install_failed",
+        TestOutcome::SetupFailed => "setup_failed",
+        TestOutcome::CoverageThreshold => "coverage_threshold",
         TestOutcome::Unspecified => "unspecified",
     }
 }
@@ -819,6 +1338,29 @@ fn run_file_json(report: &TestRunReport, spec: &RunSpec, number: u32) -> serde_j
         "report_paths": report.report_paths,
         "commit": report.commit,
         "warnings": report.warnings,
+        "framework_version": report.framework_version,
+        "workdir": report.workdir,
+        "env": report.env.iter().filter(|(k, _)| k.as_str() != "PATH").collect::<BTreeMap<_, _>>(),
+        "python": report.python,
+        "installer": report.installer,
+        "install_log": report.install_log,
+        "stderr_tail": report.stderr_tail,
+        "crash_reason": if matches!(report.outcome(), TestOutcome::RunnerCrashed | TestOutcome::InstallFailed | TestOutcome::SetupFailed) {
+            crash_reason(if report.stderr_tail.is_empty() { &report.install_log } else { &report.stderr_tail })
+        } else {
+            String::new()
+        },
+        "outside_paths": report.outside_paths,
+        "missing_generated": report.missing_generated,
+        "skip_reasons": report.skip_reasons.iter().collect::<BTreeMap<_, _>>(),
+        "setup": report.setup_steps.iter().map(|s| serde_json::json!({
+            "argv": s.argv, "exit_code": s.exit_code, "duration_ms": s.duration_ms, "output_tail": s.output_tail,
+        })).collect::<Vec<_>>(),
+        "projects": report.projects.iter().map(|p| serde_json::json!({
+            "name": p.name, "root": p.root, "pass_rate": p.pass_rate, "failures": p.failures,
+            "total": p.totals.unwrap_or_default().total, "passed": p.totals.unwrap_or_default().passed,
+            "failed": p.totals.unwrap_or_default().failed, "skipped": p.totals.unwrap_or_default().skipped,
+        })).collect::<Vec<_>>(),
         "test_timeout_seconds": report.test_timeout_seconds,
         "timeout_retried": report.timeout_retried,
         "coverage_history": fix.map_or_else(|| vec![coverage.unwrap_or(0.0)], |f| f.coverage_history.clone()),
@@ -829,11 +1371,14 @@ fn run_file_json(report: &TestRunReport, spec: &RunSpec, number: u32) -> serde_j
             "max_iterations": f.max_iterations,
             "final_commit": f.final_commit,
             "flaky_tests": f.flaky_tests,
+            "usage": f.usage.map(|u| serde_json::json!({"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cached_input_tokens": u.cached_input_tokens})),
             "iterations": f.iterations.iter().map(|i| serde_json::json!({
                 "iteration": i.iteration, "strategy": i.strategy, "verdict": i.verdict,
                 "commit": i.commit, "pass_rate": i.pass_rate, "coverage": i.coverage,
                 "out_of_scope_paths": i.out_of_scope_paths, "new_failures": i.new_failures,
                 "affected_command": i.affected_command, "detail": i.detail,
+                "backend": i.backend, "fallbacks": i.fallbacks, "error_kind": i.error_kind,
+                "usage": i.usage.map(|u| serde_json::json!({"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cached_input_tokens": u.cached_input_tokens})),
             })).collect::<Vec<_>>(),
         })),
         "troupe_run_id": spec.run_id,
@@ -874,6 +1419,17 @@ mod tests {
             RunSpec::from_request(bad),
             Err(Error::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn a_crash_reason_keeps_the_line_after_the_banner() {
+        // Jest 22 given --testTimeout, as it prints it.
+        let stderr = "● Unrecognized CLI Parameter:\n\n  Unrecognized option \"testTimeout\".\n\n  CLI Options Documentation:\n  https://facebook.github.io/jest/docs/en/cli.html\n";
+        assert_eq!(
+            crash_reason(stderr),
+            "Unrecognized CLI Parameter: Unrecognized option \"testTimeout\". CLI Options Documentation:"
+        );
+        assert_eq!(crash_reason(""), "");
     }
 
     #[test]

@@ -1,11 +1,17 @@
 //! Cached virtual environments for Pytest runs that ask for an install.
 //!
 //! A venv lives at `<data_dir>/venvs/<key>`, where the key is the SHA-256 of the base
-//! interpreter and the repository's requirement files (`requirements-dev.txt`,
-//! `requirements-test.txt`, `requirements.txt`, names and contents). It is built with
-//! `python -m venv`, then `pip install -r` for each file present, then the pytest plugins
-//! troupe needs (`pytest pytest-cov pytest-json-report`) when the requirements did not bring
-//! them. A marker file written last says the venv is complete; one without it is rebuilt.
+//! interpreter, the repository's requirement files (`requirements-dev.txt`,
+//! `requirements-test.txt`, `requirements.txt`, names and contents), its `uv.lock` and the
+//! test requirements its `pyproject.toml` declares (`[project] dependencies`, the `test` /
+//! `tests` / `testing` / `dev` extras and PEP 735 dependency groups). It is built with
+//! `python -m venv`; then, with a `uv.lock` and `uv` on PATH, `uv sync --frozen
+//! --no-install-project` with those extras and groups, else `pip install` of the pyproject's
+//! requirements; then `pip install -r` for each requirements file present; then the pytest
+//! plugins troupe needs (`pytest pytest-cov pytest-json-report`) when nothing brought them.
+//! The project itself is not installed: it runs from the worktree (its `src` on
+//! `PYTHONPATH`), so the venv holds no copy of the code under test. A marker file written
+//! last says the venv is complete; one without it is rebuilt.
 //! Builders of the same key serialise on a lock directory (`mkdir` is atomic), so parallel
 //! runs, even from other processes, build each venv once.
 
@@ -62,29 +68,56 @@ pub(crate) struct Venv {
     pub(crate) python: PathBuf,
     /// Whether this call built it (false: reused from the cache).
     pub(crate) built: bool,
+    /// What went into it, one line (for the report's `installer`).
+    pub(crate) installer: String,
+    /// The install steps' output tails, when it was built.
+    pub(crate) log: String,
 }
 
 /// The venv cache under one data directory.
 #[derive(Debug, Clone)]
 pub(crate) struct VenvCache {
     root: PathBuf,
+}
+
+/// What a venv is built from.
+#[derive(Debug)]
+struct Inputs {
     base_python: String,
+    files: Vec<(String, Vec<u8>)>,
+    pyproject: Vec<String>,
+    selected: Vec<String>,
+    uv_lock: Option<Vec<u8>>,
 }
 
 impl VenvCache {
-    pub(crate) fn new(root: PathBuf, base_python: String) -> Self {
-        Self { root, base_python }
+    pub(crate) fn new(root: PathBuf) -> Self {
+        Self { root }
     }
 
-    /// Returns the venv for the requirements in `worktree`, building it when needed.
+    /// Returns the venv (on `base_python`) for the requirements in `worktree`, building it
+    /// when needed.
     #[tracing::instrument(skip_all, fields(worktree = %worktree.display()))]
     pub(crate) async fn ensure(
         &self,
         worktree: &Path,
+        base_python: &str,
         cancel: &CancellationToken,
     ) -> Result<Venv, Error> {
         let requirements = present_requirements(worktree).await?;
-        let key = self.key(&requirements);
+        let (pyproject, selected) = crate::python::test_requirements(worktree);
+        let uv_lock = std::fs::read(worktree.join("uv.lock")).ok();
+        let use_uv = uv_lock.is_some() && troupe_process::which("uv").is_some();
+        let inputs = Inputs {
+            base_python: base_python.to_owned(),
+            files: requirements,
+            pyproject,
+            selected,
+            uv_lock: uv_lock.filter(|_| use_uv),
+        };
+        let installer = describe(&inputs, worktree);
+        let requirements = &inputs.files;
+        let key = self.key(&inputs);
         let dir = self.root.join(&key);
         let python = dir.join("bin").join("python");
         tokio::fs::create_dir_all(&self.root)
@@ -93,27 +126,22 @@ impl VenvCache {
                 path: self.root.clone(),
                 source,
             })?;
+        let reused = |python: PathBuf| Venv {
+            python,
+            built: false,
+            installer: format!("{installer} (cached venv {})", dir.display()),
+            log: String::new(),
+        };
         if dir.join(COMPLETE_MARKER).is_file() {
-            return Ok(Venv {
-                python,
-                built: false,
-            });
+            return Ok(reused(python));
         }
         let lock = self.root.join(format!("{key}.lock"));
         let _guard = match acquire(&lock, &dir, cancel).await? {
             Acquired::Lock(guard) => guard,
-            Acquired::BuiltByOther => {
-                return Ok(Venv {
-                    python,
-                    built: false,
-                });
-            }
+            Acquired::BuiltByOther => return Ok(reused(python)),
         };
         if dir.join(COMPLETE_MARKER).is_file() {
-            return Ok(Venv {
-                python,
-                built: false,
-            });
+            return Ok(reused(python));
         }
         tracing::info!(venv = %dir.display(), requirements = ?requirements.iter().map(|(n, _)| n).collect::<Vec<_>>(), "building venv");
         if dir.exists() {
@@ -125,15 +153,61 @@ impl VenvCache {
                 })?;
         }
         let dir_text = dir.display().to_string();
-        self.step(
-            "create venv",
-            Command::new(&self.base_python).args(["-m", "venv", &dir_text]),
-            Duration::from_secs(300),
-            cancel,
-        )
-        .await?;
+        let mut log = String::new();
+        log.push_str(
+            &self
+                .step(
+                    "create venv",
+                    Command::new(base_python).args(["-m", "venv", &dir_text]),
+                    Duration::from_secs(300),
+                    cancel,
+                )
+                .await?,
+        );
         let python_text = python.display().to_string();
-        for (name, _) in &requirements {
+        if inputs.uv_lock.is_some() {
+            let mut args = vec![
+                "sync".to_owned(),
+                "--frozen".to_owned(),
+                "--no-install-project".to_owned(),
+                "--python".to_owned(),
+                python_text.clone(),
+            ];
+            for choice in &inputs.selected {
+                if let Some((kind, name)) = choice.split_once(' ') {
+                    args.push(format!("--{kind}"));
+                    args.push(name.to_owned());
+                }
+            }
+            let uv = Command::new("uv")
+                .args(args)
+                .cwd(worktree)
+                .env("UV_PROJECT_ENVIRONMENT", &dir_text)
+                .env_passthrough("UV_CACHE_DIR")
+                .env_passthrough("UV_INDEX_URL")
+                .env_passthrough("UV_DEFAULT_INDEX");
+            log.push_str(
+                &self
+                    .step("uv sync --frozen", uv, PIP_TIMEOUT, cancel)
+                    .await?,
+            );
+        } else if !inputs.pyproject.is_empty() {
+            let pip = Command::new(&python_text)
+                .args(["-m", "pip", "install", "--disable-pip-version-check"])
+                .args(inputs.pyproject.iter().cloned())
+                .cwd(worktree);
+            log.push_str(
+                &self
+                    .step(
+                        "pip install (pyproject.toml requirements)",
+                        pip,
+                        PIP_TIMEOUT,
+                        cancel,
+                    )
+                    .await?,
+            );
+        }
+        for (name, _) in requirements {
             let pip = Command::new(&python_text)
                 .args([
                     "-m",
@@ -144,26 +218,40 @@ impl VenvCache {
                     name,
                 ])
                 .cwd(worktree);
-            self.step(&format!("pip install -r {name}"), pip, PIP_TIMEOUT, cancel)
-                .await?;
+            log.push_str(
+                &self
+                    .step(&format!("pip install -r {name}"), pip, PIP_TIMEOUT, cancel)
+                    .await?,
+            );
         }
-        let plugins = pytest::probe(&python_text, &self.root, cancel).await?;
+        let plugins = pytest::probe(
+            &python_text,
+            &self.root,
+            &std::collections::BTreeMap::new(),
+            &[],
+            cancel,
+        )
+        .await?
+        .plugins;
         let missing = missing_tools(plugins);
         if !missing.is_empty() {
             let pip = Command::new(&python_text)
                 .args(["-m", "pip", "install", "--disable-pip-version-check"])
                 .args(missing.iter().copied())
                 .cwd(worktree);
-            self.step(
-                &format!("pip install {}", missing.join(" ")),
-                pip,
-                PIP_TIMEOUT,
-                cancel,
-            )
-            .await?;
+            log.push_str(
+                &self
+                    .step(
+                        &format!("pip install {}", missing.join(" ")),
+                        pip,
+                        PIP_TIMEOUT,
+                        cancel,
+                    )
+                    .await?,
+            );
         }
         let marker = serde_json::json!({
-            "base_python": self.base_python,
+            "base_python": base_python,
             "requirements": requirements.iter().map(|(n, _)| n).collect::<Vec<_>>(),
             "added": missing,
         });
@@ -177,18 +265,28 @@ impl VenvCache {
         Ok(Venv {
             python,
             built: true,
+            installer: format!("{installer} (built venv {})", dir.display()),
+            log: troupe_process::tail(&log, 30, 6000),
         })
     }
 
-    fn key(&self, requirements: &[(String, Vec<u8>)]) -> String {
+    fn key(&self, inputs: &Inputs) -> String {
         let mut hasher = Sha256::new();
-        hasher.update(self.base_python.as_bytes());
+        hasher.update(inputs.base_python.as_bytes());
         hasher.update([0]);
-        for (name, content) in requirements {
+        for (name, content) in &inputs.files {
             hasher.update(name.as_bytes());
             hasher.update([0]);
             hasher.update(content);
             hasher.update([0]);
+        }
+        for requirement in inputs.pyproject.iter().chain(&inputs.selected) {
+            hasher.update(requirement.as_bytes());
+            hasher.update([1]);
+        }
+        if let Some(lock) = &inputs.uv_lock {
+            hasher.update(b"uv.lock\0");
+            hasher.update(lock);
         }
         hasher
             .finalize()
@@ -197,13 +295,14 @@ impl VenvCache {
             .collect()
     }
 
+    /// Runs one install step; returns its output tail.
     async fn step(
         &self,
         what: &str,
         command: Command,
         limit: Duration,
         cancel: &CancellationToken,
-    ) -> Result<(), Error> {
+    ) -> Result<String, Error> {
         let command = PIP_ENV
             .iter()
             .fold(command, |cmd, key| cmd.env_passthrough(*key))
@@ -220,7 +319,10 @@ impl VenvCache {
                 step: what.to_owned(),
                 detail: format!("timed out after {}s", limit.as_secs()),
             }),
-            Termination::Exited if output.success() => Ok(()),
+            Termination::Exited if output.success() => Ok(format!(
+                "$ {what}\n{}\n",
+                troupe_process::tail(&output.stdout_text(), 5, 1000)
+            )),
             Termination::Exited => Err(Error::Install {
                 step: what.to_owned(),
                 detail: format!(
@@ -235,6 +337,34 @@ impl VenvCache {
             }),
         }
     }
+}
+
+/// One line saying what a venv is built from.
+fn describe(inputs: &Inputs, worktree: &Path) -> String {
+    let mut parts = vec![format!("venv on {}", inputs.base_python)];
+    if inputs.uv_lock.is_some() {
+        parts.push("uv sync --frozen (uv.lock)".to_owned());
+    } else if worktree.join("uv.lock").is_file() {
+        parts.push("uv.lock present but uv is not on PATH: pip from pyproject.toml".to_owned());
+    }
+    if worktree.join("poetry.lock").is_file() {
+        parts.push(
+            "poetry.lock not used (poetry installs are not implemented; PEP 621 requirements only)"
+                .to_owned(),
+        );
+    }
+    if !inputs.pyproject.is_empty() || !inputs.selected.is_empty() {
+        let chosen = if inputs.selected.is_empty() {
+            String::new()
+        } else {
+            format!(" with {}", inputs.selected.join(", "))
+        };
+        parts.push(format!("pyproject.toml dependencies{chosen}"));
+    }
+    for (name, _) in &inputs.files {
+        parts.push(format!("-r {name}"));
+    }
+    parts.join("; ")
 }
 
 /// The pip distributions to add for plugins the requirements did not provide.
@@ -340,14 +470,19 @@ mod tests {
 
     #[test]
     fn key_depends_on_requirement_contents() {
-        let cache = VenvCache::new(PathBuf::from("/x"), "python3".into());
-        let a = cache.key(&[("requirements.txt".into(), b"pytest\n".to_vec())]);
-        let b = cache.key(&[("requirements.txt".into(), b"pytest==9.2.0\n".to_vec())]);
-        assert_ne!(a, b);
-        assert_eq!(
-            a,
-            cache.key(&[("requirements.txt".into(), b"pytest\n".to_vec())])
-        );
+        let cache = VenvCache::new(PathBuf::from("/x"));
+        let inputs = |text: &[u8], python: &str, pyproject: &[&str]| Inputs {
+            base_python: python.to_owned(),
+            files: vec![("requirements.txt".into(), text.to_vec())],
+            pyproject: pyproject.iter().map(|s| (*s).to_owned()).collect(),
+            selected: Vec::new(),
+            uv_lock: None,
+        };
+        let a = cache.key(&inputs(b"pytest\n", "python3", &[]));
+        assert_ne!(a, cache.key(&inputs(b"pytest==9.2.0\n", "python3", &[])));
+        assert_ne!(a, cache.key(&inputs(b"pytest\n", "python3.12", &[])));
+        assert_ne!(a, cache.key(&inputs(b"pytest\n", "python3", &["attrs"])));
+        assert_eq!(a, cache.key(&inputs(b"pytest\n", "python3", &[])));
         assert_eq!(a.len(), 64);
     }
 }

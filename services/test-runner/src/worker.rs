@@ -1,10 +1,11 @@
 //! TESTRUN-* tasks from the coordinator.
 //!
 //! The task's `test` object (`framework`, `coverage_target`, `install` (default true),
-//! `coverage_source`, `timeout_seconds`, `test_timeout_seconds`) configures one run at the
-//! session branch head. The task completes only when the outcome is PASSED (exit 0, no failing
-//! test, coverage at or above the target); any other outcome fails it with CHECK_FAILED, not
-//! retryable, with the report as the partial result.
+//! `coverage_source`, `timeout_seconds`, `test_timeout_seconds` (0 = none), `setup`, `env`,
+//! `workdir`, `python`, `fix`) configures one run at the session branch head. The task
+//! completes when the outcome is PASSED, or when its fix loop ended meeting CCW's criterion
+//! (pass rate ≥ 0.95 and coverage ≥ target); any other outcome fails it with CHECK_FAILED, not
+//! retryable, with the report as the partial result and a crash's reason in the message.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -16,7 +17,7 @@ use troupe_proto::v1::{
     ClaimedTask, ErrorKind, FixScope, LogMessageRequest, TaskResult, TestFramework, TestOutcome,
     TestRunReport, UpdateStateRequest, task_result,
 };
-use troupe_workspace::{Attempt, Claim, ConfirmWith, Oid, Publication, Remote, Repo};
+use troupe_workspace::{Attempt, Claim, ConfirmWith, Oid, Publication, Remote};
 
 use crate::runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner, outcome_name};
 use crate::{Error, FixSpec, detect};
@@ -186,20 +187,33 @@ impl TestRunHandler {
                 None
             }
         };
-        let opened = Repo::open(&repo.path)
+        // The commit under test: the session branch's head on the remote (the session's base
+        // while nothing has landed), fetched by the claim above.
+        let head = match mirror
+            .repo()
+            .branch_head(&repo.branch)
             .await
-            .map_err(|err| into_failure(err.into()))?;
-        let head = opened
-            .resolve(&repo.branch)
-            .await
-            .map_err(|err| into_failure(err.into()))?;
+            .map_err(|err| into_failure(err.into()))?
+        {
+            Some(head) => head,
+            None => Oid::parse(&repo.base_commit).ok_or_else(|| {
+                into_failure(Error::InvalidArgument(format!(
+                    "session branch `{}` does not exist on {remote} and the claim names no base commit",
+                    repo.branch
+                )))
+            })?,
+        };
         ctx.progress(format!(
             "testing {} at {}",
             repo.branch,
             &head.as_str()[..12]
         ));
         let spec = RunSpec {
-            repo_path: opened.path().to_owned(),
+            repo_path: remote
+                .local_path()
+                .map(std::path::Path::to_path_buf)
+                .unwrap_or_default(),
+            remote: remote.clone(),
             git_ref: head.to_string(),
             framework: test.framework,
             coverage_target: test.coverage_target,
@@ -210,7 +224,10 @@ impl TestRunHandler {
             run_id: sanitize(&format!("{session}-{task_id}-a{attempt}")),
             run_number: attempt.max(1),
             fix: test.fix.clone(),
-            env: std::collections::BTreeMap::new(),
+            env: test.env.clone(),
+            setup: test.setup.clone(),
+            workdir: test.workdir.clone(),
+            python: test.python.clone(),
             placeholders: [
                 ("plan_dir".to_owned(), task.plan_dir.clone()),
                 ("session_id".to_owned(), session.to_owned()),
@@ -313,6 +330,10 @@ struct TestSpec {
     /// CCW layer name for the bus records (`L1-unit` by default).
     layer: String,
     fix: Option<FixSpec>,
+    env: std::collections::BTreeMap<String, String>,
+    setup: Vec<Vec<String>>,
+    workdir: String,
+    python: String,
 }
 
 /// The task's `test.fix` object: `{agent: {backend, command, timeout_seconds}, max_iterations,
@@ -371,6 +392,26 @@ fn parse_fix(value: Option<&Value>) -> Result<Option<FixSpec>, Error> {
                 }),
         }
     };
+    let fallback = match agent.get("fallback") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(items)) => Some(
+            items
+                .iter()
+                .map(|v| {
+                    v.as_str().map(str::to_owned).ok_or_else(|| {
+                        Error::InvalidArgument(
+                            "test.fix.agent.fallback must be backend names".to_owned(),
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        Some(_) => {
+            return Err(Error::InvalidArgument(
+                "test.fix.agent.fallback must be an array of backend names".to_owned(),
+            ));
+        }
+    };
     let scope = match object.get("scope").and_then(Value::as_str) {
         None | Some("tests") => FixScope::Tests,
         Some("source") => FixScope::Source,
@@ -384,6 +425,7 @@ fn parse_fix(value: Option<&Value>) -> Result<Option<FixSpec>, Error> {
     let spec = FixSpec {
         backend,
         command,
+        fallback,
         scope,
         timeout: Duration::from_secs(whole(
             agent.get("timeout_seconds"),
@@ -433,10 +475,14 @@ impl TestSpec {
                 ))),
             }
         };
-        let seconds = |key: &str| -> Result<Option<u32>, Error> {
+        let seconds = |key: &str, zero: bool| -> Result<Option<u32>, Error> {
             match number(key)? {
                 None => Ok(None),
-                Some(n) if n >= 1.0 && n <= f64::from(u32::MAX) && n.fract() == 0.0 => {
+                Some(n)
+                    if n >= if zero { 0.0 } else { 1.0 }
+                        && n <= f64::from(u32::MAX)
+                        && n.fract() == 0.0 =>
+                {
                     // Checked above: a whole number in u32's range.
                     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
                     let n = n as u32;
@@ -476,9 +522,10 @@ impl TestSpec {
             coverage_target,
             install,
             coverage_source,
-            timeout: seconds("timeout_seconds")?
+            timeout: seconds("timeout_seconds", false)?
                 .map_or(DEFAULT_TIMEOUT, |s| Duration::from_secs(u64::from(s))),
-            test_timeout_seconds: seconds("test_timeout_seconds")?
+            // 0 turns the per-test timeout off.
+            test_timeout_seconds: seconds("test_timeout_seconds", true)?
                 .unwrap_or(DEFAULT_TEST_TIMEOUT_SECONDS),
             layer: object
                 .get("layer")
@@ -486,8 +533,80 @@ impl TestSpec {
                 .unwrap_or("L1-unit")
                 .to_owned(),
             fix: parse_fix(object.get("fix"))?,
+            env: parse_env(object.get("env"))?,
+            setup: parse_setup(object.get("setup"))?,
+            workdir: text_field(object, "workdir")?,
+            python: text_field(object, "python")?,
         })
     }
+}
+
+fn text_field(object: &serde_json::Map<String, Value>, key: &str) -> Result<String, Error> {
+    match object.get(key) {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(_) => Err(Error::InvalidArgument(format!(
+            "test.{key} must be a string"
+        ))),
+    }
+}
+
+/// `test.env`: an object of strings, allow-listed names only.
+fn parse_env(value: Option<&Value>) -> Result<std::collections::BTreeMap<String, String>, Error> {
+    let object = match value {
+        None | Some(Value::Null) => return Ok(std::collections::BTreeMap::new()),
+        Some(Value::Object(object)) => object,
+        Some(_) => {
+            return Err(Error::InvalidArgument(
+                "test.env must be an object of strings".to_owned(),
+            ));
+        }
+    };
+    let env = object
+        .iter()
+        .map(|(k, v)| match v {
+            Value::String(s) => Ok((k.clone(), s.clone())),
+            Value::Number(n) => Ok((k.clone(), n.to_string())),
+            Value::Bool(b) => Ok((k.clone(), b.to_string())),
+            _ => Err(Error::InvalidArgument(format!(
+                "test.env.{k} must be a string"
+            ))),
+        })
+        .collect::<Result<_, _>>()?;
+    crate::setup::check_env(&env)?;
+    Ok(env)
+}
+
+/// `test.setup`: a list of argv arrays.
+fn parse_setup(value: Option<&Value>) -> Result<Vec<Vec<String>>, Error> {
+    let items = match value {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(items)) => items,
+        Some(_) => {
+            return Err(Error::InvalidArgument(
+                "test.setup must be a list of argv arrays".to_owned(),
+            ));
+        }
+    };
+    let setup = items
+        .iter()
+        .map(|item| {
+            item.as_array()
+                .and_then(|argv| {
+                    argv.iter()
+                        .map(|a| a.as_str().map(str::to_owned))
+                        .collect::<Option<Vec<_>>>()
+                })
+                .ok_or_else(|| {
+                    Error::InvalidArgument(
+                        "each test.setup entry must be an argv array of strings (no shell)"
+                            .to_owned(),
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    crate::setup::check_setup(&setup)?;
+    Ok(setup)
 }
 
 /// Completed when PASSED, or when a fix loop reached CCW's success criterion (pass rate ≥ 0.95
@@ -516,7 +635,11 @@ fn verdict(report: TestRunReport) -> Result<TaskResult, TaskFailure> {
     details.extend(report.warnings.iter().cloned());
     if matches!(
         outcome,
-        TestOutcome::RunnerCrashed | TestOutcome::Timeout | TestOutcome::CollectionError
+        TestOutcome::RunnerCrashed
+            | TestOutcome::Timeout
+            | TestOutcome::CollectionError
+            | TestOutcome::InstallFailed
+            | TestOutcome::SetupFailed
     ) && !report.stderr_tail.is_empty()
     {
         details.push(troupe_process::tail(&report.stderr_tail, 15, 2000));
@@ -531,13 +654,50 @@ fn verdict(report: TestRunReport) -> Result<TaskResult, TaskFailure> {
     if outcome == TestOutcome::Passed || fixed {
         Ok(result)
     } else {
+        let reason = why(&result);
         Err(TaskFailure::new(
             ErrorKind::CheckFailed,
-            format!("test run {}: {summary}", outcome_name(outcome)),
+            format!("test run {}: {summary}{reason}", outcome_name(outcome)),
             false,
         )
         .with_details(details)
         .with_partial(result))
+    }
+}
+
+/// Why a run that never got to its tests ended, for the failure's headline (`troupe run` shows
+/// only the first line of each message).
+fn why(result: &TaskResult) -> String {
+    let Some(task_result::Detail::TestRun(report)) = &result.detail else {
+        return String::new();
+    };
+    let text = match report.outcome() {
+        TestOutcome::RunnerCrashed | TestOutcome::Timeout => {
+            crate::runner::crash_reason(&report.stderr_tail)
+        }
+        TestOutcome::InstallFailed => format!(
+            "`{}` failed: {}",
+            report.installer,
+            crate::runner::crash_reason(&report.install_log)
+        ),
+        TestOutcome::SetupFailed => report
+            .warnings
+            .iter()
+            .find(|w| w.starts_with("setup command"))
+            .cloned()
+            .unwrap_or_default(),
+        TestOutcome::WrongSource => report
+            .warnings
+            .iter()
+            .find(|w| w.starts_with("wrong source"))
+            .cloned()
+            .unwrap_or_default(),
+        _ => String::new(),
+    };
+    if text.is_empty() {
+        String::new()
+    } else {
+        format!("; {text}")
     }
 }
 
@@ -623,6 +783,10 @@ mod tests {
                 test_timeout_seconds: DEFAULT_TEST_TIMEOUT_SECONDS,
                 layer: "L1-unit".to_owned(),
                 fix: None,
+                env: std::collections::BTreeMap::new(),
+                setup: Vec::new(),
+                workdir: String::new(),
+                python: String::new(),
             }
         );
         let value = json!({"framework": "pytest", "coverage_target": 80, "install": false,

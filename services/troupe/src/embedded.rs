@@ -96,6 +96,7 @@ impl Embedded {
             worker_id: None,
             worker: Default::default(),
             concurrency: 1,
+            backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
             security: Default::default(),
         })
         .await

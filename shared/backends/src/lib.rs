@@ -12,6 +12,7 @@
 //! against an OpenAI-compatible endpoint. Settings come from [`BackendsConfig`].
 
 mod agent;
+pub mod chain;
 mod cli;
 mod command;
 mod config;

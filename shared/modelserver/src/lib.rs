@@ -525,12 +525,18 @@ fn conversation(api: Api, body: &Value) -> Conversation {
                     continue;
                 }
                 let content = msg.get("content").unwrap_or(&Value::Null);
-                let has_result = content.as_array().is_some_and(|blocks| {
+                let results = content.as_array().map_or(0, |blocks| {
                     blocks
                         .iter()
-                        .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
+                        .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
+                        .count()
                 });
-                items.push((has_result, text_of(content)));
+                // Claude Code sends the results of consecutive tool calls in one user message:
+                // each result is a step taken.
+                items.push((results > 0, text_of(content)));
+                for _ in 1..results {
+                    items.push((true, String::new()));
+                }
             }
             for tool in body
                 .get("tools")

@@ -14,6 +14,8 @@ use crate::failure::{criticality, is_type_name, leading_exception_type, strip_an
 #[derive(Debug, Deserialize)]
 struct Report {
     #[serde(default)]
+    root: String,
+    #[serde(default)]
     summary: Summary,
     #[serde(default)]
     collectors: Vec<Collector>,
@@ -124,11 +126,37 @@ pub(crate) fn parse(text: &str) -> Result<SuiteResults, serde_json::Error> {
             .filter(|t| t.outcome == "failed" || t.outcome == "error")
             .map(test_failure),
     );
+    let mut skip_reasons = std::collections::BTreeMap::new();
+    for test in report.tests.iter().filter(|t| t.outcome == "skipped") {
+        let reason = [&test.setup, &test.call]
+            .into_iter()
+            .flatten()
+            .find(|phase| phase.outcome == "skipped")
+            .and_then(|phase| phase.longrepr.as_deref())
+            .map(skip_reason)
+            .unwrap_or_default();
+        *skip_reasons.entry(reason).or_insert(0) += 1;
+    }
     Ok(SuiteResults {
         totals,
         failures,
         collection_errors,
+        skip_reasons,
+        root: (!report.root.is_empty()).then(|| report.root.clone()),
     })
+}
+
+/// The reason of a skip from its long representation, `('/x/tests/t.py', 5, 'Skipped: why')`.
+fn skip_reason(longrepr: &str) -> String {
+    let text = longrepr.trim();
+    let reason = text
+        .find("Skipped: ")
+        .map_or(text, |at| &text[at + "Skipped: ".len()..]);
+    reason
+        .trim_end_matches(')')
+        .trim_end_matches(['\'', '"'])
+        .trim()
+        .to_owned()
 }
 
 fn test_failure(test: &Test) -> TestFailure {

@@ -301,6 +301,7 @@ pub(crate) fn parse(xml: &str) -> Result<SuiteResults, JunitError> {
         totals,
         failures,
         collection_errors,
+        ..SuiteResults::default()
     })
 }
 

@@ -49,6 +49,7 @@ fn fix_request(
             command,
             scope: scope as i32,
             timeout_seconds: 60,
+            fallback: Vec::new(),
         }),
         ..RunTestsRequest::default()
     }
@@ -257,5 +258,238 @@ async fn jest_and_vitest_fixes_run_the_affected_tests_first() {
         let totals = report.totals.expect("totals");
         assert_eq!((totals.passed, totals.failed, totals.skipped), (5, 0, 1));
     }
+    service.stop().await;
+}
+
+/// The CLI's program: on PATH, or where scripts/setup/50-agent-clis.sh installs it.
+fn cli_program(name: &str) -> String {
+    if troupe_process::which(name).is_some() {
+        return name.to_owned();
+    }
+    let installed = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../target/tools/npm/bin")
+        .join(name);
+    assert!(
+        installed.is_file(),
+        "`{name}` is not installed: run scripts/setup/50-agent-clis.sh (scripts/test does)"
+    );
+    installed.display().to_string()
+}
+
+/// The executor's backend configuration file pointing `backend` at the scripted model server.
+fn backends_toml(backend: &str, base: &str) -> String {
+    let (endpoint, model) = match backend {
+        "codex" => (format!("{base}/v1"), "gpt-5.5"),
+        "claude" => (base.to_owned(), "fake-model"),
+        _ => (format!("{base}/v1"), "fake-model"),
+    };
+    format!(
+        "fallback = []\nretries = 0\n\n[backends.{backend}]\ncommand = {:?}\nmodel = {model:?}\nendpoint = {endpoint:?}\napi_key = \"fake-key\"\nfast_fail = true\ntimeout_seconds = 120\n",
+        cli_program(backend)
+    )
+}
+
+/// 199 passing tests and one whose expectation is wrong (the fix belongs in the test), plus
+/// one test whose failure the scripted agent "fixes" in the source, outside a tests scope.
+fn two_hundred_tests(dir: &Path, with_source_bait: bool) {
+    let mut files = [
+        ("calc/__init__.py".to_owned(), String::new()),
+        (
+            "calc/ops.py".to_owned(),
+            "def add(a, b):\n    return a + b\n\n\ndef half(x):\n    return x / 2\n".to_owned(),
+        ),
+        (
+            "tests/test_many.py".to_owned(),
+            "import pytest\n\nfrom calc.ops import add\n\n\n@pytest.mark.parametrize('n', range(199))\ndef test_add(n):\n    assert add(n, 1) == n + 1\n".to_owned(),
+        ),
+        (
+            "tests/test_edge.py".to_owned(),
+            "from calc.ops import half\n\n\ndef test_half_of_three():\n    assert half(3) == 1\n".to_owned(),
+        ),
+    ];
+    if with_source_bait {
+        files[3].1 = "from calc.ops import half\n\n\ndef test_half_rounds_down():\n    assert half(3) == 1\n".to_owned();
+    }
+    let refs: Vec<(&str, &str)> = files
+        .iter()
+        .map(|(p, c)| (p.as_str(), c.as_str()))
+        .collect();
+    troupe_testkit::git_repo(dir, &refs).expect("repo");
+}
+
+async fn start_with_backends(toml: &str, dir: &Path) -> troupe_testkit::TestService {
+    let file = dir.join("backends.toml");
+    std::fs::write(&file, toml).expect("config");
+    let config = troupe_test_runner::Config {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: super::data_dir(),
+        coordinator_url: None,
+        python: super::support::tools_python().display().to_string(),
+        worker_id: None,
+        concurrency: 1,
+        backends_config: Some(file),
+        worker: troupe_grpc::worker::WorkerTuning::default(),
+        security: Default::default(),
+    };
+    troupe_testkit::TestService::spawn(move |listener, shutdown| {
+        troupe_test_runner::run(config, listener, shutdown)
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_and_claude_fix_one_failure_in_two_hundred_within_scope() {
+    use troupe_modelserver::{Action, ModelServer, Script};
+    // The scripted model: a failing test about rounding down is "fixed" in the source (out
+    // of a tests-only scope); any other failure is fixed in its test. Codex edits through its
+    // shell; claude reads, then edits (acceptEdits allows file edits, not arbitrary commands).
+    let edit = |backend: &str, path: &str, content: &str, sed: &str| {
+        if backend == "codex" {
+            vec![Action::Shell {
+                command: format!("sed -i '{sed}' {path}"),
+            }]
+        } else {
+            vec![
+                Action::ReadFile {
+                    path: path.to_owned(),
+                },
+                Action::WriteFile {
+                    path: path.to_owned(),
+                    content: content.to_owned(),
+                },
+            ]
+        }
+    };
+    for backend in ["claude", "codex"] {
+        let script = Script::default()
+            .rule(
+                "test_half_rounds_down",
+                edit(
+                    backend,
+                    "calc/ops.py",
+                    "def add(a, b):\n    return a + b\n\n\ndef half(x):\n    return x // 2\n",
+                    "s/x \\/ 2/x \\/\\/ 2/",
+                ),
+            )
+            .rule(
+                "Fix failing tests",
+                edit(
+                    backend,
+                    "tests/test_edge.py",
+                    "from calc.ops import half\n\n\ndef test_half_of_three():\n    assert half(3) == 1.5\n",
+                    "s/half(3) == 1$/half(3) == 1.5/",
+                ),
+            );
+        let (url, server) = ModelServer::start(script).await.expect("model server");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let service = start_with_backends(&backends_toml(backend, &url), dir.path()).await;
+        let fix = |repo: &Path| RunTestsRequest {
+            repo_path: repo.display().to_string(),
+            max_iterations: 2,
+            fix: Some(FixOptions {
+                backend: backend.to_owned(),
+                scope: FixScope::Tests as i32,
+                timeout_seconds: 90,
+                ..FixOptions::default()
+            }),
+            ..RunTestsRequest::default()
+        };
+
+        let repo = dir.path().join("app");
+        two_hundred_tests(&repo, false);
+        let report = run_tests(&service, fix(&repo)).await.expect("run");
+        let loop_ = report
+            .fix_loop
+            .clone()
+            .expect("the loop runs at a 0.995 pass rate");
+        assert!(loop_.succeeded, "{backend}: {loop_:#?}");
+        assert!(
+            (loop_.pass_rate_history[0] - 199.0 / 200.0).abs() < 1e-9,
+            "{backend}: {:?}",
+            loop_.pass_rate_history
+        );
+        let step = &loop_.iterations[0];
+        assert_eq!(step.verdict, "kept", "{backend}: {step:#?}");
+        assert_eq!(step.backend, backend);
+        let usage = step.usage.expect("usage recorded");
+        assert!(
+            usage.input_tokens >= 2 * troupe_modelserver::INPUT_TOKENS,
+            "{backend}: {usage:?}"
+        );
+        assert_eq!(loop_.usage, Some(usage));
+        assert_eq!(
+            report.outcome(),
+            TestOutcome::Passed,
+            "{backend}: {report:#?}"
+        );
+        assert_eq!(report.totals.expect("totals").passed, 200);
+        let fixed = git(
+            &repo,
+            &[
+                "show",
+                &format!("{}:tests/test_edge.py", loop_.final_commit),
+            ],
+        )
+        .expect("show");
+        assert!(fixed.contains("half(3) == 1.5"), "{backend}: {fixed}");
+
+        // An edit outside the tests-only scope is reverted, and nothing is kept.
+        let bait = dir.path().join("bait");
+        two_hundred_tests(&bait, true);
+        let report = run_tests(&service, fix(&bait)).await.expect("run");
+        let loop_ = report.fix_loop.clone().expect("loop");
+        // Nothing was kept; CCW's criterion (pass rate >= 0.95) still holds at 199 of 200.
+        assert!(loop_.succeeded, "{backend}: {loop_:#?}");
+        assert_eq!(loop_.iterations.len(), 2);
+        assert_eq!(report.outcome(), TestOutcome::TestsFailed);
+        for step in &loop_.iterations {
+            assert_eq!(
+                step.verdict, "reverted_out_of_scope",
+                "{backend}: {step:#?}"
+            );
+            assert_eq!(step.out_of_scope_paths, ["calc/ops.py"]);
+        }
+        assert!(loop_.final_commit.is_empty());
+        assert_eq!(report.totals.expect("totals").failed, 1);
+        service.stop().await;
+        drop(server);
+    }
+}
+
+#[tokio::test]
+async fn a_backend_that_is_not_installed_falls_back_along_the_chain() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let service = start_with_backends(
+        "fallback = []\nretries = 0\n\n[backends.codex]\ncommand = \"/nonexistent/codex\"\n",
+        dir.path(),
+    )
+    .await;
+    let agent = agent(dir.path());
+    let repo = fixture_repo("pytest-proj", &[], &[], None);
+    let mut req = fix_request(
+        repo.path(),
+        &agent,
+        &[
+            "tests/test_mathops.py",
+            "divide(10, 4) == 2",
+            "divide(10, 4) == 2.5",
+        ],
+        FixScope::Tests,
+        1,
+    );
+    let fix = req.fix.as_mut().expect("fix");
+    fix.backend = "codex".to_owned();
+    fix.fallback = vec!["command".to_owned()];
+    let report = run_tests(&service, req).await.expect("run");
+    let loop_ = report.fix_loop.clone().expect("loop");
+    let step = &loop_.iterations[0];
+    assert_eq!(step.verdict, "kept", "{step:#?}");
+    assert_eq!(step.backend, "command");
+    assert_eq!(step.fallbacks, ["codex"]);
+    assert_eq!(
+        report.totals.expect("totals").failed,
+        1,
+        "one of two failures fixed"
+    );
     service.stop().await;
 }

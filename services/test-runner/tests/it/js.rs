@@ -459,7 +459,7 @@ async fn install_uses_npm_once_and_then_the_cache() {
         first
             .warnings
             .iter()
-            .any(|w| w.starts_with("installed node_modules with npm")
+            .any(|w| w.starts_with("installed node_modules with `npm")
                 || w.starts_with("reused the node_modules cached")),
         "{:?}",
         first.warnings

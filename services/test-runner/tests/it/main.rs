@@ -12,11 +12,15 @@ use troupe_proto::v1::{
 };
 use troupe_testkit::{TestService, git_repo};
 
+mod environment;
 mod fixloop;
+mod installs;
 mod js;
 mod pytest_fixture;
+mod source;
 mod support;
 mod testrun_task;
+mod versions;
 
 const REQUIREMENTS: &str = "pytest\npytest-cov\npytest-json-report\npytest-timeout\n";
 
@@ -48,6 +52,7 @@ async fn start() -> TestService {
         worker_id: None,
         worker: Default::default(),
         concurrency: 1,
+        backends_config: None,
         security: Default::default(),
     };
     TestService::spawn(move |listener, shutdown| {
@@ -475,6 +480,7 @@ async fn without_plugins_results_come_from_junit_and_coverage_is_not_claimed() {
         worker_id: None,
         worker: Default::default(),
         concurrency: 1,
+        backends_config: None,
         security: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {

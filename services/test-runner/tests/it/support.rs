@@ -102,3 +102,142 @@ pub(crate) fn gone(pid: u32) -> bool {
             .is_some_and(|rest| rest.trim_start().starts_with('Z')),
     }
 }
+
+/// Commits `edits` (`(path, old, new)` replacements) on a new branch `branch` from `HEAD`,
+/// through a temporary worktree: the repository's own checkout is not touched. Returns the
+/// commit.
+pub(crate) fn commit_on_branch(repo: &Path, branch: &str, edits: &[(&str, &str, &str)]) -> String {
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let wt = scratch.path().join("wt");
+    let wt_text = wt.display().to_string();
+    git(
+        repo,
+        &["worktree", "add", "-q", "-b", branch, &wt_text, "HEAD"],
+    )
+    .expect("worktree");
+    for (path, old, new) in edits {
+        let file = wt.join(path);
+        let text = std::fs::read_to_string(&file).expect("read");
+        assert!(text.contains(old), "{path} has no {old:?}");
+        std::fs::write(&file, text.replacen(old, new, 1)).expect("write");
+    }
+    git(&wt, &["commit", "-q", "-am", "task: a one-line change"]).expect("commit");
+    let commit = git(&wt, &["rev-parse", "HEAD"]).expect("rev-parse");
+    git(repo, &["worktree", "remove", "--force", &wt_text]).expect("remove worktree");
+    commit.trim().to_owned()
+}
+
+/// A clean checkout of `rev` next to the repository (a detached worktree in a temp dir), for
+/// running the framework directly at that commit.
+pub(crate) fn checkout_of(repo: &Path, rev: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("co");
+    git(
+        repo,
+        &[
+            "worktree",
+            "add",
+            "-q",
+            "--detach",
+            &path.display().to_string(),
+            rev,
+        ],
+    )
+    .expect("worktree");
+    dir
+}
+
+/// `node_modules` as npm lays it out for a workspace: the installed packages of `installed`
+/// (each entry linked), plus relative workspace links such as `@fx/a -> ../../packages/a`,
+/// which resolve into `dir` itself.
+pub(crate) fn npm_like_modules(dir: &Path, installed: &Path, workspace: &[(&str, &str)]) {
+    let modules = dir.join("node_modules");
+    std::fs::create_dir_all(&modules).expect("mkdir node_modules");
+    for entry in std::fs::read_dir(installed).expect("installed node_modules") {
+        let entry = entry.expect("entry");
+        std::os::unix::fs::symlink(entry.path(), modules.join(entry.file_name())).expect("link");
+    }
+    for (name, target) in workspace {
+        let at = modules.join(name);
+        std::fs::create_dir_all(at.parent().expect("scope")).expect("mkdir scope");
+        std::os::unix::fs::symlink(target, &at).expect("workspace link");
+    }
+}
+
+/// The Python with pytest and its plugins that scripts/setup/10-python-tools.sh installs.
+pub(crate) fn tools_python() -> PathBuf {
+    if let Ok(python) = std::env::var("TROUPE_TEST_PYTHON") {
+        return PathBuf::from(python);
+    }
+    let fallback = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/tools/venv/bin/python");
+    assert!(
+        fallback.is_file(),
+        "run scripts/setup/10-python-tools.sh (or scripts/test) first: {} is missing",
+        fallback.display()
+    );
+    fallback
+}
+
+/// Runs a fixture command (std::process is fine here) and returns its output.
+pub(crate) fn run(
+    program: &Path,
+    args: &[&str],
+    cwd: &Path,
+    env: &[(&str, String)],
+) -> std::process::Output {
+    std::process::Command::new(program)
+        .args(args)
+        .current_dir(cwd)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap_or_else(|err| panic!("running {}: {err}", program.display()))
+}
+
+/// A user's interpreter: a venv on the tools Python (its packages visible through a `.pth`)
+/// with `project` installed editable (`pip install -e`, setuptools' own editable install).
+pub(crate) fn editable_interpreter(dir: &Path, project: &Path) -> PathBuf {
+    let tools = tools_python();
+    let venv = dir.join("user-venv");
+    let out = run(
+        &tools,
+        &["-m", "venv", "--without-pip", &venv.display().to_string()],
+        dir,
+        &[],
+    );
+    assert!(out.status.success(), "venv: {out:?}");
+    let python = venv.join("bin/python");
+    let purelib = |python: &Path| {
+        let out = run(
+            python,
+            &[
+                "-c",
+                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+            ],
+            dir,
+            &[],
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let tools_site = purelib(&tools);
+    let site = PathBuf::from(purelib(&python));
+    std::fs::create_dir_all(&site).expect("site-packages");
+    std::fs::write(site.join("troupe-tools.pth"), format!("{tools_site}\n")).expect("pth");
+    let out = run(
+        &python,
+        &[
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--no-build-isolation",
+            "-e",
+            &project.display().to_string(),
+        ],
+        dir,
+        &[],
+    );
+    assert!(out.status.success(), "pip install -e: {out:?}");
+    python
+}

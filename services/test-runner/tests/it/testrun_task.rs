@@ -34,6 +34,7 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
         worker_id: Some("test-runner-it".to_owned()),
         worker: Default::default(),
         concurrency: 1,
+        backends_config: None,
         security: Default::default(),
     };
     let runner = TestService::spawn(move |listener, shutdown| {
@@ -187,6 +188,158 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
             assert!(state.fields.contains_key(key), "{framework}: {key}");
         }
     }
+    runner.stop().await;
+    coordinator.stop().await;
+}
+
+/// A plan's TESTRUN task with `test.python`, `test.env`, `test.setup` and `test.workdir`,
+/// whose session starts at a task's commit with a one-line bug (the user's checkout is on a
+/// clean `main` with the project installed editable): the task fails naming the failing test,
+/// and a failing setup command's reason is the first line of the task's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_tests_the_commit_it_names_with_its_env_setup_and_workdir() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let coordinator_dir = data.path().join("coordinator");
+    let coordinator = TestService::spawn(move |listener, shutdown| {
+        troupe_coordinator::run(
+            troupe_coordinator::Config::new(coordinator_dir),
+            listener,
+            shutdown,
+        )
+    })
+    .await;
+    let runner_config = troupe_test_runner::Config {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: super::data_dir(),
+        coordinator_url: Some(coordinator.url()),
+        python: "python3".to_owned(),
+        worker_id: Some("test-runner-plan-it".to_owned()),
+        concurrency: 1,
+        backends_config: None,
+        worker: troupe_grpc::worker::WorkerTuning::default(),
+        security: Default::default(),
+    };
+    let runner = TestService::spawn(move |listener, shutdown| {
+        troupe_test_runner::run(runner_config, listener, shutdown)
+    })
+    .await;
+    let mut client = CoordinatorClient::connect(coordinator.url())
+        .await
+        .expect("connect");
+
+    let repo = fixture_repo("pysrc-proj", &[], &[], None);
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let python = super::support::editable_interpreter(scratch.path(), repo.path());
+    super::support::commit_on_branch(
+        repo.path(),
+        "task",
+        &[("src/pricing/cart.py", "(100 - percent)", "(100 + percent)")],
+    );
+    let tools = super::support::tools_python().display().to_string();
+    for (name, setup, expect) in [
+        (
+            "bug",
+            serde_json::json!([[tools, "-c", "open('built.txt', 'w').write('ok')"]]),
+            "tests/test_cart.py::test_discount_applies_percent",
+        ),
+        (
+            "setup",
+            serde_json::json!([[
+                tools,
+                "-c",
+                "import sys; sys.exit('cannot build the catalogue')"
+            ]]),
+            "setup command",
+        ),
+    ] {
+        let plan = serde_json::json!({
+            "name": format!("plan-{name}"),
+            "description": "test the task's commit",
+            "repos": {"app": {"path": repo.path().display().to_string(), "base": "task"}},
+            "tasks": [{
+                "id": "TESTRUN-001",
+                "title": "Run the tests",
+                "description": "run the suite",
+                "depends_on": [],
+                "test": {
+                    "framework": "pytest",
+                    "install": false,
+                    "python": python.display().to_string(),
+                    "env": {"TZ": "UTC", "LC_ALL": "C.UTF-8"},
+                    "setup": setup,
+                    "workdir": "",
+                    "test_timeout_seconds": 0
+                }
+            }]
+        });
+        let session = client
+            .create_session(CreateSessionRequest {
+                plan_json: plan.to_string(),
+                ..CreateSessionRequest::default()
+            })
+            .await
+            .expect("create session")
+            .into_inner()
+            .session
+            .expect("session");
+        let task = eventually(&format!("{name}: TESTRUN-001 to finish"), || {
+            let mut client = client.clone();
+            let id = session.id.clone();
+            async move {
+                let got = client
+                    .get_session(GetSessionRequest { session_id: id })
+                    .await
+                    .ok()?
+                    .into_inner();
+                got.tasks.into_iter().find(|t| {
+                    matches!(
+                        t.state(),
+                        TaskState::Completed | TaskState::Failed | TaskState::Blocked
+                    )
+                })
+            }
+        })
+        .await;
+        assert_eq!(task.state(), TaskState::Failed, "{name}: {task:#?}");
+        let error = task.last_error.clone().expect("error");
+        let first_line = error.message.lines().next().unwrap_or("");
+        assert!(
+            first_line.contains(expect) || error.details.iter().any(|d| d.contains(expect)),
+            "{name}: {error:#?}"
+        );
+        if name == "setup" {
+            assert!(
+                first_line.contains("cannot build the catalogue"),
+                "{first_line}"
+            );
+        }
+        let report = task
+            .result
+            .as_ref()
+            .and_then(|r| r.detail.clone())
+            .and_then(|d| match d {
+                Detail::TestRun(report) => Some(report),
+                _ => None,
+            })
+            .expect("the report comes with the failure");
+        assert_eq!(report.env.get("TZ").map(String::as_str), Some("UTC"));
+        assert!(
+            report.command.iter().all(|a| !a.starts_with("--timeout")),
+            "{:?}",
+            report.command
+        );
+        if name == "bug" {
+            assert_eq!(report.outcome(), TestOutcome::TestsFailed, "{report:#?}");
+            assert_eq!(report.setup_steps.len(), 1);
+        } else {
+            assert_eq!(report.outcome(), TestOutcome::SetupFailed, "{report:#?}");
+        }
+    }
+    // The user's checkout: still on a clean main.
+    assert_eq!(
+        git(repo.path(), &["status", "--porcelain"]).expect("status"),
+        ""
+    );
     runner.stop().await;
     coordinator.stop().await;
 }

@@ -1,0 +1,164 @@
+//! Installs as the project says: a pnpm workspace through corepack with its frozen lockfile
+//! (workspace links re-made inside the worktree), and a Python project's own test extras or
+//! PEP 735 dependency groups from `pyproject.toml`. Each is compared with the framework run
+//! directly at the same commit, with a one-line bug in a task's commit.
+
+use troupe_proto::v1::{RunTestsRequest, TestFramework, TestOutcome};
+
+use super::support::{checkout_of, commit_on_branch, fixture_repo, read_json, run};
+use super::{run_tests, start};
+
+#[tokio::test]
+async fn a_pnpm_workspace_installs_frozen_and_tests_the_task_commit() {
+    let repo = fixture_repo("pnpm-workspace", &[], &[], None);
+    let task = commit_on_branch(
+        repo.path(),
+        "task",
+        &[(
+            "packages/a/src/index.js",
+            "(100 - percent)",
+            "(100 + percent)",
+        )],
+    );
+    // Directly: a clean checkout of the task's commit, installed by pnpm itself.
+    let direct = checkout_of(repo.path(), &task);
+    let dir = direct.path().join("co");
+    let corepack = std::path::PathBuf::from("corepack");
+    let env: Vec<(&str, String)> = ["COREPACK_HOME", "COREPACK_INTEGRITY_KEYS"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (*k, v)))
+        .chain([
+            ("COREPACK_ENABLE_DOWNLOAD_PROMPT", "0".to_owned()),
+            ("CI", "true".to_owned()),
+        ])
+        .collect();
+    let out = run(
+        &corepack,
+        &["pnpm", "install", "--frozen-lockfile"],
+        &dir,
+        &env,
+    );
+    assert!(
+        out.status.success(),
+        "pnpm install (run scripts/setup/35-corepack.sh first): {out:?}"
+    );
+    let results = dir.join("results.json");
+    let out = run(
+        &dir.join("node_modules/.bin/vitest"),
+        &[
+            "run",
+            "--reporter=json",
+            &format!("--outputFile={}", results.display()),
+        ],
+        &dir,
+        &[("CI", "true".to_owned())],
+    );
+    assert!(results.is_file(), "{out:?}");
+    let direct = read_json(&results);
+    assert_eq!(direct["numFailedTests"], 1, "{direct}");
+
+    let service = start().await;
+    let report = run_tests(
+        &service,
+        RunTestsRequest {
+            repo_path: repo.path().display().to_string(),
+            r#ref: task.clone(),
+            install: true,
+            ..RunTestsRequest::default()
+        },
+    )
+    .await
+    .expect("run");
+    assert_eq!(report.framework(), TestFramework::Vitest);
+    assert_eq!(report.outcome(), TestOutcome::TestsFailed, "{report:#?}");
+    let totals = report.totals.expect("totals");
+    assert_eq!(u64::from(totals.total), direct["numTotalTests"]);
+    assert_eq!(u64::from(totals.failed), direct["numFailedTests"]);
+    assert_eq!(report.failures[0].name, "a quarter off");
+    assert_eq!(report.failures[0].file, "packages/b/test/checkout.test.js");
+    assert!(
+        report
+            .installer
+            .contains("corepack pnpm install --frozen-lockfile"),
+        "{}",
+        report.installer
+    );
+    assert!(
+        report.warnings.iter().any(|w| w == "package manager: pnpm"),
+        "{:?}",
+        report.warnings
+    );
+    assert!(
+        report.outside_paths.is_empty(),
+        "{:?}",
+        report.outside_paths
+    );
+    let projects: Vec<(&str, u32)> = report
+        .projects
+        .iter()
+        .map(|p| (p.name.as_str(), p.failures))
+        .collect();
+    assert_eq!(projects, [("@fx/a", 0), ("@fx/b", 1)]);
+    // The second run reuses the install cached by lockfile hash.
+    let again = run_tests(
+        &service,
+        RunTestsRequest {
+            repo_path: repo.path().display().to_string(),
+            r#ref: "main".to_owned(),
+            install: true,
+            ..RunTestsRequest::default()
+        },
+    )
+    .await
+    .expect("run");
+    assert_eq!(again.outcome(), TestOutcome::Passed, "{again:#?}");
+    assert!(
+        again
+            .warnings
+            .iter()
+            .any(|w| w.starts_with("reused the node_modules cached")),
+        "{:?}",
+        again.warnings
+    );
+    service.stop().await;
+}
+
+#[tokio::test]
+async fn python_installs_the_projects_test_extras_or_dependency_groups() {
+    let repo = fixture_repo("pysrc-proj", &[], &[], None);
+    commit_on_branch(
+        repo.path(),
+        "groups",
+        &[(
+            "pyproject.toml",
+            "[project.optional-dependencies]\ntest = [",
+            "[dependency-groups]\ntest = [",
+        )],
+    );
+    let service = start().await;
+    for (rev, chosen) in [("main", "extra test"), ("groups", "group test")] {
+        let report = run_tests(
+            &service,
+            RunTestsRequest {
+                repo_path: repo.path().display().to_string(),
+                r#ref: rev.to_owned(),
+                install: true,
+                ..RunTestsRequest::default()
+            },
+        )
+        .await
+        .expect("run");
+        assert_eq!(report.outcome(), TestOutcome::Passed, "{rev}: {report:#?}");
+        assert_eq!(report.totals.expect("totals").passed, 3);
+        assert!(
+            report
+                .installer
+                .contains(&format!("pyproject.toml dependencies with {chosen}")),
+            "{rev}: {}",
+            report.installer
+        );
+        assert!(report.python.contains("/venvs/"), "{}", report.python);
+        assert!(!report.framework_version.is_empty());
+    }
+    service.stop().await;
+}
