@@ -91,6 +91,7 @@ pub(crate) fn status(
             },
             worker_id: task.worker_id.clone(),
             attempt: task.attempt,
+            repo: task.repo.clone(),
             superseded_by: task.superseded_by.clone(),
         })
         .collect();

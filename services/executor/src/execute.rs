@@ -74,6 +74,22 @@ pub struct Job {
     pub lease: Option<Arc<dyn Lease>>,
     /// The lease's fencing token; 0 outside a lease, where the attempt number serves.
     pub fencing_token: u64,
+    /// The session's read-only repositories: checked out beside the task's worktree as
+    /// context, and any change to them fails the task.
+    pub context: Vec<ContextRepo>,
+}
+
+/// A read-only repository given to a task as context.
+#[derive(Debug, Clone)]
+pub struct ContextRepo {
+    /// Its name in the plan.
+    pub name: String,
+    /// Its remote.
+    pub remote: Remote,
+    /// Its session branch (its session head is what the task sees).
+    pub branch: String,
+    /// The commit its session started from, for when the branch does not exist.
+    pub base: Option<Oid>,
 }
 
 impl Job {
@@ -310,6 +326,21 @@ pub(crate) async fn session_start(
     Ok(base.clone())
 }
 
+/// The read-only checkouts the agent changed, as `name: paths`; `None` when none.
+async fn changed_context(contexts: &[(String, Worktree, Oid)]) -> Option<Vec<String>> {
+    let mut changed = Vec::new();
+    for (name, worktree, head) in contexts {
+        let paths = match worktree.changes_since(head).await {
+            Ok(paths) => paths,
+            Err(err) => vec![format!("(could not tell: {err})")],
+        };
+        if !paths.is_empty() {
+            changed.push(format!("{name}: {}", paths.join(", ")));
+        }
+    }
+    (!changed.is_empty()).then_some(changed)
+}
+
 /// The files a landed commit changed against its first parent.
 async fn landed_files(mirror: &Mirror, commit: &Oid) -> Result<Vec<String>, TaskFailure> {
     let parent = mirror
@@ -346,6 +377,8 @@ struct Prepared {
     remote: Remote,
     /// The fenced attempt (`None` for a direct run), for the commit's trailers.
     attempt: Option<Attempt>,
+    /// Read-only context repositories and where each is checked out.
+    context: Vec<(ContextRepo, PathBuf)>,
     base: Oid,
     /// The branch checked out in the worktree.
     branch: String,
@@ -859,6 +892,18 @@ impl Executor {
         if let Some(plan_dir) = &job.plan_dir {
             placeholders.insert("plan_dir".to_owned(), plan_dir.display().to_string());
         }
+        // Beside the worktree, never inside it: nothing of the context is committed.
+        let context_dir = self
+            .worktrees()
+            .join(format!("{}.context", run_key.display()));
+        let context: Vec<(ContextRepo, PathBuf)> = job
+            .context
+            .iter()
+            .map(|repo| (repo.clone(), context_dir.join(path_component(&repo.name))))
+            .collect();
+        for (repo, path) in &context {
+            placeholders.insert(format!("context:{}", repo.name), path.display().to_string());
+        }
         Ok(Prepared {
             spec,
             task_id,
@@ -869,6 +914,7 @@ impl Executor {
             mirror: mirror.clone(),
             remote: job.remote,
             attempt,
+            context,
             base,
             branch,
             run_key,
@@ -940,6 +986,16 @@ impl Executor {
                 return Err(workspace_failure(err));
             }
         };
+        let contexts = match self.check_out_context(p, progress).await {
+            Ok(contexts) => contexts,
+            Err(failure) => {
+                self.remove_context(p).await;
+                if let Err(err) = p.mirror.repo().remove_worktree(&worktree_path).await {
+                    warn!(path = %worktree_path.display(), error = %err, "could not remove worktree");
+                }
+                return Err(failure);
+            }
+        };
         let result = async {
             let pre = if p.spec.pre_analysis.is_some() {
                 progress("running pre_analysis".to_owned());
@@ -961,6 +1017,12 @@ impl Executor {
                 "\nWorking directory: {}\n",
                 worktree_path.display()
             ));
+            if !p.context.is_empty() {
+                prompt.push_str("\nREAD-ONLY CONTEXT (other repositories of this session; read them, change nothing in them):\n");
+                for (repo, path) in &p.context {
+                    prompt.push_str(&format!("- {}: {}\n", repo.name, path.display()));
+                }
+            }
             let prompt_file = attempt_dir.join("prompt.md");
             tokio::fs::write(&prompt_file, &prompt)
                 .await
@@ -969,10 +1031,70 @@ impl Executor {
                 .await
         }
         .await;
+        // A change to a read-only repository fails the task, whatever else happened.
+        let result = match (result, changed_context(&contexts).await) {
+            (Ok(_), Some(changed)) | (Err(_), Some(changed)) => Err(failure(
+                ErrorKind::OutOfScope,
+                format!(
+                    "the agent changed read-only repositories: {}",
+                    changed.join(", ")
+                ),
+                false,
+            )
+            .with_details(changed)),
+            (result, None) => result,
+        };
+        self.remove_context(p).await;
         if let Err(err) = p.mirror.repo().remove_worktree(&worktree_path).await {
             warn!(path = %worktree_path.display(), error = %err, "could not remove worktree");
         }
         result
+    }
+
+    /// Checks out each read-only context repository at its session head, beside the task's
+    /// worktree; returns each checkout with the commit it shows.
+    async fn check_out_context(
+        &self,
+        p: &Prepared,
+        progress: Progress<'_>,
+    ) -> Result<Vec<(String, Worktree, Oid)>, TaskFailure> {
+        let mut out = Vec::new();
+        for (repo, path) in &p.context {
+            progress(format!("checking out read-only {}", repo.name));
+            let mirror = self
+                .mirrors
+                .open(&repo.remote)
+                .await
+                .map_err(workspace_failure)?;
+            let head =
+                session_start(&mirror, &p.session_id, &repo.branch, repo.base.as_ref()).await?;
+            mirror
+                .repo()
+                .remove_worktree(path)
+                .await
+                .map_err(workspace_failure)?;
+            let worktree = mirror
+                .repo()
+                .add_detached_worktree(path, &head)
+                .await
+                .map_err(workspace_failure)?;
+            out.push((repo.name.clone(), worktree, head));
+        }
+        Ok(out)
+    }
+
+    /// Removes the context checkouts of `p`.
+    async fn remove_context(&self, p: &Prepared) {
+        for (repo, path) in &p.context {
+            let removed = async {
+                let mirror = self.mirrors.open(&repo.remote).await?;
+                mirror.repo().remove_worktree(path).await
+            }
+            .await;
+            if let Err(err) = removed {
+                warn!(path = %path.display(), error = %err, "could not remove a context checkout");
+            }
+        }
     }
 
     fn session_dir(&self, session_id: &str, task_id: &str) -> PathBuf {

@@ -135,6 +135,7 @@ fn job_from_request(request: ExecuteTaskRequest) -> Result<Job, Error> {
         },
         lease: None,
         fencing_token: 0,
+        context: Vec::new(),
     })
 }
 

@@ -30,7 +30,9 @@ use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::executor_server::ExecutorServer;
 
-pub use execute::{DEFAULT_SUMMARY_DIR, Executor, Job, Options, Progress, Target, task_branch};
+pub use execute::{
+    ContextRepo, DEFAULT_SUMMARY_DIR, Executor, Job, Options, Progress, Target, task_branch,
+};
 pub use grpc::TASK_ERROR_METADATA;
 pub use phase::{PhaseTask, load_phase, waves};
 pub use prompt::UpstreamNote;

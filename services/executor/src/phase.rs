@@ -355,6 +355,7 @@ impl Executor {
                     },
                     lease: job.lease.clone(),
                     fencing_token: job.fencing_token,
+                    context: job.context.clone(),
                 };
                 let board = &board;
                 let ids = &ids;

@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
-use troupe_proto::v1::{ClaimedTask, ErrorKind, FileAction, TaskResult};
+use troupe_proto::v1::{ClaimedTask, ErrorKind, FileAction, RepoAccess, TaskResult};
 
-use crate::{Executor, Job, Target, UpstreamNote, struct_to_json};
+use crate::{ContextRepo, Executor, Job, Target, UpstreamNote, struct_to_json};
 
 /// Runs claimed executor tasks with a shared [`Executor`].
 #[derive(Debug, Clone)]
@@ -82,6 +82,26 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
     .map_err(|err| invalid(&format!("repository {}: {err}", repo.name)))?;
     let base = troupe_workspace::Oid::parse(&repo.base_commit);
     let fencing_token = claim.lease.as_ref().map_or(0, |lease| lease.fencing_token);
+    let context = claim
+        .repos
+        .iter()
+        .filter(|other| other.access() == RepoAccess::Read && other.name != repo.name)
+        .map(|other| {
+            let address = if other.url.is_empty() {
+                &other.path
+            } else {
+                &other.url
+            };
+            let remote = troupe_workspace::Remote::parse(address)
+                .map_err(|err| invalid(&format!("repository {}: {err}", other.name)))?;
+            Ok(ContextRepo {
+                name: other.name.clone(),
+                remote,
+                branch: other.branch.clone(),
+                base: troupe_workspace::Oid::parse(&other.base_commit),
+            })
+        })
+        .collect::<Result<Vec<_>, TaskFailure>>()?;
     let upstream = claim
         .upstream
         .into_iter()
@@ -109,6 +129,7 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
         target: Target::Session { branch, base },
         lease: None,
         fencing_token,
+        context,
     })
 }
 

@@ -463,7 +463,18 @@ fn team_session(snapshot: &Snapshot, roles: &[(Role, String)]) -> Value {
     let repos: Vec<Value> = session
         .repos
         .iter()
-        .map(|repo| json!({"name": repo.name, "path": repo.path}))
+        .map(|repo| {
+            // A local repository by its path, a remote one by its URL; read-only kept.
+            let mut entry = if repo.path.is_empty() {
+                json!({"name": repo.name, "url": repo.url})
+            } else {
+                json!({"name": repo.name, "path": repo.path})
+            };
+            if repo.access == pb::RepoAccess::Read as i32 {
+                entry["access"] = json!("read");
+            }
+            entry
+        })
         .collect();
     let description = if session.description.is_empty() {
         &session.name

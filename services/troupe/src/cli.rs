@@ -328,6 +328,21 @@ async fn run_plan(
         }
     };
 
+    // A template repository given a URL starts the remote with the template, when empty.
+    if repo_paths.values().any(|location| location.contains("://")) {
+        match crate::seed::seed_templates(&plan.json, &plan.base_dir, &repo_paths).await {
+            Ok(seeded) => {
+                for line in seeded {
+                    println!("{line}");
+                }
+            }
+            Err(why) => {
+                eprintln!("error: {why}");
+                return Ok(ExitCode::from(EXIT_PLAN_INVALID));
+            }
+        }
+    }
+
     let shutdown = CancellationToken::new();
     let (url, connector, embedded) = match connect {
         Some(url) => (url.to_owned(), Connector::new(credentials).await?, None),
@@ -674,6 +689,10 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
             status.percent_complete
         );
     }
+    let multi_repo = status
+        .session
+        .as_ref()
+        .is_some_and(|session| session.repos.len() > 1);
     for wave in &status.waves {
         let _ = writeln!(out, "wave {}", wave.number);
         for node in status
@@ -682,6 +701,9 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
             .filter(|node| wave.task_ids.contains(&node.task_id))
         {
             let mut line = format!("  {:<8} {} {}", node.status, node.task_id, node.title);
+            if multi_repo {
+                let _ = write!(line, " [{}]", node.repo);
+            }
             if !node.waiting_on.is_empty() && node.status == "pending" {
                 let _ = write!(line, " (waits on {})", node.waiting_on.join(", "));
             }

@@ -14,3 +14,4 @@ pub mod embedded;
 pub mod follow;
 pub mod plan_file;
 pub mod report;
+pub mod seed;

@@ -3,8 +3,8 @@
 use std::fmt::Write as _;
 
 use troupe_proto::v1::{
-    GetSessionResponse, Session, SessionEvent, SessionState, Task, TaskResult, TaskState,
-    TestOutcome, Verdict, session_event, task_result,
+    GetSessionResponse, RepoAccess, Session, SessionEvent, SessionRepo, SessionState, Task,
+    TaskResult, TaskState, TestOutcome, Verdict, session_event, task_result,
 };
 
 /// Returns a lowercase name for a task state (`completed`, `timed_out`, ...).
@@ -120,14 +120,28 @@ pub fn session_header(session: &Session, tasks: &[Task]) -> String {
     for repo in &session.repos {
         let _ = writeln!(
             text,
-            "  repo {}: {} @ {} -> branch {}",
+            "  repo {}: {} @ {} -> branch {}{}",
             repo.name,
-            repo.path,
+            repo_location(repo),
             short(&repo.base_commit),
-            repo.branch
+            repo.branch,
+            if repo.access == RepoAccess::Read as i32 {
+                " (read-only context)"
+            } else {
+                ""
+            }
         );
     }
     text
+}
+
+/// Where a repository lives: its local path, else its URL.
+fn repo_location(repo: &SessionRepo) -> &str {
+    if repo.path.is_empty() {
+        &repo.url
+    } else {
+        &repo.path
+    }
 }
 
 /// The final report: one block per task with its outcome, then the session's verdict.
@@ -137,15 +151,21 @@ pub fn final_report(response: &GetSessionResponse) -> String {
         return "no session in the response\n".to_owned();
     };
     let _ = writeln!(text, "\nreport for session {}", session.id);
+    let multi_repo = session.repos.len() > 1;
     for task in &response.tasks {
         let _ = writeln!(
             text,
-            "  {:<14} {:<10} attempts {}/{}  {}",
+            "  {:<14} {:<10} attempts {}/{}  {}{}",
             task.id,
             task_state_name(task.state),
             task.attempt,
             task.max_attempts,
-            task.title
+            task.title,
+            if multi_repo {
+                format!(" [{}]", task.repo)
+            } else {
+                String::new()
+            }
         );
         if let Some(result) = &task.result {
             render_result(&mut text, result);
@@ -188,15 +208,49 @@ pub fn final_report(response: &GetSessionResponse) -> String {
         counts.total
     );
     for repo in &session.repos {
-        let _ = writeln!(
-            text,
-            "commits are on branch {} of {} (git -C {} log --oneline {}..{})",
-            repo.branch,
-            repo.path,
-            repo.path,
-            short(&repo.base_commit),
-            repo.branch
+        let counts = repo.counts.unwrap_or_default();
+        let outcome = format!(
+            "{} task(s): {} completed, {} failed, {} skipped",
+            counts.total, counts.completed, counts.failed, counts.skipped
         );
+        if repo.access == RepoAccess::Read as i32 {
+            let _ = writeln!(
+                text,
+                "repo {} ({}) was read-only context at {}; {outcome}",
+                repo.name,
+                repo_location(repo),
+                short(&repo.base_commit)
+            );
+        } else if repo.head.is_empty() {
+            let _ = writeln!(
+                text,
+                "repo {} ({}): nothing landed on {} (base {}); {outcome}",
+                repo.name,
+                repo_location(repo),
+                repo.branch,
+                short(&repo.base_commit)
+            );
+        } else if repo.path.is_empty() {
+            let _ = writeln!(
+                text,
+                "repo {}: branch {} of {} at {} (from {}); {outcome}",
+                repo.name,
+                repo.branch,
+                repo.url,
+                short(&repo.head),
+                short(&repo.base_commit)
+            );
+        } else {
+            let _ = writeln!(
+                text,
+                "commits are on branch {} of {} (git -C {} log --oneline {}..{}); {outcome}",
+                repo.branch,
+                repo.path,
+                repo.path,
+                short(&repo.base_commit),
+                repo.branch
+            );
+        }
     }
     text
 }

@@ -14,11 +14,16 @@ pub const PLACEHOLDERS: &[&str] = &[
     "repo",
 ];
 
+/// The family of placeholders naming a read-only context repository's checkout:
+/// `{context:<repo>}`.
+pub(crate) const CONTEXT_PREFIX: &str = "context:";
+
 /// Substitutes `{name}` in every element of `template` from `values`.
 ///
-/// Only `{identifier}` is a placeholder; other braces are literal, and `{{` / `}}` stand for a
-/// literal `{` / `}` (for an argument such as a Python f-string). An identifier that is not in
-/// [`PLACEHOLDERS`], or one without a value here, is an error rather than left in place.
+/// Only `{identifier}` and `{context:<repo>}` are placeholders; other braces are literal, and
+/// `{{` / `}}` stand for a literal `{` / `}` (for an argument such as a Python f-string). An
+/// identifier that is not in [`PLACEHOLDERS`], a context repository the session does not have,
+/// or a placeholder without a value here, is an error rather than left in place.
 pub fn substitute(
     template: &[String],
     values: &BTreeMap<String, String>,
@@ -47,6 +52,18 @@ fn substitute_one(
             && let Some(end) = tail.find('}')
         {
             let name = &tail[1..end];
+            if let Some(repo) = name.strip_prefix(CONTEXT_PREFIX)
+                && !repo.is_empty()
+            {
+                let value = values.get(name).ok_or_else(|| BackendError::InvalidTask {
+                    message: format!(
+                        "placeholder `{{{name}}}`: `{repo}` is not a read-only repository of this session"
+                    ),
+                })?;
+                out.push_str(value);
+                rest = &tail[end + 1..];
+                continue;
+            }
             if is_identifier(name) {
                 if !PLACEHOLDERS.contains(&name) {
                     return Err(BackendError::InvalidTask {
@@ -97,6 +114,24 @@ mod tests {
     fn run(template: &[&str]) -> Result<Vec<String>, BackendError> {
         let template: Vec<String> = template.iter().map(|s| (*s).to_owned()).collect();
         substitute(&template, &values())
+    }
+
+    #[test]
+    fn context_placeholders_name_read_only_checkouts() {
+        let mut values = values();
+        values.insert("context:contract".to_owned(), "/ctx/contract".to_owned());
+        let template = vec!["{context:contract}/API.md".to_owned()];
+        assert_eq!(
+            substitute(&template, &values).expect("ok"),
+            ["/ctx/contract/API.md"]
+        );
+        let missing = vec!["{context:other}/x".to_owned()];
+        let err = substitute(&missing, &values).expect_err("unknown repo");
+        assert!(
+            err.to_string()
+                .contains("`other` is not a read-only repository"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -564,7 +564,8 @@ fn string_set(value: Option<&Value>) -> Vec<String> {
     }
 }
 
-/// Restores the plan's repositories from troupe's export (`[{name, path}]`, the default first).
+/// Restores the plan's repositories from troupe's export (`[{name, path | url, access?}]`, the
+/// default first).
 ///
 /// A JSON object forgets key order and the plan's first repository is its default, so tasks
 /// that name no repository get the default written out when it would not sort first.
@@ -585,16 +586,22 @@ fn import_repos(
     for (index, repo) in repos.iter().enumerate() {
         let name = repo.get("name").and_then(Value::as_str);
         let path = repo.get("path").and_then(Value::as_str);
-        let (Some(name), Some(path)) = (name, path) else {
+        let url = repo.get("url").and_then(Value::as_str);
+        let (Some(name), Some((key, location))) =
+            (name, path.map(|p| ("path", p)).or(url.map(|u| ("url", u))))
+        else {
             problems.push(
                 ProblemKind::InvalidValue,
-                format!("team-session.json: troupe.repos[{index}] must have a `name` and a `path`"),
+                format!("team-session.json: troupe.repos[{index}] must have a `name` and a `path` or `url`"),
             );
             continue;
         };
         default.get_or_insert_with(|| name.to_owned());
         let mut entry = Map::new();
-        entry.insert("path".into(), json!(path));
+        entry.insert(key.into(), json!(location));
+        if let Some(access) = repo.get("access") {
+            entry.insert("access".into(), access.clone());
+        }
         let branch = commits
             .iter()
             .filter(|commit| commit.get("repo").and_then(Value::as_str) == Some(name))

@@ -746,6 +746,41 @@ impl Worktree {
         self.head().await.map(Some)
     }
 
+    /// What differs from `commit` here: the paths of uncommitted changes (untracked files
+    /// included) and of commits made on top of it. Empty when the checkout is as it was.
+    pub async fn changes_since(&self, commit: &Oid) -> Result<Vec<String>, Error> {
+        let mut paths: Vec<String> = self
+            .git
+            .ok(&["status", "--porcelain=v1", "-z", "--untracked-files=all"])
+            .await?
+            .split('\0')
+            .filter(|entry| entry.len() > 3)
+            .map(|entry| entry[3..].to_owned())
+            .collect();
+        let head = self.head().await?;
+        if &head != commit {
+            let diff = self
+                .git
+                .ok(&[
+                    "diff",
+                    "--name-only",
+                    "-z",
+                    commit.as_str(),
+                    head.as_str(),
+                    "--",
+                ])
+                .await?;
+            paths.extend(
+                diff.split('\0')
+                    .filter(|p| !p.is_empty())
+                    .map(str::to_owned),
+            );
+        }
+        paths.sort();
+        paths.dedup();
+        Ok(paths)
+    }
+
     /// Stages everything and folds it into the checked-out commit (same message and parent),
     /// so additions such as a task's summary travel in the task's one commit.
     pub async fn amend_all(&self) -> Result<Oid, Error> {

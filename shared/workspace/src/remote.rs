@@ -131,7 +131,11 @@ impl Remote {
             return Ok(oid);
         }
         let env = credentials.env_for(self)?;
-        let args = ["ls-remote", "--end-of-options", self.as_str(), rev];
+        // Without a revision, every ref: a bare remote whose HEAD names a branch it lacks
+        // (made with another default branch) still starts at its `main` or `master`.
+        let pattern = if rev == "HEAD" { None } else { Some(rev) };
+        let mut args = vec!["ls-remote", "--end-of-options", self.as_str()];
+        args.extend(pattern);
         let output = Git::new("/")
             .run_with(&args, &env, std::time::Duration::from_secs(120))
             .await?;
@@ -146,12 +150,20 @@ impl Remote {
             .lines()
             .filter_map(|line| line.split_once('\t'))
             .collect();
-        let wanted = [
-            rev.to_owned(),
-            format!("refs/heads/{rev}"),
-            format!("refs/tags/{rev}^{{}}"),
-            format!("refs/tags/{rev}"),
-        ];
+        let wanted = if pattern.is_none() {
+            vec![
+                "HEAD".to_owned(),
+                "refs/heads/main".to_owned(),
+                "refs/heads/master".to_owned(),
+            ]
+        } else {
+            vec![
+                rev.to_owned(),
+                format!("refs/heads/{rev}"),
+                format!("refs/tags/{rev}^{{}}"),
+                format!("refs/tags/{rev}"),
+            ]
+        };
         wanted
             .iter()
             .find_map(|name| refs.iter().find(|(_, r)| r == name))

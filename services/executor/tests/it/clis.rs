@@ -1258,6 +1258,7 @@ async fn eight_parallel_tasks_two_conflicting() {
         },
         lease: None,
         fencing_token: 0,
+        context: Vec::new(),
     };
     let mut jobs: Vec<troupe_executor::Job> = (1..=6)
         .map(|i| {

@@ -60,6 +60,7 @@ impl Session {
             },
             lease: None,
             fencing_token: 0,
+            context: Vec::new(),
         }
     }
 
@@ -198,5 +199,57 @@ async fn missing_session_branch_and_bad_specs_fail_cleanly() {
         err.error.message.contains("unknown backend `nope`"),
         "{}",
         err.error.message
+    );
+}
+
+#[tokio::test]
+async fn read_only_context_is_checked_out_beside_and_a_change_to_it_fails_the_task() {
+    let s = session();
+    let contract_dir = tempfile::tempdir().expect("tempdir");
+    let contract = contract_dir.path().join("contract");
+    let base = git_repo(&contract, &[("API.md", "contract v1\n")]).expect("repo");
+    // Nothing lands on a read-only repository: its session starts (and stays) at its base.
+    let context = vec![troupe_executor::ContextRepo {
+        name: "contract".to_owned(),
+        remote: troupe_workspace::Remote::from_path(&contract).expect("remote"),
+        branch: "troupe/s1".to_owned(),
+        base: troupe_workspace::Oid::parse(&base),
+    }];
+
+    // Reading the context is what it is for: the task lands, the context is untouched.
+    let mut job = s.job("IMPL-1", &["a.txt=uses the contract"]);
+    job.context = context.clone();
+    job.spec.insert(
+        "agent".to_owned(),
+        json!({"command": ["python3", "{plan_dir}/agent.py", "{worktree}", "--keep-prompt",
+            "copy.txt={context:contract}"]}),
+    );
+    let done = s.run(job).await.expect("lands");
+    let copy = show(&s.repo, &done.commit, "copy.txt").expect("copy.txt");
+    assert!(copy.ends_with(".context/contract"), "{copy}");
+    let prompt = show(&s.repo, &done.commit, ".prompt-seen").expect("prompt");
+    assert!(prompt.contains("READ-ONLY CONTEXT"), "{prompt}");
+    assert!(prompt.contains(&format!("- contract: {copy}")), "{prompt}");
+
+    // Writing into it fails the task and lands nothing.
+    let head = s.head();
+    let mut job = s.job(
+        "IMPL-2",
+        &["b.txt=fine", "{context:contract}/API.md=patched"],
+    );
+    job.context = context;
+    let err = s.run(job).await.expect_err("refused");
+    assert_eq!(err.error.kind(), ErrorKind::OutOfScope, "{:?}", err.error);
+    assert!(
+        err.error
+            .message
+            .contains("read-only repositories: contract: API.md"),
+        "{}",
+        err.error.message
+    );
+    assert_eq!(s.head(), head, "nothing landed");
+    assert_eq!(
+        std::fs::read_to_string(contract.join("API.md")).expect("read"),
+        "contract v1\n"
     );
 }
