@@ -47,6 +47,9 @@ pub struct Config {
     /// (default: `troupe.db` in the data dir). Several coordinators may share one PostgreSQL.
     #[arg(long, env = "TROUPE_DATABASE_URL")]
     pub database_url: Option<String>,
+    /// Authentication: accepted tokens and client certificates and this server's certificate.
+    #[command(flatten)]
+    pub security: troupe_grpc::auth::Security,
 }
 
 impl Config {
@@ -56,6 +59,7 @@ impl Config {
             listen: SocketAddr::from(([127, 0, 0, 1], 7071)),
             data_dir: data_dir.into(),
             database_url: None,
+            security: troupe_grpc::auth::Security::default(),
         }
     }
 }
@@ -176,6 +180,7 @@ pub async fn run_tuned(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
     let app = App::open_tuned(config, tuning).await?;
     let mut services = troupe_grpc::Services::new();
     app.mount(&mut services);
@@ -183,7 +188,7 @@ pub async fn run_tuned(
         listener,
         services,
         shutdown,
-        troupe_grpc::ServeOptions::default(),
+        troupe_grpc::ServeOptions::with_auth(auth),
         |stop| app.run_background(stop),
     )
     .await

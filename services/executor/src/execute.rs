@@ -124,7 +124,7 @@ pub struct Executor {
 }
 
 /// Executor settings beyond the backends.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Options {
     /// Validator service for self-validation; `None` skips it (and says so in the result).
     pub validator_url: Option<String>,
@@ -133,6 +133,8 @@ pub struct Options {
     /// Repository directory that receives `summary-<ID>.md` on the task branch; `None`
     /// writes no summaries.
     pub summary_dir: Option<String>,
+    /// Credentials of the calls to the validator.
+    pub connector: troupe_grpc::Connector,
 }
 
 /// Where summaries go by default: a directory of the repository, so they travel with the
@@ -145,6 +147,7 @@ impl Default for Options {
             validator_url: None,
             phase_concurrency: 4,
             summary_dir: Some(DEFAULT_SUMMARY_DIR.to_owned()),
+            connector: troupe_grpc::Connector::default(),
         }
     }
 }
@@ -1250,6 +1253,8 @@ impl Executor {
             .parent()
             .map_or_else(|| self.data_dir.clone(), Path::to_path_buf);
         let chain = mode::candidates(&p.resolved.backend, &self.config);
+        spec.env_allowed_for(&chain)
+            .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
         let mut fallbacks: Vec<String> = Vec::new();
         let mut last: Option<BackendError> = None;
         let mut failures: Vec<String> = Vec::new();
@@ -1507,6 +1512,7 @@ impl Executor {
             let checked = match shared {
                 Ok(()) => {
                     validation::validate(
+                        &self.options.connector,
                         url,
                         p.remote.as_str(),
                         current.as_str(),

@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use troupe_grpc::worker::{TaskFailure, run_worker_if_configured};
+use troupe_grpc::worker::{TaskFailure, WorkerSettings, run_worker_if_configured};
 use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::executor_server::ExecutorServer;
@@ -77,6 +77,10 @@ pub struct Config {
     /// writes none.
     #[arg(long, env = "TROUPE_EXECUTOR_SUMMARY_DIR", default_value = DEFAULT_SUMMARY_DIR)]
     pub summary_dir: String,
+    /// Authentication: accepted tokens and client certificates, this server's certificate,
+    /// and the credentials of its own calls.
+    #[command(flatten)]
+    pub security: troupe_grpc::auth::Security,
 }
 
 /// Errors of the executor.
@@ -129,7 +133,16 @@ pub struct App {
 
 impl App {
     /// Creates the data directory (made absolute: agents run with the worktree as cwd).
-    pub async fn open(mut config: Config) -> Result<Self, Error> {
+    pub async fn open(config: Config) -> Result<Self, Error> {
+        let connector = troupe_grpc::Connector::new(&config.security.credentials).await?;
+        Self::open_connected(config, connector).await
+    }
+
+    /// [`App::open`] whose calls (to the coordinator and the validator) use `connector`.
+    pub async fn open_connected(
+        mut config: Config,
+        connector: troupe_grpc::Connector,
+    ) -> Result<Self, Error> {
         config.data_dir = troupe_grpc::prepare_data_dir(&config.data_dir)
             .await
             .map_err(|source| Error::Io {
@@ -149,6 +162,7 @@ impl App {
             validator_url: config.validator_url.clone().filter(|url| !url.is_empty()),
             phase_concurrency: config.phase_concurrency,
             summary_dir: Some(config.summary_dir.trim().to_owned()).filter(|d| !d.is_empty()),
+            connector,
         };
         let lock = troupe_grpc::lock_data_dir(&config.data_dir, "executor").map_err(|source| {
             Error::Io {
@@ -196,13 +210,17 @@ impl App {
 
     /// Runs the executor worker loop when a coordinator is configured, else waits for shutdown.
     pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let settings = WorkerSettings {
+            coordinator_url: self.config.coordinator_url.clone(),
+            worker_id: self.config.worker_id.clone(),
+            role: Role::Executor,
+            concurrency: self.config.concurrency,
+            tuning: &self.config.worker,
+            connector: &self.executor.options().connector,
+            data_dir: &self.config.data_dir,
+        };
         run_worker_if_configured(
-            self.config.coordinator_url.clone(),
-            self.config.worker_id.clone(),
-            Role::Executor,
-            self.config.concurrency,
-            &self.config.worker,
-            &self.config.data_dir,
+            settings,
             Arc::new(ExecuteHandler::new(self.executor())),
             shutdown,
         )
@@ -217,6 +235,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
     let app = App::open(config).await?;
     let mut services = Services::new();
     app.mount(&mut services);
@@ -224,7 +243,7 @@ pub async fn run(
         listener,
         services,
         shutdown,
-        ServeOptions::default(),
+        ServeOptions::with_auth(auth),
         |stop| app.run_background(stop),
     )
     .await

@@ -68,6 +68,24 @@ pub struct TaskSpec {
 }
 
 impl TaskSpec {
+    /// A plan's `agent.env` reaches the `command` backend (the plan's own program) only: an
+    /// agent CLI's environment carries the executor's endpoint and key, and a variable such as
+    /// `ANTHROPIC_BASE_URL` or `NODE_OPTIONS` from a plan would send that key, or run code,
+    /// where the plan says. Refuses the task when any backend of `chain` is not `command`.
+    pub(crate) fn env_allowed_for(&self, chain: &[String]) -> Result<(), String> {
+        if self.agent.env.is_empty() {
+            return Ok(());
+        }
+        match chain.iter().find(|name| name.as_str() != "command") {
+            Some(name) => Err(format!(
+                "`agent.env` is given to the `command` backend only; backend `{name}` gets its \
+                 environment (endpoint, key, settings) from the executor's configuration \
+                 (--config), never from a plan"
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// Parses a task object. Problems come back as one message listing all of them.
     pub fn parse(object: &Map<String, Value>) -> Result<Self, String> {
         let mut problems = Vec::new();

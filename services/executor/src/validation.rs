@@ -15,16 +15,19 @@ pub(crate) const MAX_SYNTAX_RETRIES: u32 = 3;
 /// How long one `Validate` call may take: the verification command alone may use 300 s.
 const VALIDATE_DEADLINE: Duration = Duration::from_secs(900);
 
-/// Calls `Validate` on `url` for `commit` measured against `base`.
+/// Calls `Validate` on `url` for `commit` measured against `base`, with `connector`'s
+/// credentials.
 pub(crate) async fn validate(
+    connector: &troupe_grpc::Connector,
     url: &str,
     repo_path: &str,
     commit: &str,
     base: &str,
     spec: &TaskSpec,
 ) -> Result<ValidationReport, String> {
-    let channel = troupe_grpc::channel(url).map_err(|err| err.to_string())?;
-    let mut client = ValidatorClient::new(channel);
+    let channel = connector.channel(url).map_err(|err| err.to_string())?;
+    let mut client =
+        ValidatorClient::with_interceptor(channel, connector.outbound(VALIDATE_DEADLINE));
     let files = spec
         .files
         .iter()

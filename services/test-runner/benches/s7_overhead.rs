@@ -106,6 +106,7 @@ async fn main() {
         worker: Default::default(),
         concurrency: 1,
         backends_config: None,
+        security: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

@@ -38,7 +38,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use troupe_grpc::worker::run_worker_if_configured;
+use troupe_grpc::worker::{WorkerSettings, run_worker_if_configured};
 use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::test_runner_server::TestRunnerServer;
@@ -79,6 +79,10 @@ pub struct Config {
     /// timeouts, fallback chain and retries as the executor.
     #[arg(long = "backends-config", env = "TROUPE_EXECUTOR_CONFIG")]
     pub backends_config: Option<PathBuf>,
+    /// Authentication: accepted tokens and client certificates, this server's certificate,
+    /// and the credentials of its own calls.
+    #[command(flatten)]
+    pub security: troupe_grpc::auth::Security,
 }
 
 /// Errors of the test-runner.
@@ -155,6 +159,7 @@ impl Error {
 pub struct App {
     config: Config,
     runner: Arc<Runner>,
+    connector: troupe_grpc::Connector,
 }
 
 impl App {
@@ -187,7 +192,18 @@ impl App {
                 .with_backends(backends)
                 .with_credentials(Arc::new(credentials)),
         );
-        Ok(Self { config, runner })
+        let connector = troupe_grpc::Connector::new(&config.security.credentials).await?;
+        Ok(Self {
+            config,
+            runner,
+            connector,
+        })
+    }
+
+    /// Calls the coordinator with `connector` instead of the configured credentials.
+    pub fn with_connector(mut self, connector: troupe_grpc::Connector) -> Self {
+        self.connector = connector;
+        self
     }
 
     /// The runner, for in-process callers.
@@ -207,19 +223,21 @@ impl App {
         let mut handler = TestRunHandler::new(self.runner());
         if let Some(url) = &self.config.coordinator_url {
             // Results also go to the bus (state_update, tests_passed / tests_failed).
-            handler = handler.with_coordinator(url, self.config.worker.rpc_timeout()?)?;
+            handler = handler.with_coordinator(
+                self.connector.coordinator_client(url)?,
+                self.config.worker.rpc_timeout()?,
+            );
         }
-        run_worker_if_configured(
-            self.config.coordinator_url.clone(),
-            self.config.worker_id.clone(),
-            Role::TestRunner,
-            self.config.concurrency,
-            &self.config.worker,
-            &self.config.data_dir,
-            Arc::new(handler),
-            shutdown,
-        )
-        .await?;
+        let settings = WorkerSettings {
+            coordinator_url: self.config.coordinator_url.clone(),
+            worker_id: self.config.worker_id.clone(),
+            role: Role::TestRunner,
+            concurrency: self.config.concurrency,
+            tuning: &self.config.worker,
+            connector: &self.connector,
+            data_dir: &self.config.data_dir,
+        };
+        run_worker_if_configured(settings, Arc::new(handler), shutdown).await?;
         Ok(())
     }
 }
@@ -230,6 +248,7 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
     let app = App::open(config).await?;
     let mut services = Services::new();
     app.mount(&mut services);
@@ -237,7 +256,7 @@ pub async fn run(
         listener,
         services,
         shutdown,
-        ServeOptions::default(),
+        ServeOptions::with_auth(auth),
         |stop| app.run_background(stop),
     )
     .await

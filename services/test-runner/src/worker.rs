@@ -40,10 +40,10 @@ impl TestRunHandler {
     }
 
     /// Also sends the CCW `state_update` and `tests_passed` / `tests_failed` message for each
-    /// finished run to the coordinator at `url`, each call bounded by `rpc_timeout`.
-    pub fn with_coordinator(mut self, url: &str, rpc_timeout: Duration) -> Result<Self, Error> {
-        self.coordinator = Some((troupe_grpc::coordinator_client(url)?, rpc_timeout));
-        Ok(self)
+    /// finished run to the coordinator through `client`, each call bounded by `rpc_timeout`.
+    pub fn with_coordinator(mut self, client: CoordinatorClient, rpc_timeout: Duration) -> Self {
+        self.coordinator = Some((client, rpc_timeout));
+        self
     }
 
     /// Records the run on the coordinator's bus: the role state (CCW 1.C.11) and a message.

@@ -203,14 +203,21 @@ async fn watch_messages(
     Ok(messages)
 }
 
-/// Exports session `session_id` from the coordinator at `url` into `dir` (created; it must be
-/// absent or empty).
-pub async fn export(url: &str, session_id: &str, dir: &Path) -> Result<ExportSummary, ExportError> {
-    let mut client = troupe_grpc::coordinator_client(url).map_err(|err| ExportError::Rpc {
-        call: "connect",
-        message: err.to_string(),
-        unreachable: false,
-    })?;
+/// Exports session `session_id` from the coordinator at `url`, called with `connector`'s
+/// credentials, into `dir` (created; it must be absent or empty).
+pub async fn export(
+    connector: &troupe_grpc::Connector,
+    url: &str,
+    session_id: &str,
+    dir: &Path,
+) -> Result<ExportSummary, ExportError> {
+    let mut client = connector
+        .coordinator_client(url)
+        .map_err(|err| ExportError::Rpc {
+            call: "connect",
+            message: err.to_string(),
+            unreachable: false,
+        })?;
     let snapshot = fetch(&mut client, session_id).await?;
     let files = render(&snapshot, Utc::now());
     write_folder(dir, &files)?;

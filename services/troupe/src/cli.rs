@@ -9,6 +9,9 @@ use clap::{Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use troupe_proto::v1::{CreateSessionRequest, GetSessionRequest};
 
+use troupe_grpc::Connector;
+use troupe_grpc::auth::{Credentials, Security};
+
 use crate::embedded::{Embedded, EmbeddedConfig};
 use crate::follow::Follower;
 use crate::{ccw_export, follow, plan_file, report};
@@ -85,6 +88,8 @@ struct DoctorArgs {
     /// Backend configuration file for the in-process probe (as the executor's `--config`).
     #[arg(long, env = "TROUPE_EXECUTOR_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
+    #[command(flatten)]
+    credentials: Credentials,
 }
 
 #[derive(Debug, clap::Args)]
@@ -94,6 +99,9 @@ struct UpArgs {
     listen: SocketAddr,
     #[command(flatten)]
     embedded: EmbeddedArgs,
+    /// What the server accepts (tokens, client certificates) and its own certificate.
+    #[command(flatten)]
+    security: Security,
 }
 
 #[derive(Debug, clap::Args)]
@@ -110,11 +118,13 @@ struct EmbeddedArgs {
 }
 
 impl EmbeddedArgs {
-    fn config(&self) -> EmbeddedConfig {
+    /// The embedded server's settings; `security` decides who may call it.
+    fn config(&self, security: Security) -> EmbeddedConfig {
         EmbeddedConfig {
             data_dir: self.data_dir.clone(),
             executor_concurrency: self.executor_concurrency,
             python: self.python.clone(),
+            security,
         }
     }
 }
@@ -155,6 +165,9 @@ struct RunArgs {
     reconnect: ReconnectArgs,
     #[command(flatten)]
     embedded: EmbeddedArgs,
+    /// Credentials for `--connect`.
+    #[command(flatten)]
+    credentials: Credentials,
 }
 
 #[derive(Debug, clap::Args)]
@@ -169,6 +182,15 @@ struct SessionArgs {
         value_name = "URL"
     )]
     connect: String,
+    #[command(flatten)]
+    credentials: Credentials,
+}
+
+impl SessionArgs {
+    async fn client(&self) -> anyhow::Result<troupe_grpc::CoordinatorClient> {
+        let connector = Connector::new(&self.credentials).await?;
+        Ok(connector.coordinator_client(&self.connect)?)
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -204,6 +226,9 @@ struct ImportArgs {
     reconnect: ReconnectArgs,
     #[command(flatten)]
     embedded: EmbeddedArgs,
+    /// Credentials for `--connect`.
+    #[command(flatten)]
+    credentials: Credentials,
 }
 
 #[derive(Debug, clap::Args)]
@@ -255,7 +280,7 @@ async fn up(args: UpArgs) -> anyhow::Result<ExitCode> {
         .await
         .with_context(|| format!("binding {}", args.listen))?;
     let shutdown = troupe_grpc::shutdown_token();
-    let embedded = Embedded::start(args.embedded.config(), listener, shutdown).await?;
+    let embedded = Embedded::start(args.embedded.config(args.security), listener, shutdown).await?;
     eprintln!(
         "troupe is up on {}: coordinator, executor, test-runner and validator (data in {})",
         troupe_grpc::url_for(embedded.addr()),
@@ -277,6 +302,7 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         plan,
         &args.repos,
         args.connect.as_deref(),
+        &args.credentials,
         &args.reconnect,
         &args.embedded,
     )
@@ -289,6 +315,7 @@ async fn run_plan(
     plan: plan_file::PlanFile,
     repos: &[String],
     connect: Option<&str>,
+    credentials: &Credentials,
     reconnect: &ReconnectArgs,
     embedded_args: &EmbeddedArgs,
 ) -> anyhow::Result<ExitCode> {
@@ -317,19 +344,21 @@ async fn run_plan(
     }
 
     let shutdown = CancellationToken::new();
-    let (url, embedded) = match connect {
-        Some(url) => (url.to_owned(), None),
+    let (url, connector, embedded) = match connect {
+        Some(url) => (url.to_owned(), Connector::new(credentials).await?, None),
         None => {
+            // On loopback, for this process only: open, as `troupe up` on loopback.
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
                 .await
                 .context("binding a loopback port for the in-process services")?;
-            let embedded =
-                Embedded::start(embedded_args.config(), listener, shutdown.clone()).await?;
-            (troupe_grpc::url_for(embedded.addr()), Some(embedded))
+            let config = embedded_args.config(Security::default());
+            let embedded = Embedded::start(config, listener, shutdown.clone()).await?;
+            let url = troupe_grpc::url_for(embedded.addr());
+            (url, Connector::default(), Some(embedded))
         }
     };
 
-    let outcome = submit_and_follow(&url, budget, plan, repo_paths).await;
+    let outcome = submit_and_follow(&connector, &url, budget, plan, repo_paths).await;
     if let Some(embedded) = embedded {
         shutdown.cancel();
         embedded.wait().await?;
@@ -338,6 +367,7 @@ async fn run_plan(
 }
 
 async fn submit_and_follow(
+    connector: &Connector,
     url: &str,
     budget: std::time::Duration,
     plan: plan_file::PlanFile,
@@ -350,7 +380,7 @@ async fn submit_and_follow(
             return Ok(ExitCode::from(EXIT_PLAN_INVALID));
         }
     };
-    let mut follower = Follower::new(url, budget)?;
+    let mut follower = Follower::new(connector, url, budget)?;
     let created = follower
         .create_session(CreateSessionRequest {
             plan_json: plan.json,
@@ -427,7 +457,7 @@ fn parse_repo_args(values: &[String]) -> anyhow::Result<std::collections::HashMa
 }
 
 async fn status(args: SessionArgs) -> anyhow::Result<ExitCode> {
-    let mut client = troupe_grpc::coordinator_client(&args.connect)?;
+    let mut client = args.client().await?;
     let response = client
         .get_session(GetSessionRequest {
             session_id: args.session,
@@ -440,7 +470,8 @@ async fn status(args: SessionArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn watch(args: WatchArgs) -> anyhow::Result<ExitCode> {
-    let mut follower = Follower::new(&args.session.connect, args.reconnect.budget()?)?;
+    let connector = Connector::new(&args.session.credentials).await?;
+    let mut follower = Follower::new(&connector, &args.session.connect, args.reconnect.budget()?)?;
     follower
         .print_events(&args.session.session, args.after)
         .await?;
@@ -490,6 +521,7 @@ async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
         plan,
         &repos,
         args.connect.as_deref(),
+        &args.credentials,
         &args.reconnect,
         &args.embedded,
     )
@@ -497,8 +529,14 @@ async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
 }
 
 async fn export(args: ExportArgs) -> anyhow::Result<ExitCode> {
-    let summary =
-        ccw_export::export(&args.session.connect, &args.session.session, &args.dir).await?;
+    let connector = Connector::new(&args.session.credentials).await?;
+    let summary = ccw_export::export(
+        &connector,
+        &args.session.connect,
+        &args.session.session,
+        &args.dir,
+    )
+    .await?;
     println!(
         "exported session {} to {}: {} tasks, {} messages, {} files",
         args.session.session,
@@ -512,7 +550,7 @@ async fn export(args: ExportArgs) -> anyhow::Result<ExitCode> {
 
 /// `troupe check`: the coordinator's read-only `CheckSession`, printed as a status graph.
 async fn check(args: SessionArgs) -> anyhow::Result<ExitCode> {
-    let mut client = troupe_grpc::coordinator_client(&args.connect)?;
+    let mut client = args.client().await?;
     let status = client
         .check_session(troupe_proto::v1::CheckSessionRequest {
             session_id: args.session,
@@ -526,7 +564,7 @@ async fn check(args: SessionArgs) -> anyhow::Result<ExitCode> {
 
 /// `troupe resume`: `ResumeSession`, then the changes it made and the status graph.
 async fn resume(args: SessionArgs) -> anyhow::Result<ExitCode> {
-    let mut client = troupe_grpc::coordinator_client(&args.connect)?;
+    let mut client = args.client().await?;
     let resumed = client
         .resume_session(troupe_proto::v1::ResumeSessionRequest {
             session_id: args.session,
@@ -554,7 +592,7 @@ async fn resume(args: SessionArgs) -> anyhow::Result<ExitCode> {
 
 /// `troupe pause`: `PauseSession`, then what still runs.
 async fn pause(args: PauseArgs) -> anyhow::Result<ExitCode> {
-    let mut client = troupe_grpc::coordinator_client(&args.session.connect)?;
+    let mut client = args.session.client().await?;
     let paused = client
         .pause_session(troupe_proto::v1::PauseSessionRequest {
             session_id: args.session.session,
@@ -587,8 +625,8 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     use troupe_proto::v1::{ListBackendsRequest, executor_client::ExecutorClient};
     let shutdown = CancellationToken::new();
     let scratch = std::env::temp_dir().join(format!("troupe-doctor-{}", std::process::id()));
-    let (url, server) = match args.connect {
-        Some(url) => (url, None),
+    let (url, connector, server) = match args.connect {
+        Some(url) => (url, Connector::new(&args.credentials).await?, None),
         None => {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             let config = troupe_executor::Config {
@@ -602,17 +640,20 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
                 validator_url: None,
                 phase_concurrency: 1,
                 summary_dir: String::new(),
+                security: Default::default(),
             };
             let url = troupe_grpc::url_for(config.listen);
             let stop = shutdown.clone();
             (
                 url,
+                Connector::default(),
                 Some(tokio::spawn(troupe_executor::run(config, listener, stop))),
             )
         }
     };
-    let channel = troupe_grpc::channel(&url)?;
-    let listed = ExecutorClient::new(channel)
+    let channel = connector.channel(&url)?;
+    let deadline = std::time::Duration::from_secs(60);
+    let listed = ExecutorClient::with_interceptor(channel, connector.outbound(deadline))
         .list_backends(ListBackendsRequest {})
         .await
         .with_context(|| format!("listing backends at {url}"));

@@ -6,6 +6,9 @@
 //! Opening the executor, test-runner and validator also supervises this process's children
 //! (one reaper, records under `<data_dir>/children`), so agents die with `troupe up`/`run` and
 //! orphans of a killed run are killed at the next start.
+//! When the server requires credentials, its own workers authenticate with a token made at
+//! start that lives only in this process's memory (scope `worker`); over TLS they verify the
+//! server with `--tls-ca`, as the first DNS name of its certificate.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -24,6 +27,8 @@ pub struct EmbeddedConfig {
     pub executor_concurrency: usize,
     /// Python for test runs that do not ask for a venv.
     pub python: String,
+    /// What the server accepts, and the CA its own workers verify it with.
+    pub security: troupe_grpc::auth::Security,
 }
 
 /// A running embedded server.
@@ -44,7 +49,10 @@ impl Embedded {
         let addr = listener
             .local_addr()
             .context("reading the listener address")?;
-        let url = troupe_grpc::url_for(addr);
+        let mut auth = troupe_grpc::auth::ServerAuth::load(&config.security)
+            .await
+            .context("loading the authentication settings")?;
+        let (url, connector) = own_connection(&mut auth, &config.security, addr).await?;
         std::fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
         let data_dir = std::path::absolute(&config.data_dir).context("resolving the data dir")?;
@@ -53,26 +61,31 @@ impl Embedded {
             listen: addr,
             data_dir: data_dir.clone(),
             database_url: None,
+            security: Default::default(),
         })
         .await
         .context("opening the coordinator")?;
-        let executor = troupe_executor::App::open(troupe_executor::Config {
-            listen: addr,
-            data_dir: data_dir.clone(),
-            coordinator_url: Some(url.clone()),
-            concurrency: config.executor_concurrency,
-            worker_id: None,
-            worker: Default::default(),
-            backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
-            // The validator is mounted on this same server.
-            validator_url: Some(url.clone()),
-            phase_concurrency: std::env::var("TROUPE_EXECUTOR_PHASE_CONCURRENCY")
-                .ok()
-                .and_then(|n| n.parse().ok())
-                .unwrap_or(4),
-            summary_dir: std::env::var("TROUPE_EXECUTOR_SUMMARY_DIR")
-                .unwrap_or_else(|_| troupe_executor::DEFAULT_SUMMARY_DIR.to_owned()),
-        })
+        let executor = troupe_executor::App::open_connected(
+            troupe_executor::Config {
+                listen: addr,
+                data_dir: data_dir.clone(),
+                coordinator_url: Some(url.clone()),
+                concurrency: config.executor_concurrency,
+                worker_id: None,
+                worker: Default::default(),
+                backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
+                // The validator is mounted on this same server.
+                validator_url: Some(url.clone()),
+                phase_concurrency: std::env::var("TROUPE_EXECUTOR_PHASE_CONCURRENCY")
+                    .ok()
+                    .and_then(|n| n.parse().ok())
+                    .unwrap_or(4),
+                summary_dir: std::env::var("TROUPE_EXECUTOR_SUMMARY_DIR")
+                    .unwrap_or_else(|_| troupe_executor::DEFAULT_SUMMARY_DIR.to_owned()),
+                security: Default::default(),
+            },
+            connector.clone(),
+        )
         .await
         .context("opening the executor")?;
         let test_runner = troupe_test_runner::App::open(troupe_test_runner::Config {
@@ -84,9 +97,11 @@ impl Embedded {
             worker: Default::default(),
             concurrency: 1,
             backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
+            security: Default::default(),
         })
         .await
-        .context("opening the test-runner")?;
+        .context("opening the test-runner")?
+        .with_connector(connector.clone());
         let validator = troupe_validator::App::open(troupe_validator::Config {
             listen: addr,
             data_dir,
@@ -94,9 +109,11 @@ impl Embedded {
             worker_id: None,
             worker: Default::default(),
             concurrency: 2,
+            security: Default::default(),
         })
         .await
-        .context("opening the validator")?;
+        .context("opening the validator")?
+        .with_connector(connector);
 
         let mut services = troupe_grpc::Services::new();
         coordinator.mount(&mut services);
@@ -111,7 +128,7 @@ impl Embedded {
                 listener,
                 services,
                 serve_shutdown,
-                troupe_grpc::ServeOptions::default(),
+                troupe_grpc::ServeOptions::with_auth(auth),
             )
             .await
             .context("grpc server")
@@ -166,6 +183,52 @@ impl Embedded {
         }
         first_error.map_or(Ok(()), Err)
     }
+}
+
+/// The URL and credentials the in-process workers reach this server with: its port on
+/// loopback; a fresh `worker` token when the server requires credentials; over TLS, the CA
+/// of `--tls-ca` and the first DNS name of the server's certificate.
+async fn own_connection(
+    auth: &mut troupe_grpc::auth::ServerAuth,
+    security: &troupe_grpc::auth::Security,
+    addr: SocketAddr,
+) -> anyhow::Result<(String, troupe_grpc::Connector)> {
+    use troupe_grpc::auth::{Credentials, Scope, Scopes, Token};
+    let loopback = if addr.is_ipv4() {
+        std::net::IpAddr::from([127, 0, 0, 1])
+    } else {
+        std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
+    };
+    let own = SocketAddr::new(loopback, addr.port());
+    let mut connector = if auth.is_tls() {
+        let Some(ca) = &security.credentials.tls_ca else {
+            anyhow::bail!(
+                "serving TLS needs --tls-ca (TROUPE_TLS_CA) too: the CA that signed --tls-cert,                  with which the in-process workers verify this server"
+            );
+        };
+        let credentials = Credentials {
+            tls_ca: Some(ca.clone()),
+            ..Credentials::default()
+        };
+        let mut connector = troupe_grpc::Connector::new(&credentials).await?;
+        if let Some(name) = auth.server_names().first() {
+            connector = connector.with_domain(name.clone());
+        }
+        connector
+    } else {
+        troupe_grpc::Connector::default()
+    };
+    if auth.is_enforced() {
+        let token = Token::generate();
+        auth.accept(
+            &token,
+            Scopes::of(&[Scope::Worker]),
+            "the in-process workers",
+        );
+        connector = connector.with_token(token);
+    }
+    let scheme = if auth.is_tls() { "https" } else { "http" };
+    Ok((format!("{scheme}://{own}"), connector))
 }
 
 /// Runs one part of the embedded server, naming it in its error.

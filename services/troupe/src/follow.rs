@@ -64,10 +64,15 @@ pub struct Follower {
 }
 
 impl Follower {
-    /// A follower of the coordinator at `url` that reconnects for up to `budget` per outage.
-    pub fn new(url: &str, budget: Duration) -> anyhow::Result<Self> {
+    /// A follower of the coordinator at `url`, called with `connector`'s credentials, that
+    /// reconnects for up to `budget` per outage.
+    pub fn new(
+        connector: &troupe_grpc::Connector,
+        url: &str,
+        budget: Duration,
+    ) -> anyhow::Result<Self> {
         Ok(Self {
-            client: troupe_grpc::coordinator_client(url)?,
+            client: connector.coordinator_client(url)?,
             url: url.to_owned(),
             budget,
             outage: None,

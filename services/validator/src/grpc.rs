@@ -49,7 +49,8 @@ impl validator_server::Validator for ValidatorService {
         &self,
         request: Request<ValidateRequest>,
     ) -> Result<Response<ValidateResponse>, Status> {
-        let validation = Validation::from_request(request.into_inner())?;
+        let validation =
+            Validation::from_request(request.into_inner(), self.validator.default_judge())?;
         // Own task + drop guard: a client hanging up cancels the verification command, and the
         // worktree is still removed.
         let cancel = CancellationToken::new();

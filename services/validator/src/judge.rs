@@ -134,6 +134,89 @@ impl JudgeConfig {
         }))
     }
 
+    /// Parses a judge that a plan (a VALIDATE task's `judge`) or a `Validate` request names:
+    /// it may choose the backend, the model, its time limits and budgets, and nothing that
+    /// says where the judge connects or which credentials it gets (`endpoint`, `api_key`,
+    /// `api_key_env`, `env_allow`, `env`, the program `command`, `allow_commands`): those come
+    /// from the validator's own configuration, `configured` (`--judge-config`), when it names
+    /// the same backend, and are the backend's defaults otherwise. A `command` judge (an argv,
+    /// run read-only like a verification command) is unchanged.
+    pub fn from_request(
+        value: &Value,
+        default_timeout: Duration,
+        configured: Option<&JudgeConfig>,
+    ) -> Result<Option<Self>, String> {
+        /// What a plan may set for an agent backend.
+        const PLAN_SETTINGS: [&str; 7] = [
+            "backend",
+            "model",
+            "timeout_seconds",
+            "idle_timeout_seconds",
+            "max_turns",
+            "max_tokens",
+            "fast_fail",
+        ];
+        let Value::Object(map) = value else {
+            return Self::from_value(value, default_timeout);
+        };
+        let backend = map
+            .get("backend")
+            .and_then(Value::as_str)
+            .unwrap_or("command");
+        if backend == "command" {
+            return Self::from_value(value, default_timeout);
+        }
+        /// Where the judge connects and what it is given: the service's business alone.
+        const SERVICE_SETTINGS: [&str; 7] = [
+            "endpoint",
+            "api_key",
+            "api_key_env",
+            "env_allow",
+            "env",
+            "command",
+            "allow_commands",
+        ];
+        if let Some(key) = map
+            .keys()
+            .find(|key| !PLAN_SETTINGS.contains(&key.as_str()))
+        {
+            return Err(if SERVICE_SETTINGS.contains(&key.as_str()) {
+                format!(
+                    "`{key}` of a judge comes from the validator's configuration \
+                     (--judge-config), never from a plan or a request; a plan may set {}",
+                    PLAN_SETTINGS.join(", ")
+                )
+            } else {
+                format!(
+                    "`{key}` is not a judge setting a plan may give (it may set {})",
+                    PLAN_SETTINGS.join(", ")
+                )
+            });
+        }
+        let Some(mut judge) = Self::from_value(value, default_timeout)? else {
+            return Ok(None);
+        };
+        let chosen = judge.settings.clone();
+        let mut settings = configured
+            .filter(|configured| configured.backend == judge.backend)
+            .map(|configured| configured.settings.clone())
+            .unwrap_or_default();
+        settings.model = chosen.model.or(settings.model);
+        settings.timeout_seconds = chosen.timeout_seconds.or(settings.timeout_seconds);
+        settings.idle_timeout_seconds = chosen
+            .idle_timeout_seconds
+            .or(settings.idle_timeout_seconds);
+        settings.max_turns = chosen.max_turns.or(settings.max_turns);
+        settings.max_tokens = chosen.max_tokens.or(settings.max_tokens);
+        settings.fast_fail |= chosen.fast_fail;
+        judge.timeout = settings
+            .timeout_seconds
+            .filter(|s| *s > 0)
+            .map_or(default_timeout, Duration::from_secs);
+        judge.settings = settings;
+        Ok(Some(judge))
+    }
+
     /// Parses a judge configuration file (TOML, the same keys as [`JudgeConfig::from_value`]).
     pub fn from_toml(text: &str, default_timeout: Duration) -> Result<Self, String> {
         let table: toml::Table = toml::from_str(text).map_err(|err| err.to_string())?;
@@ -523,6 +606,71 @@ fn truncate(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The attack of issue 19: a plan's judge sending one of the validator's variables as a
+    /// bearer token to the plan's URL.
+    #[test]
+    fn a_plan_cannot_choose_where_the_judge_connects_or_what_it_is_given() {
+        let timeout = Duration::from_secs(60);
+        for key in [
+            "endpoint",
+            "api_key",
+            "api_key_env",
+            "env_allow",
+            "env",
+            "command",
+            "allow_commands",
+        ] {
+            let mut spec = json!({"backend": "agent", "model": "m"});
+            spec[key] = json!("SECRET_DB_PASSWORD");
+            let err = JudgeConfig::from_request(&spec, timeout, None).expect_err(key);
+            assert!(
+                err.starts_with(&format!(
+                    "`{key}` of a judge comes from the validator's configuration"
+                )),
+                "{err}"
+            );
+        }
+        let err =
+            JudgeConfig::from_request(&json!({"backend": "agent", "modle": "m"}), timeout, None)
+                .expect_err("unknown key");
+        assert!(err.contains("`modle` is not a judge setting"), "{err}");
+    }
+
+    #[test]
+    fn a_plan_picks_backend_and_model_and_the_configuration_supplies_the_rest() {
+        let timeout = Duration::from_secs(60);
+        let configured = JudgeConfig::from_value(
+            &json!({"backend": "agent", "model": "configured", "endpoint": "http://model/v1",
+                    "api_key_env": "JUDGE_KEY", "timeout_seconds": 30}),
+            timeout,
+        )
+        .expect("valid")
+        .expect("a judge");
+        let chosen = JudgeConfig::from_request(
+            &json!({"backend": "agent", "model": "chosen", "max_turns": 3}),
+            timeout,
+            Some(&configured),
+        )
+        .expect("valid")
+        .expect("a judge");
+        assert_eq!(chosen.settings.model.as_deref(), Some("chosen"));
+        assert_eq!(chosen.settings.endpoint.as_deref(), Some("http://model/v1"));
+        assert_eq!(chosen.settings.api_key_env.as_deref(), Some("JUDGE_KEY"));
+        assert_eq!(chosen.settings.max_turns, Some(3));
+        assert_eq!(chosen.timeout, Duration::from_secs(30));
+        // Another backend than the configured one gets that backend's defaults only.
+        let other =
+            JudgeConfig::from_request(&json!({"backend": "codex"}), timeout, Some(&configured))
+                .expect("valid")
+                .expect("a judge");
+        assert_eq!(other.settings, BackendConfig::default());
+        // A command judge is an argv, as before.
+        let command = JudgeConfig::from_request(&json!(["python3", "judge.py"]), timeout, None)
+            .expect("valid")
+            .expect("a judge");
+        assert_eq!(command.backend, "command");
+    }
 
     #[test]
     fn answers_parse_from_the_last_json_line_or_a_fenced_block() {

@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
-use troupe_grpc::worker::run_worker_if_configured;
+use troupe_grpc::worker::{WorkerSettings, run_worker_if_configured};
 use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::validator_server::ValidatorServer;
@@ -66,6 +66,10 @@ pub struct Config {
     /// Validations at once as a worker.
     #[arg(long, env = "TROUPE_VALIDATOR_CONCURRENCY", default_value_t = 1)]
     pub concurrency: usize,
+    /// Authentication: accepted tokens and client certificates, this server's certificate,
+    /// and the credentials of its own calls.
+    #[command(flatten)]
+    pub security: troupe_grpc::auth::Security,
 }
 
 /// Settings of the checks themselves. The binary takes them as flags; embedders that build
@@ -174,6 +178,7 @@ pub enum Error {
 pub struct App {
     config: Config,
     validator: Arc<Validator>,
+    connector: troupe_grpc::Connector,
     _lock: Arc<troupe_grpc::DataDirLock>,
 }
 
@@ -214,11 +219,19 @@ impl App {
                 .with_judge(checks.judge()?),
         );
         validator.recover().await?;
+        let connector = troupe_grpc::Connector::new(&config.security.credentials).await?;
         Ok(Self {
             config,
             validator,
+            connector,
             _lock: Arc::new(lock),
         })
+    }
+
+    /// Calls the coordinator with `connector` instead of the configured credentials.
+    pub fn with_connector(mut self, connector: troupe_grpc::Connector) -> Self {
+        self.connector = connector;
+        self
     }
 
     /// The validator, for in-process callers.
@@ -235,13 +248,17 @@ impl App {
 
     /// Runs the VALIDATE-* worker loop when a coordinator is configured, else waits for shutdown.
     pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+        let settings = WorkerSettings {
+            coordinator_url: self.config.coordinator_url.clone(),
+            worker_id: self.config.worker_id.clone(),
+            role: Role::Validator,
+            concurrency: self.config.concurrency,
+            tuning: &self.config.worker,
+            connector: &self.connector,
+            data_dir: &self.config.data_dir,
+        };
         run_worker_if_configured(
-            self.config.coordinator_url.clone(),
-            self.config.worker_id.clone(),
-            Role::Validator,
-            self.config.concurrency,
-            &self.config.worker,
-            &self.config.data_dir,
+            settings,
             Arc::new(ValidateHandler::new(self.validator())),
             shutdown,
         )
@@ -267,6 +284,7 @@ pub async fn run_with(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
     let app = App::open_with(config, checks).await?;
     let mut services = Services::new();
     app.mount(&mut services);
@@ -274,7 +292,7 @@ pub async fn run_with(
         listener,
         services,
         shutdown,
-        ServeOptions::default(),
+        ServeOptions::with_auth(auth),
         |stop| app.run_background(stop),
     )
     .await

@@ -54,8 +54,12 @@ pub struct Validation {
 }
 
 impl Validation {
-    /// Builds a validation from the RPC request.
-    pub fn from_request(request: ValidateRequest) -> Result<Self, Error> {
+    /// Builds a validation from the RPC request. A judge it names takes its connection and
+    /// credentials from `configured` (the validator's own), never from the request.
+    pub fn from_request(
+        request: ValidateRequest,
+        configured: Option<&JudgeConfig>,
+    ) -> Result<Self, Error> {
         let remote = Remote::parse(&request.repo_path).map_err(|err| {
             Error::InvalidArgument(format!(
                 "repo_path must be an absolute path or a git URL: {err}"
@@ -76,8 +80,12 @@ impl Validation {
             secs => Duration::from_secs(u64::from(secs)),
         };
         let judge = match &request.judge_spec {
-            Some(spec) => JudgeConfig::from_value(&troupe_proto::json::from_struct(spec), timeout)
-                .map_err(|err| Error::InvalidArgument(format!("judge_spec: {err}")))?,
+            Some(spec) => JudgeConfig::from_request(
+                &troupe_proto::json::from_struct(spec),
+                timeout,
+                configured,
+            )
+            .map_err(|err| Error::InvalidArgument(format!("judge_spec: {err}")))?,
             None if request.judge.is_empty() => None,
             None => Some(JudgeConfig::command(request.judge, timeout)),
         };
@@ -766,19 +774,25 @@ mod tests {
 
     #[test]
     fn request_defaults() {
-        let v = Validation::from_request(ValidateRequest {
-            repo_path: "/r".into(),
-            ..ValidateRequest::default()
-        })
+        let v = Validation::from_request(
+            ValidateRequest {
+                repo_path: "/r".into(),
+                ..ValidateRequest::default()
+            },
+            None,
+        )
         .expect("valid");
         assert_eq!(v.git_ref, "HEAD");
         assert_eq!(v.base_ref, None);
         assert_eq!(v.timeout, DEFAULT_VERIFICATION_TIMEOUT);
         assert!(
-            Validation::from_request(ValidateRequest {
-                repo_path: "r".into(),
-                ..ValidateRequest::default()
-            })
+            Validation::from_request(
+                ValidateRequest {
+                    repo_path: "r".into(),
+                    ..ValidateRequest::default()
+                },
+                None
+            )
             .is_err()
         );
     }

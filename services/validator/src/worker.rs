@@ -117,9 +117,10 @@ impl ValidateHandler {
             .map(troupe_proto::json::from_struct)
             .unwrap_or(Value::Null);
         let convergence = TaskConvergence::parse(&spec)?;
-        let own_judge = JudgeConfig::from_value(
+        let own_judge = JudgeConfig::from_request(
             spec.get("judge").unwrap_or(&Value::Null),
             convergence.timeout,
+            self.validator.default_judge(),
         )
         .map_err(|err| Error::InvalidArgument(format!("judge: {err}")))?;
         let judge = own_judge.as_ref().or(self.validator.default_judge());

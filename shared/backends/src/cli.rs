@@ -507,13 +507,15 @@ impl CliBackend {
             }
         }
         let (args, env) = self.prepare(&spec, &home).await?;
+        // The caller's variables first: the endpoint, key and homes set from our own
+        // configuration always win over them.
         let mut cmd = Command::new(&program)
             .args(args)
             .cwd(&spec.worktree)
             .stdin(spec.prompt.clone().into_bytes())
+            .envs(spec.env.clone())
             .envs(env)
             .envs(self.config.env.clone())
-            .envs(spec.env.clone())
             .max_output_bytes(8 * 1024 * 1024)
             .kill_grace(Duration::from_millis(500));
         for var in &self.config.env_allow {

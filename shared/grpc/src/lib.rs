@@ -16,11 +16,15 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic_health::ServingStatus;
 
 pub mod assets;
+pub mod auth;
+mod connect;
 pub mod worker;
+
+pub use connect::Connector;
 
 /// Fully qualified gRPC name of the health service, as health checks and grpcurl spell it.
 pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
@@ -105,6 +109,9 @@ pub struct ServeOptions {
     /// Deadline for requests that carry no `grpc-timeout` of their own; a shorter client
     /// deadline always wins.
     pub default_deadline: Option<Duration>,
+    /// Who may call what, and TLS; the default authenticates nobody and is refused beyond
+    /// loopback.
+    pub auth: auth::ServerAuth,
 }
 
 impl Default for ServeOptions {
@@ -114,6 +121,17 @@ impl Default for ServeOptions {
             // Long enough for an agent run or a test suite (CCW gives its executor an hour);
             // callers that want less send their own `grpc-timeout`.
             default_deadline: Some(Duration::from_secs(2 * 3600)),
+            auth: auth::ServerAuth::default(),
+        }
+    }
+}
+
+impl ServeOptions {
+    /// The defaults with `auth`.
+    pub fn with_auth(auth: auth::ServerAuth) -> Self {
+        Self {
+            auth,
+            ..Self::default()
         }
     }
 }
@@ -197,7 +215,9 @@ where
 }
 
 /// Serves `services` plus health and reflection on `listener` until `shutdown` is cancelled,
-/// then drains in-flight calls for at most `options.drain_timeout`.
+/// then drains in-flight calls for at most `options.drain_timeout`. Every request passes
+/// `options.auth` first; a non-loopback listener without authentication is refused unless
+/// the options say `insecure`.
 pub async fn serve(
     listener: TcpListener,
     services: Services,
@@ -205,6 +225,7 @@ pub async fn serve(
     options: ServeOptions,
 ) -> Result<(), Error> {
     let local_addr = listener.local_addr().map_err(Error::Listener)?;
+    options.auth.check_listen(local_addr)?;
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     for name in &services.names {
         health_reporter
@@ -231,10 +252,12 @@ pub async fn serve(
     let reflection_v1alpha = reflection().build_v1alpha()?;
 
     let mut routes = services.routes;
-    routes
-        .add_service(health_service)
-        .add_service(reflection_v1)
-        .add_service(reflection_v1alpha);
+    routes.add_service(health_service.clone());
+    if options.auth.reflection() != auth::Reflection::Off {
+        routes
+            .add_service(reflection_v1)
+            .add_service(reflection_v1alpha);
+    }
 
     let mut builder = tonic::transport::Server::builder()
         .tcp_nodelay(true)
@@ -243,13 +266,40 @@ pub async fn serve(
     if let Some(deadline) = options.default_deadline {
         builder = builder.timeout(deadline);
     }
+    if let Some(tls) = options.auth.tls_config() {
+        builder = builder.tls_config(tls)?;
+    }
+    let mut builder = builder.layer(auth::AuthLayer::new(&options.auth));
     tracing::info!(
         addr = %local_addr,
         services = ?services.names,
+        tls = options.auth.is_tls(),
+        authenticated = options.auth.is_enforced(),
+        reflection = ?options.auth.reflection(),
         "grpc server listening"
     );
 
     let stop_accepting = CancellationToken::new();
+    // Probes that cannot speak TLS get the health service alone, in plaintext.
+    let health_only = match options.auth.health_listen {
+        Some(addr) => {
+            let listener = TcpListener::bind(addr).await.map_err(|err| {
+                Error::Config(format!("cannot bind the health listener {addr}: {err}"))
+            })?;
+            tracing::info!(addr = %addr, "health-only listener");
+            let incoming = tonic::transport::server::TcpIncoming::from(listener);
+            Some(tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(health_service.clone())
+                    .serve_with_incoming_shutdown(
+                        incoming,
+                        stop_accepting.clone().cancelled_owned(),
+                    ),
+            ))
+        }
+        None => None,
+    };
+    let _health_only = health_only.map(AbortOnDrop);
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let server = builder
         .add_routes(routes.routes())
@@ -277,6 +327,15 @@ pub async fn serve(
     }
 }
 
+/// Aborts a spawned task when dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 fn request_span(request: &http::Request<()>) -> tracing::Span {
     let span = tracing::info_span!(
         "grpc",
@@ -292,30 +351,27 @@ pub fn url_for(addr: SocketAddr) -> String {
     format!("http://{addr}")
 }
 
-/// Builds a lazy channel to `url` with a bounded connect time. Build once and clone it.
+/// Builds a lazy channel to `url` with a bounded connect time, without credentials (see
+/// [`Connector::channel`]). Build once and clone it.
 pub fn channel(url: &str) -> Result<Channel, Error> {
-    let endpoint = Endpoint::from_shared(url.to_owned()).map_err(|err| Error::InvalidUrl {
-        url: url.to_owned(),
-        reason: err.to_string(),
-    })?;
-    Ok(endpoint
-        .connect_timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(30))
-        .keep_alive_while_idle(true)
-        .connect_lazy())
+    Connector::default().channel(url)
 }
 
-/// Adds a default deadline and the current W3C trace context to every outbound call.
+/// Adds a default deadline, the current W3C trace context and this process's bearer token
+/// to every outbound call.
 #[derive(Clone, Debug)]
 pub struct Outbound {
-    deadline: Duration,
+    pub(crate) deadline: Duration,
+    pub(crate) token: Option<auth::TokenSource>,
 }
 
 impl Outbound {
     /// An interceptor whose calls time out after `deadline` unless the caller set one.
     pub fn new(deadline: Duration) -> Self {
-        Self { deadline }
+        Self {
+            deadline,
+            token: None,
+        }
     }
 }
 
@@ -328,6 +384,11 @@ impl tonic::service::Interceptor for Outbound {
             request.set_timeout(self.deadline);
         }
         troupe_telemetry::inject_context(request.metadata_mut());
+        if let Some(token) = &self.token
+            && let Some(header) = token.current().header()
+        {
+            request.metadata_mut().insert("authorization", header);
+        }
         Ok(request)
     }
 }
@@ -336,16 +397,14 @@ impl tonic::service::Interceptor for Outbound {
 pub type CoordinatorClient =
     troupe_proto::v1::coordinator_client::CoordinatorClient<InterceptedService<Channel, Outbound>>;
 
-/// Returns a coordinator client for `url` whose calls default to a 90 s deadline (long enough
-/// for the longest `ClaimTasks` long-poll).
+/// How long a coordinator call may take by default: long enough for the longest
+/// `ClaimTasks` long-poll.
+const COORDINATOR_DEADLINE: Duration = Duration::from_secs(90);
+
+/// Returns a coordinator client for `url`, without credentials (see
+/// [`Connector::coordinator_client`]), whose calls default to a 90 s deadline.
 pub fn coordinator_client(url: &str) -> Result<CoordinatorClient, Error> {
-    let channel = channel(url)?;
-    Ok(
-        troupe_proto::v1::coordinator_client::CoordinatorClient::with_interceptor(
-            channel,
-            Outbound::new(Duration::from_secs(90)),
-        ),
-    )
+    Connector::default().coordinator_client(url)
 }
 
 /// Whether a failed call may succeed if repeated unchanged, with a backoff.

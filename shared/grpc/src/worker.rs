@@ -35,7 +35,7 @@ use troupe_proto::v1::{
     Task, TaskError, TaskResult,
 };
 
-use crate::{CoordinatorClient, Error, coordinator_client, is_transient, timed, within};
+use crate::{Connector, CoordinatorClient, Error, is_transient, timed, within};
 
 mod lease;
 
@@ -213,6 +213,8 @@ pub struct WorkerConfig {
     /// Deadline of each call to the coordinator; a long-poll gets its wait plus this, and a
     /// call under a lease (heartbeat, report) never waits past the lease's local deadline.
     pub rpc_timeout: Duration,
+    /// Credentials and TLS of the calls to the coordinator.
+    pub connector: Connector,
     /// Where the files plans bring along are kept (`<dir>/<digest>/`); a claimed task's
     /// `plan_dir` becomes its bundle's directory there. `None` leaves `plan_dir` as the claim
     /// gives it (the submitting machine's directory).
@@ -237,6 +239,7 @@ impl WorkerConfig {
             poll_wait: Duration::from_secs(10),
             drain_timeout: Duration::from_secs(10),
             rpc_timeout: Duration::from_secs_f64(tuning.rpc_timeout_seconds),
+            connector: Connector::default(),
             assets_dir: None,
         }
     }
@@ -344,33 +347,50 @@ impl Counters {
     }
 }
 
+/// A worker service's loop as its flags describe it.
+#[derive(Clone, Debug)]
+pub struct WorkerSettings<'a> {
+    /// The coordinator to claim from; `None` runs no loop.
+    pub coordinator_url: Option<String>,
+    /// The worker id (default `<role>-<hostname>-<pid>`).
+    pub worker_id: Option<String>,
+    /// The role claimed.
+    pub role: Role,
+    /// Tasks run at once (at least 1).
+    pub concurrency: usize,
+    /// Lease and call deadlines.
+    pub tuning: &'a WorkerTuning,
+    /// Credentials of the calls to the coordinator.
+    pub connector: &'a Connector,
+    /// The service's data directory: the files plans bring along go to `<dir>/assets`.
+    pub data_dir: &'a std::path::Path,
+}
+
 /// Runs the worker loop when a coordinator URL is configured; otherwise the service only
 /// answers its own RPCs, and this waits for `shutdown`.
-#[allow(clippy::too_many_arguments)]
 pub async fn run_worker_if_configured<H: TaskHandler>(
-    coordinator_url: Option<String>,
-    worker_id: Option<String>,
-    role: Role,
-    concurrency: usize,
-    tuning: &WorkerTuning,
-    data_dir: &std::path::Path,
+    settings: WorkerSettings<'_>,
     handler: Arc<H>,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    let Some(url) = coordinator_url else {
+    let Some(url) = settings.coordinator_url else {
         shutdown.cancelled().await;
         return Ok(());
     };
-    let role_name = match role {
+    let role_name = match settings.role {
         Role::Executor => "executor",
         Role::Validator => "validator",
         Role::TestRunner => "test-runner",
         Role::Unspecified => "worker",
     };
-    let worker_id = worker_id.unwrap_or_else(|| default_worker_id(role_name));
-    let mut config = WorkerConfig::new(url, worker_id, vec![role]).tuned(tuning)?;
-    config.concurrency = concurrency.max(1);
-    config.assets_dir = Some(data_dir.join("assets"));
+    let worker_id = settings
+        .worker_id
+        .unwrap_or_else(|| default_worker_id(role_name));
+    let mut config =
+        WorkerConfig::new(url, worker_id, vec![settings.role]).tuned(settings.tuning)?;
+    config.concurrency = settings.concurrency.max(1);
+    config.connector = settings.connector.clone();
+    config.assets_dir = Some(settings.data_dir.join("assets"));
     run_worker(config, handler, shutdown).await.map(drop)
 }
 
@@ -416,7 +436,9 @@ pub async fn run_worker<H: TaskHandler>(
         ));
     }
     let slot = Arc::new(Slot {
-        client: coordinator_client(&config.coordinator_url)?,
+        client: config
+            .connector
+            .coordinator_client(&config.coordinator_url)?,
         config: Arc::new(config),
         handler,
         shutdown: shutdown.clone(),

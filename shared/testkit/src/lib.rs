@@ -6,8 +6,11 @@
 //! - [`eventually`] polls an async condition with a bounded patience instead of sleeping.
 //! - [`git_repo`] makes a real git repository with files and one commit.
 //! - [`trace_init`] installs a thread-local log subscriber guard, never a global one.
+//! - [`pki::Pki`] makes a throwaway CA, server and client certificates for TLS tests.
 //!
 //! It depends on no troupe service, so every service can use it without a dependency cycle.
+
+pub mod pki;
 
 use std::future::Future;
 use std::net::SocketAddr;

@@ -172,6 +172,7 @@ async fn measure(
                 data_dir: data.path().to_path_buf(),
                 executor_concurrency: 4,
                 python: "python3".into(),
+                security: Default::default(),
             },
             listener,
             shutdown.clone(),

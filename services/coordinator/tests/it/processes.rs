@@ -411,6 +411,7 @@ async fn worker_process() {
         poll_wait: Duration::from_millis(500),
         drain_timeout: Duration::from_secs(1),
         rpc_timeout: Duration::from_secs(1),
+        connector: troupe_grpc::Connector::default(),
         assets_dir: None,
     };
     troupe_grpc::worker::run_worker(config, Arc::new(Forever), CancellationToken::new())

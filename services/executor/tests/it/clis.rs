@@ -89,6 +89,7 @@ pub(crate) async fn fixture(config: BackendsConfig) -> Fixture {
         validator_url: None,
         phase_concurrency: 4,
         summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
+        security: Default::default(),
     };
     let data = data_dir.path().join("data");
     let service =

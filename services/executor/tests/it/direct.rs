@@ -42,6 +42,7 @@ async fn fixture() -> Fixture {
         validator_url: None,
         phase_concurrency: 4,
         summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
+        security: Default::default(),
     };
     let service =
         TestService::spawn(|listener, shutdown| troupe_executor::run(config, listener, shutdown))
@@ -368,5 +369,40 @@ async fn malformed_requests_are_invalid_arguments() {
             .code(),
         Code::NotFound
     );
+    f.service.stop().await;
+}
+
+/// A plan's `agent.env` could point a CLI at the plan's own URL (`ANTHROPIC_BASE_URL`) while
+/// the CLI holds the executor's key, or load code into it (`NODE_OPTIONS`): it is refused for
+/// every backend but `command`, before anything runs.
+#[tokio::test]
+async fn a_plans_env_reaches_the_command_backend_only() {
+    let mut f = fixture().await;
+    for backend in ["claude", "codex", "agent"] {
+        let task = json!({
+            "id": "IMPL-009",
+            "files": [{"path": "src/app.py", "action": "modify"}],
+            "agent": {"backend": backend, "env": {"ANTHROPIC_BASE_URL": "http://127.0.0.1:9"}},
+        });
+        let status = f
+            .client
+            .execute_task(f.request(task))
+            .await
+            .expect_err("refused");
+        let error = task_error(&status);
+        assert_eq!(
+            error.kind(),
+            ErrorKind::InvalidTask,
+            "{backend}: {status:?}"
+        );
+        assert!(!error.retryable);
+        assert!(
+            error.message.contains(&format!(
+                "`agent.env` is given to the `command` backend only; backend `{backend}` gets its environment"
+            )),
+            "{backend}: {}",
+            error.message
+        );
+    }
     f.service.stop().await;
 }

@@ -137,6 +137,7 @@ async fn fixture_with(with_validator: bool, backends: Option<BackendsConfig>) ->
         validator_url: validator.as_ref().map(TestService::url),
         phase_concurrency: 4,
         summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
+        security: Default::default(),
     };
     let executor =
         TestService::spawn(|listener, shutdown| troupe_executor::run(config, listener, shutdown))

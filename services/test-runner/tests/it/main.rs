@@ -53,6 +53,7 @@ async fn start() -> TestService {
         worker: Default::default(),
         concurrency: 1,
         backends_config: None,
+        security: Default::default(),
     };
     TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)
@@ -480,6 +481,7 @@ async fn without_plugins_results_come_from_junit_and_coverage_is_not_claimed() {
         worker: Default::default(),
         concurrency: 1,
         backends_config: None,
+        security: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

@@ -74,6 +74,7 @@ async fn a_session_survives_export_and_import() {
             data_dir: temp.path().join("data"),
             executor_concurrency: 2,
             python: "python3".into(),
+            security: Default::default(),
         },
         listener,
         shutdown.clone(),
@@ -154,7 +155,9 @@ async fn a_session_survives_export_and_import() {
 
     // Export.
     let out = temp.path().join("ccw");
-    let summary = ccw_export::export(&url, &session_id, &out).await.unwrap();
+    let summary = ccw_export::export(&troupe_grpc::Connector::default(), &url, &session_id, &out)
+        .await
+        .unwrap();
     assert_eq!(summary.tasks, 4);
     assert_eq!(summary.messages, messages.len());
 
@@ -373,6 +376,7 @@ async fn an_export_holds_every_message_past_one_page() {
             data_dir: temp.path().join("data"),
             executor_concurrency: 1,
             python: "python3".into(),
+            security: Default::default(),
         },
         listener,
         shutdown.clone(),
@@ -413,7 +417,9 @@ async fn an_export_holds_every_message_past_one_page() {
             .unwrap();
     }
     let out = temp.path().join("ccw");
-    let summary = ccw_export::export(&url, &session_id, &out).await.unwrap();
+    let summary = ccw_export::export(&troupe_grpc::Connector::default(), &url, &session_id, &out)
+        .await
+        .unwrap();
     assert!(summary.messages >= count, "{}", summary.messages);
     let ids: Vec<String> = std::fs::read_to_string(out.join(".msg/messages.jsonl"))
         .unwrap()

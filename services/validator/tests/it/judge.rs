@@ -11,7 +11,7 @@ use troupe_modelserver::{Action, ModelServer, Script, refused_url};
 use troupe_proto::v1::{CheckResult, CheckStatus, ValidateRequest, Verdict};
 use troupe_testkit::{git, git_repo, workspace_root};
 
-use crate::{start, validate};
+use crate::{start, start_with_judge_config, validate};
 
 const MODULE: &str = "def median(xs):\n    s = sorted(xs)\n    n = len(s)\n    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2\n";
 
@@ -58,6 +58,17 @@ fn cli_program(name: &str) -> String {
     installed.display().to_string()
 }
 
+/// The validator's judge configuration (`--judge-config`) for `backend` against the model
+/// server at `base`: where it connects and its key are the service's, never a plan's.
+fn judge_config(backend: &str, base: &str, timeout_seconds: u64) -> String {
+    toml::to_string(&judge_spec(backend, base, timeout_seconds)).expect("judge config as TOML")
+}
+
+/// What a plan or request names: the backend, and a time limit.
+fn chosen(backend: &str, timeout_seconds: u64) -> Value {
+    json!({"backend": backend, "timeout_seconds": timeout_seconds})
+}
+
 /// A judge object for `backend` against the model server at `base`.
 fn judge_spec(backend: &str, base: &str, timeout_seconds: u64) -> Value {
     let (endpoint, model) = match backend {
@@ -97,15 +108,13 @@ async fn judges_with_citations(backend: &str) {
     repo(dir.path());
     let head = git(dir.path(), &["rev-parse", "HEAD"]).expect("head");
     let (url, server) = ModelServer::start(script()).await.expect("model server");
-    let (service, _data) = start(None).await;
+    let (service, _data) = start_with_judge_config(&judge_config(backend, &url, 120)).await;
     let report = validate(
         &service,
         ValidateRequest {
             repo_path: dir.path().display().to_string(),
             criteria: vec![CITED.into(), UNCITED.into(), BAD_LINE.into()],
-            judge_spec: Some(troupe_proto::json::to_struct(&judge_spec(
-                backend, &url, 120,
-            ))),
+            judge_spec: Some(troupe_proto::json::to_struct(&chosen(backend, 120))),
             ..ValidateRequest::default()
         },
     )
@@ -192,19 +201,29 @@ async fn judge_crash_timeout_and_absence() {
     repo(dir.path());
     let (url, _server) = ModelServer::start(script()).await.expect("model server");
     let refused = refused_url().await.expect("refused url");
-    let (service, _data) = start(None).await;
-    let ask = |judge: Option<Value>| {
+    let ask = |config: Option<String>, judge: Option<Value>| {
         let request = ValidateRequest {
             repo_path: dir.path().display().to_string(),
             criteria: vec![CITED.into()],
             judge_spec: judge.map(|j| troupe_proto::json::to_struct(&j)),
             ..ValidateRequest::default()
         };
-        let service = &service;
-        async move { validate(service, request).await.expect("validate") }
+        async move {
+            let (service, _data) = match config {
+                Some(config) => start_with_judge_config(&config).await,
+                None => start(None).await,
+            };
+            let report = validate(&service, request).await.expect("validate");
+            service.stop().await;
+            report
+        }
     };
 
-    let report = ask(Some(judge_spec("agent", &refused, 60))).await;
+    let report = ask(
+        Some(judge_config("agent", &refused, 60)),
+        Some(chosen("agent", 60)),
+    )
+    .await;
     let check = &report.checks[0];
     assert_eq!(check.status(), CheckStatus::Error, "{}", check.evidence);
     assert!(
@@ -218,7 +237,11 @@ async fn judge_crash_timeout_and_absence() {
     assert_eq!(report.convergence_met, "fail");
 
     let started = std::time::Instant::now();
-    let report = ask(Some(judge_spec("agent", &format!("{url}/__hang"), 2))).await;
+    let report = ask(
+        Some(judge_config("agent", &format!("{url}/__hang"), 60)),
+        Some(chosen("agent", 2)),
+    )
+    .await;
     let check = &report.checks[0];
     assert_eq!(check.status(), CheckStatus::Error, "{}", check.evidence);
     assert!(
@@ -231,7 +254,11 @@ async fn judge_crash_timeout_and_absence() {
     assert!(started.elapsed() < std::time::Duration::from_secs(30));
 
     // A real CLI that cannot reach its endpoint.
-    let report = ask(Some(judge_spec("codex", &refused, 60))).await;
+    let report = ask(
+        Some(judge_config("codex", &refused, 60)),
+        Some(chosen("codex", 60)),
+    )
+    .await;
     let check = &report.checks[0];
     assert_eq!(check.status(), CheckStatus::Error, "{}", check.evidence);
     assert!(
@@ -242,14 +269,15 @@ async fn judge_crash_timeout_and_absence() {
         check.evidence
     );
 
-    let report = ask(None).await;
+    let report = ask(None, None).await;
     let check = &report.checks[0];
     assert_eq!(check.status(), CheckStatus::ManualReview);
     assert_eq!(check.evidence, troupe_validator::NO_CRITERION_CHECKER);
     assert_eq!(report.convergence_met, "pending");
 
     // A judge object that names an unknown setting is refused up front.
-    let mut bad = judge_spec("agent", &url, 60);
+    let (service, _data) = start(None).await;
+    let mut bad = chosen("agent", 60);
     bad["modle"] = json!("x");
     let status = validate(
         &service,
@@ -264,5 +292,72 @@ async fn judge_crash_timeout_and_absence() {
     .expect_err("invalid judge");
     assert_eq!(status.code(), tonic::Code::InvalidArgument);
     assert!(status.message().contains("modle"), "{}", status.message());
+    service.stop().await;
+}
+
+/// The attack of issue 19: a request's (or a VALIDATE task's) judge naming its own endpoint
+/// and one of the validator's variables as the key. Refused before anything runs: the
+/// attacker's server is never contacted, and the configured judge's key stays with it.
+#[tokio::test]
+async fn a_request_cannot_redirect_the_judges_endpoint_or_credentials() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    repo(dir.path());
+    let (url, server) = ModelServer::start(script()).await.expect("model server");
+    let (attacker_url, attacker) = ModelServer::start(script()).await.expect("attacker");
+    let (service, _data) = start_with_judge_config(&judge_config("agent", &url, 60)).await;
+    for (key, value) in [
+        ("endpoint", json!(format!("{attacker_url}/v1"))),
+        ("api_key_env", json!("PATH")),
+        ("api_key", json!("the-attackers-key")),
+        ("env_allow", json!(["HOME"])),
+        ("env", json!({"OPENAI_BASE_URL": attacker_url})),
+        ("command", json!("/bin/sh")),
+    ] {
+        let mut spec = chosen("agent", 60);
+        spec[key] = value;
+        let status = validate(
+            &service,
+            ValidateRequest {
+                repo_path: dir.path().display().to_string(),
+                criteria: vec![CITED.into()],
+                judge_spec: Some(troupe_proto::json::to_struct(&spec)),
+                ..ValidateRequest::default()
+            },
+        )
+        .await
+        .expect_err(key);
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{key}");
+        assert!(
+            status.message().contains(&format!(
+                "`{key}` of a judge comes from the validator's configuration"
+            )),
+            "{key}: {}",
+            status.message()
+        );
+    }
+    assert!(
+        attacker.requests().is_empty(),
+        "the attacker's server was called"
+    );
+    // Naming the backend alone uses the configured endpoint and key.
+    let report = validate(
+        &service,
+        ValidateRequest {
+            repo_path: dir.path().display().to_string(),
+            criteria: vec![CITED.into()],
+            judge_spec: Some(troupe_proto::json::to_struct(&chosen("agent", 60))),
+            ..ValidateRequest::default()
+        },
+    )
+    .await
+    .expect("validate");
+    assert_eq!(
+        report.checks[0].status(),
+        CheckStatus::Pass,
+        "{}",
+        report.checks[0].evidence
+    );
+    assert!(!server.requests().is_empty());
+    assert!(attacker.requests().is_empty());
     service.stop().await;
 }

@@ -75,7 +75,26 @@ pub(crate) fn tool_dirs() -> Vec<PathBuf> {
 
 /// A validator on a port-0 listener with the tool dirs and an optional default judge.
 pub(crate) async fn start(judge: Option<String>) -> (TestService, tempfile::TempDir) {
+    start_with(judge, None).await
+}
+
+/// A validator whose judge is configured by `judge_config` (the TOML of `--judge-config`).
+pub(crate) async fn start_with_judge_config(
+    judge_config: &str,
+) -> (TestService, tempfile::TempDir) {
+    start_with(None, Some(judge_config)).await
+}
+
+async fn start_with(
+    judge: Option<String>,
+    judge_config: Option<&str>,
+) -> (TestService, tempfile::TempDir) {
     let data = tempfile::tempdir().expect("data dir");
+    let judge_config = judge_config.map(|text| {
+        let path = data.path().join("judge.toml");
+        std::fs::write(&path, text).expect("write the judge config");
+        path
+    });
     let config = troupe_validator::Config {
         listen: "127.0.0.1:0".parse().expect("address"),
         data_dir: data.path().to_path_buf(),
@@ -83,11 +102,12 @@ pub(crate) async fn start(judge: Option<String>) -> (TestService, tempfile::Temp
         worker_id: None,
         worker: Default::default(),
         concurrency: 1,
+        security: Default::default(),
     };
     let checks = troupe_validator::CheckConfig {
         tool_dirs: tool_dirs(),
         judge,
-        judge_config: None,
+        judge_config,
         judge_timeout_seconds: 30,
     };
     let service = TestService::spawn(move |listener, shutdown| {

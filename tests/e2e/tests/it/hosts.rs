@@ -169,6 +169,7 @@ impl Host {
             name: name.to_owned(),
             addr,
             child,
+            tls: None,
         };
         service.wait_serving("").await?;
         Ok(service)

@@ -1,6 +1,7 @@
 //! End-to-end tests: real services, real git, real SQLite, real pytest, real grpcurl.
 
 mod agent_children;
+mod auth;
 mod bad_plan;
 mod distributed;
 mod exactly_once;

@@ -122,6 +122,8 @@ impl Partition {
             .args(args)
             .arg("--listen")
             .arg(addr.to_string())
+            // The namespace's side of a test link: no credentials needed.
+            .arg("--insecure")
             .env("TROUPE_LOG_FORMAT", "json")
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
@@ -134,6 +136,7 @@ impl Partition {
             name: name.to_owned(),
             addr,
             child,
+            tls: None,
         };
         service.wait_serving("").await?;
         Ok(service)

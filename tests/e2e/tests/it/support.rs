@@ -53,6 +53,8 @@ pub(crate) struct ChildService {
     pub(crate) name: String,
     pub(crate) addr: SocketAddr,
     pub(crate) child: Child,
+    /// For a TLS server: how to reach it (`https://`, its CA); `None` is plaintext.
+    pub(crate) tls: Option<troupe_grpc::Connector>,
 }
 
 impl ChildService {
@@ -74,6 +76,33 @@ impl ChildService {
         args: &[&str],
         env: &[(&str, &str)],
         log: Option<&Path>,
+    ) -> anyhow::Result<Self> {
+        Self::spawn(name, addr, args, env, log, None).await
+    }
+
+    /// Starts a TLS server (`args` carry its certificate) like [`ChildService::start`]; its
+    /// health is checked over `https://` with `ca`.
+    pub(crate) async fn start_tls(
+        name: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        ca: &Path,
+    ) -> anyhow::Result<Self> {
+        let connector = troupe_grpc::Connector::new(&troupe_grpc::auth::Credentials {
+            tls_ca: Some(ca.to_path_buf()),
+            ..Default::default()
+        })
+        .await?;
+        Self::spawn(name, free_addr(), args, env, None, Some(connector)).await
+    }
+
+    async fn spawn(
+        name: &str,
+        addr: SocketAddr,
+        args: &[&str],
+        env: &[(&str, &str)],
+        log: Option<&Path>,
+        tls: Option<troupe_grpc::Connector>,
     ) -> anyhow::Result<Self> {
         let mut command = Command::new(binary(name));
         command
@@ -108,6 +137,7 @@ impl ChildService {
             name: name.to_owned(),
             addr,
             child,
+            tls,
         };
         service.wait_serving("").await?;
         Ok(service)
@@ -128,18 +158,21 @@ impl ChildService {
     }
 
     pub(crate) fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.addr)
     }
 
     /// Waits until the health service reports `service` as SERVING.
     pub(crate) async fn wait_serving(&self, service: &str) -> anyhow::Result<()> {
         let url = self.url();
         let service = service.to_owned();
+        let connector = self.tls.clone().unwrap_or_default();
         troupe_testkit::eventually(&format!("{} to serve", self.name), || {
             let url = url.clone();
             let service = service.clone();
+            let connector = connector.clone();
             async move {
-                health(&url, &service)
+                health_with(&connector, &url, &service)
                     .await
                     .ok()
                     .filter(|s| *s == ServingStatus::Serving)
@@ -168,7 +201,16 @@ impl ChildService {
 
 /// Asks the health service at `url` about `service` ("" = the whole server).
 pub(crate) async fn health(url: &str, service: &str) -> anyhow::Result<ServingStatus> {
-    let mut client = HealthClient::new(troupe_grpc::channel(url)?);
+    health_with(&troupe_grpc::Connector::default(), url, service).await
+}
+
+/// [`health`] through `connector` (TLS).
+pub(crate) async fn health_with(
+    connector: &troupe_grpc::Connector,
+    url: &str,
+    service: &str,
+) -> anyhow::Result<ServingStatus> {
+    let mut client = HealthClient::new(connector.channel(url)?);
     let response = client
         .check(HealthCheckRequest {
             service: service.to_owned(),
@@ -189,6 +231,7 @@ pub(crate) async fn start_embedded(
             data_dir: data_dir.to_path_buf(),
             executor_concurrency: 2,
             python: "python3".into(),
+            security: Default::default(),
         },
         listener,
         shutdown.clone(),
@@ -207,9 +250,18 @@ pub(crate) async fn run_quickstart(url: &str) -> anyhow::Result<GetSessionRespon
 /// Submits `examples/<name>/plan.json` to the coordinator at `url`, follows its events to the
 /// end (checking their sequence has no gap or repeat) and returns the final session.
 pub(crate) async fn run_example(url: &str, name: &str) -> anyhow::Result<GetSessionResponse> {
+    run_example_with(&troupe_grpc::Connector::default(), url, name).await
+}
+
+/// [`run_example`] with `connector`'s credentials.
+pub(crate) async fn run_example_with(
+    connector: &troupe_grpc::Connector,
+    url: &str,
+    name: &str,
+) -> anyhow::Result<GetSessionResponse> {
     let plan_dir = troupe_testkit::workspace_root().join("examples").join(name);
     let plan_json = std::fs::read_to_string(plan_dir.join("plan.json"))?;
-    let mut client = troupe_grpc::coordinator_client(url)?;
+    let mut client = connector.coordinator_client(url)?;
     let created = client
         .create_session(CreateSessionRequest {
             plan_json,
