@@ -15,6 +15,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use std::os::unix::process::CommandExt;
+
 use anyhow::Context;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -231,6 +233,7 @@ async fn main() -> anyhow::Result<()> {
             &srv.display().to_string(),
         ])
         .stderr(std::process::Stdio::null())
+        .process_group(0)
         .spawn()?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let urls: Vec<String> = (0..args.repos)
@@ -269,7 +272,11 @@ async fn main() -> anyhow::Result<()> {
     }
     let added = per_task(rows[1].2) - per_task(rows[0].2);
     println!("git daemon over path, warm: {added:+.0} ms per task");
-    daemon.kill()?;
+    // The daemon forks: its whole process group goes.
+    let _ = nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(i32::try_from(daemon.id())?),
+        nix::sys::signal::Signal::SIGKILL,
+    );
     let _ = daemon.wait();
     Ok(())
 }

@@ -453,6 +453,12 @@ async fn an_executor_stopped_past_its_lease_never_lands_late() -> anyhow::Result
     ];
     let id = scene.create(&url).await?;
     let first = scene.started("IMPL-001", 1).await;
+    // Whichever executor claimed first is the one frozen; its log says what it did.
+    let stopped_log = [("executor-a", &executors[0]), ("executor-b", &executors[1])]
+        .into_iter()
+        .find(|(_, e)| e.child.id().and_then(|p| i32::try_from(p).ok()) == Some(first.executor))
+        .map(|(name, _)| scene.path(&format!("{name}.log")))
+        .expect("the agent's parent is one of the executors");
     let stopped = running_it(&mut executors, first);
     stopped.signal(Signal::SIGSTOP)?;
     // The first agent finishes its edit while its executor is frozen; the second run (on the
@@ -465,7 +471,7 @@ async fn an_executor_stopped_past_its_lease_never_lands_late() -> anyhow::Result
     let head = troupe_testkit::git(&path, &["rev-parse", &branch])?;
 
     stopped.signal(Signal::SIGCONT)?;
-    let log = scene.path("executor-a.log");
+    let log = stopped_log;
     troupe_testkit::eventually("the continued executor to give its attempt up", || async {
         std::fs::read_to_string(&log)
             .ok()

@@ -215,10 +215,23 @@ pub(crate) fn share_with_group(path: &Path) -> anyhow::Result<()> {
 }
 
 /// `git daemon` serving the bare repositories under `root` read-write on a loopback port.
+/// `git daemon` forks the real daemon and its per-connection children: they share a process
+/// group, which goes as a whole when this is dropped.
 #[derive(Debug)]
 pub(crate) struct GitDaemon {
     pub(crate) port: u16,
-    _child: Child,
+    child: Child,
+}
+
+impl Drop for GitDaemon {
+    fn drop(&mut self) {
+        if let Some(pid) = self.child.id().and_then(|pid| i32::try_from(pid).ok()) {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
 }
 
 impl GitDaemon {
@@ -239,13 +252,11 @@ impl GitDaemon {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
+            .process_group(0)
             .kill_on_drop(true)
             .spawn()
             .context("starting git daemon")?;
-        let daemon = Self {
-            port,
-            _child: child,
-        };
+        let daemon = Self { port, child };
         troupe_testkit::eventually("git daemon to listen", || async {
             tokio::net::TcpStream::connect(("127.0.0.1", port))
                 .await
