@@ -11,13 +11,13 @@
 mod check;
 mod convert;
 mod error;
-mod group;
+mod group_commit;
 mod grpc;
 mod repos;
 mod rounds;
-mod sched;
 mod service;
 mod store;
+mod task;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

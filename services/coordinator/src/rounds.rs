@@ -8,7 +8,7 @@
 use serde_json::{Map, Value, json};
 use troupe_proto::v1::{self as pb, TaskState};
 
-use crate::sched::TaskRow;
+use crate::task::Task;
 
 /// Rounds a loop may add when its configuration does not say.
 pub(crate) const DEFAULT_MAX_ROUNDS: u32 = 3;
@@ -65,9 +65,9 @@ pub(crate) struct Round {
     pub(crate) round: u32,
     pub(crate) max_rounds: u32,
     /// `FIX-<chain>-R<n>`, an executor task without dependencies.
-    pub(crate) fix: TaskRow,
+    pub(crate) fix: Task,
     /// `<chain>-R<n>`, the check again, after the fix.
-    pub(crate) rerun: TaskRow,
+    pub(crate) rerun: Task,
     /// What failed, one line per item, for the message.
     pub(crate) findings: Vec<String>,
 }
@@ -75,7 +75,7 @@ pub(crate) struct Round {
 /// Decides what a terminal failure of `failed` (loaded with its spec) starts. `taken` says
 /// whether a task id is already used in the session.
 pub(crate) fn decide(
-    failed: &TaskRow,
+    failed: &Task,
     error: &pb::TaskError,
     partial: Option<&pb::TaskResult>,
     taken: impl Fn(&str) -> bool,
@@ -181,7 +181,7 @@ pub(crate) fn decide(
     rerun_spec.insert("gc_origin".to_owned(), json!(chain));
     rerun_spec.insert("gc_round".to_owned(), json!(round));
 
-    let fix = TaskRow {
+    let fix = Task {
         id: fix_id.clone(),
         position: failed.position + 1,
         title,
@@ -192,7 +192,7 @@ pub(crate) fn decide(
         spec: fix_spec,
         ..fresh(failed, now_ms)
     };
-    let rerun = TaskRow {
+    let rerun = Task {
         id: rerun_id,
         position: failed.position + 2,
         depends_on: vec![fix_id],
@@ -266,8 +266,8 @@ pub(crate) fn config_problems(
 }
 
 /// A pending copy of `failed` with nothing of its runs.
-fn fresh(failed: &TaskRow, now_ms: i64) -> TaskRow {
-    TaskRow {
+fn fresh(failed: &Task, now_ms: i64) -> Task {
+    Task {
         state: TaskState::Pending,
         attempt: 0,
         fencing_token: 0,
@@ -354,7 +354,7 @@ fn gap_findings(gaps: &[pb::VerificationGap]) -> Vec<String> {
 /// rows right after it (positions shift by two). Returns the transitions to record; the caller
 /// inserts `round.fix` and `round.rerun` at `failed_index + 1` and `+ 2`.
 pub(crate) fn apply(
-    tasks: &mut [TaskRow],
+    tasks: &mut [Task],
     failed_index: usize,
     round: &Round,
 ) -> Vec<pb::TaskTransition> {
@@ -436,8 +436,8 @@ pub(crate) fn round_message(
 mod tests {
     use super::*;
 
-    fn row(id: &str, role: pb::Role, spec: Value, position: i64) -> TaskRow {
-        TaskRow {
+    fn row(id: &str, role: pb::Role, spec: Value, position: i64) -> Task {
+        Task {
             session_id: "s".into(),
             id: id.into(),
             position,
@@ -597,8 +597,8 @@ mod tests {
     }
 
     impl Round {
-        fn rerun_failed(&self) -> TaskRow {
-            TaskRow {
+        fn rerun_failed(&self) -> Task {
+            Task {
                 state: TaskState::Failed,
                 ..self.rerun.clone()
             }

@@ -16,13 +16,13 @@ use troupe_proto::v1::{self as pb, SessionState, TaskState};
 use crate::Error;
 use crate::check;
 use crate::convert::{json_to_struct, now_ms, opt_timestamp, struct_to_json, timestamp};
-use crate::group::GroupCommit;
+use crate::group_commit::GroupCommit;
 use crate::rounds;
-use crate::sched::{self, TaskRow};
 use crate::store::{
     CHANGES_CHANNEL, ClaimRequest, Claimed, Dialect, MessageFilter, NewMessage, NewSession,
     SessionRow, SessionView, Store, add_count,
 };
+use crate::task::{self, Task};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const MIN_LEASE: Duration = Duration::from_secs(1);
@@ -148,7 +148,7 @@ fn claimed_protos(claimed: Vec<Claimed>) -> Vec<pb::ClaimedTask> {
 }
 
 /// Returns the wire form of a stored task.
-pub(crate) fn task_proto(row: &TaskRow) -> pb::Task {
+pub(crate) fn task_proto(row: &Task) -> pb::Task {
     pb::Task {
         session_id: row.session_id.clone(),
         id: row.id.clone(),
@@ -196,7 +196,7 @@ fn session_proto(
     }
 }
 
-fn counts_of(tasks: &[TaskRow]) -> pb::TaskCounts {
+fn counts_of(tasks: &[Task]) -> pb::TaskCounts {
     let mut counts = pb::TaskCounts::default();
     for task in tasks {
         add_count(&mut counts, task.state, 1);
@@ -208,7 +208,7 @@ fn view_proto(view: SessionView) -> (pb::Session, Vec<pb::Task>) {
     let counts = counts_of(&view.tasks);
     let mut repos = view.repos;
     for repo in &mut repos {
-        let tasks: Vec<&TaskRow> = view.tasks.iter().filter(|t| t.repo == repo.name).collect();
+        let tasks: Vec<&Task> = view.tasks.iter().filter(|t| t.repo == repo.name).collect();
         let mut counts = pb::TaskCounts::default();
         for task in &tasks {
             add_count(&mut counts, task.state, 1);
@@ -449,7 +449,7 @@ impl Coordinator {
                 updated_at: now,
             };
             let mut tasks = task_rows(&plan, "", now);
-            sched::settle(&mut tasks, plan.mode, plan.on_failure, now);
+            task::settle(&mut tasks, plan.mode, plan.on_failure, now);
             let (session, tasks) = view_proto(SessionView {
                 session,
                 repos: session_repos,
@@ -712,7 +712,7 @@ impl Coordinator {
             details: Vec::new(),
         });
         // The attempt number is only known inside the transaction, so pass the policy in.
-        let backoff_for = |attempt: u32| sched::backoff(attempt, &mut rand::rng());
+        let backoff_for = |attempt: u32| task::backoff(attempt, &mut rand::rng());
         let (task, retry_at) = self
             .store
             .fail(
@@ -729,7 +729,7 @@ impl Coordinator {
         let state = task.state;
         tracing::info!(
             attempt = task.attempt,
-            state = sched::state_name(state),
+            state = task::state_name(state),
             "task attempt failed"
         );
         Ok(pb::FailTaskResponse {
@@ -1086,7 +1086,7 @@ impl Coordinator {
             if full_page {
                 continue;
             }
-            if !request.follow && sched::is_session_terminal(state) && cursor >= last_sequence {
+            if !request.follow && task::is_session_terminal(state) && cursor >= last_sequence {
                 return Ok(());
             }
             tokio::select! {
@@ -1141,12 +1141,12 @@ fn imported_result(spec: &serde_json::Map<String, serde_json::Value>) -> Option<
 
 /// Builds the stored rows of a plan's tasks (topological order): pending, or completed when
 /// the plan says so (CCW runtime `status`).
-fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<TaskRow> {
+fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<Task> {
     plan.tasks
         .iter()
         .enumerate()
         .map(|(position, task)| (position, task, imported_result(&task.spec)))
-        .map(|(position, task, imported)| TaskRow {
+        .map(|(position, task, imported)| Task {
             session_id: session_id.to_owned(),
             id: task.id.clone(),
             position: i64::try_from(position).unwrap_or(i64::MAX),

@@ -26,7 +26,7 @@ use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind}
 use crate::Error;
 use crate::convert::{json_to_struct, rfc3339, timestamp};
 use crate::rounds;
-use crate::sched::{self, TaskRow};
+use crate::task::{self, Task};
 
 mod cache;
 mod lifecycle;
@@ -176,11 +176,7 @@ impl Tx {
 
     /// Writes `tasks` (changed tasks of `session_id`) with the session's held-back events: on
     /// PostgreSQL, with the session held, in one statement.
-    async fn write_with_events(
-        &mut self,
-        session_id: &str,
-        tasks: &[&TaskRow],
-    ) -> Result<(), Error> {
+    async fn write_with_events(&mut self, session_id: &str, tasks: &[&Task]) -> Result<(), Error> {
         let events = match self.events.iter().position(|(id, _)| id == session_id) {
             Some(at) => self.events.remove(at).1,
             None => Vec::new(),
@@ -234,7 +230,7 @@ pub(crate) struct NewSession {
     /// The plan's files: their digest and encoded bundle (see `troupe_grpc::assets`).
     pub(crate) assets: Option<(String, Vec<u8>)>,
     /// Tasks in topological order: pending, or completed when imported so.
-    pub(crate) tasks: Vec<TaskRow>,
+    pub(crate) tasks: Vec<Task>,
 }
 
 /// What never changes about a stored session and every claim hands out.
@@ -249,7 +245,7 @@ struct Fixed {
 pub(crate) struct SessionView {
     pub(crate) session: SessionRow,
     pub(crate) repos: Vec<pb::SessionRepo>,
-    pub(crate) tasks: Vec<TaskRow>,
+    pub(crate) tasks: Vec<Task>,
 }
 
 /// A session with its repositories and task counts.
@@ -263,25 +259,25 @@ pub(crate) struct SessionSummary {
 /// A task a claim handed out.
 #[derive(Debug)]
 pub(crate) struct Claimed {
-    pub(crate) task: TaskRow,
+    pub(crate) task: Task,
     pub(crate) repo: Option<pb::SessionRepo>,
     /// Every repository of the session.
     pub(crate) repos: Vec<pb::SessionRepo>,
     /// The digest of the session's plan assets ('' for none).
     pub(crate) assets_digest: String,
     pub(crate) plan_dir: String,
-    pub(crate) upstream: Vec<TaskRow>,
+    pub(crate) upstream: Vec<Task>,
 }
 
 /// Puts a ready task under a new lease for `claim`: the next attempt and fencing token.
-fn lease(task: &mut TaskRow, claim: &ClaimRequest) -> pb::TaskTransition {
+fn lease(task: &mut Task, claim: &ClaimRequest) -> pb::TaskTransition {
     task.attempt += 1;
     task.fencing_token += 1;
     task.worker_id = claim.worker_id.clone();
     task.lease_ms = claim.lease_ms;
     task.started_at = Some(claim.now);
     task.progress.clear();
-    let transition = sched::transition(task, TaskState::Running, "claimed", claim.now);
+    let transition = task::transition(task, TaskState::Running, "claimed", claim.now);
     task.lease_expires_at = Some(claim.now + claim.lease_ms);
     transition
 }
@@ -330,11 +326,11 @@ fn to_u32(value: i64) -> u32 {
     u32::try_from(value).unwrap_or(0)
 }
 
-fn stale(task: &TaskRow, token: u64) -> Error {
+fn stale(task: &Task, token: u64) -> Error {
     Error::FailedPrecondition(format!(
         "stale fencing token {token} for task {} (state {}, current token {})",
         task.id,
-        sched::state_name(task.state),
+        task::state_name(task.state),
         task.fencing_token
     ))
 }
@@ -817,9 +813,9 @@ impl Store {
                 let mut transitions = Vec::new();
                 for task in tasks
                     .iter_mut()
-                    .filter(|task| !sched::is_terminal(task.state))
+                    .filter(|task| !task::is_terminal(task.state))
                 {
-                    transitions.push(sched::transition(task, TaskState::Cancelled, reason, now));
+                    transitions.push(task::transition(task, TaskState::Cancelled, reason, now));
                 }
                 set_session_state(&mut tx, &mut session, SessionState::Cancelled, reason, now)
                     .await?;
@@ -835,7 +831,7 @@ impl Store {
 
     /// The session holding the best ready task of `roles` (any role when empty) in claim
     /// order, read without locks: a claim is queued on that session's group (see
-    /// [`crate::group`]), which takes the session's best ready tasks under its lock.
+    /// [`crate::group_commit`]), which takes the session's best ready tasks under its lock.
     pub(crate) async fn pick_session(&self, roles: &[pb::Role]) -> Result<Option<String>, Error> {
         let role_filter = role_filter("t.role", roles, 1);
         // The order of the `tasks_claim` index, so the best candidate is its first entry. The
@@ -869,7 +865,7 @@ impl Store {
         claims: &[ClaimRequest],
     ) -> Result<Vec<Vec<Claimed>>, Error> {
         let session_id = session.id.as_str();
-        let mut taken: Vec<(usize, TaskRow)> = Vec::new();
+        let mut taken: Vec<(usize, Task)> = Vec::new();
         if session.state == SessionState::Active {
             let mut filters: Vec<&[pb::Role]> = Vec::new();
             for claim in claims {
@@ -883,12 +879,11 @@ impl Store {
                     .collect();
                 let wanted: usize = serves.iter().map(|&i| claims[i].max as usize).sum();
                 // Tasks another filter already took are skipped, so ask for that many more.
-                let ready: Vec<TaskRow> =
-                    load_claimable(tx, session_id, roles, wanted + taken.len())
-                        .await?
-                        .into_iter()
-                        .filter(|task| !taken.iter().any(|(_, known)| known.id == task.id))
-                        .collect();
+                let ready: Vec<Task> = load_claimable(tx, session_id, roles, wanted + taken.len())
+                    .await?
+                    .into_iter()
+                    .filter(|task| !taken.iter().any(|(_, known)| known.id == task.id))
+                    .collect();
                 let mut ready = ready.into_iter();
                 for &i in &serves {
                     for task in ready.by_ref().take(claims[i].max as usize) {
@@ -900,12 +895,12 @@ impl Store {
         if taken.is_empty() {
             return Ok(claims.iter().map(|_| Vec::new()).collect());
         }
-        let before: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
+        let before: Vec<Task> = taken.iter().map(|(_, task)| task.clone()).collect();
         let transitions = taken
             .iter_mut()
             .map(|(i, task)| lease(task, &claims[*i]))
             .collect();
-        let tasks: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
+        let tasks: Vec<Task> = taken.iter().map(|(_, task)| task.clone()).collect();
         let now = claims
             .iter()
             .map(|claim| claim.now)
@@ -923,13 +918,13 @@ impl Store {
         tx: &mut Tx,
         session: &SessionRow,
         claims: usize,
-        taken: Vec<(usize, TaskRow)>,
+        taken: Vec<(usize, Task)>,
     ) -> Result<Vec<Vec<Claimed>>, Error> {
         let mut out: Vec<Vec<Claimed>> = (0..claims).map(|_| Vec::new()).collect();
         if taken.is_empty() {
             return Ok(out);
         }
-        let tasks: Vec<TaskRow> = taken.iter().map(|(_, task)| task.clone()).collect();
+        let tasks: Vec<Task> = taken.iter().map(|(_, task)| task.clone()).collect();
         let mut upstream_of = load_upstream(tx, &session.id, &tasks).await?;
         let fixed = self.fixed(tx, &session.id).await?;
         for (i, task) in taken {
@@ -963,7 +958,7 @@ impl Store {
         partial: Option<pb::TaskResult>,
         backoff: impl FnOnce(u32) -> Duration,
         now: i64,
-    ) -> Result<(TaskRow, Option<i64>), Error> {
+    ) -> Result<(Task, Option<i64>), Error> {
         let mut tx = self.begin().await?;
         let mut session = lock_and_load_session(&mut tx, session_id, self.for_update()).await?;
         let before = load_tasks_lite(&mut tx, session_id).await?;
@@ -999,7 +994,7 @@ impl Store {
             let delay = backoff(task.attempt);
             let at = now + i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
             retry_at = Some(at);
-            let transition = sched::transition(task, TaskState::Pending, reason, now);
+            let transition = task::transition(task, TaskState::Pending, reason, now);
             task.not_before = Some(at);
             task.worker_id.clear();
             transition
@@ -1009,12 +1004,12 @@ impl Store {
             } else {
                 TaskState::Failed
             };
-            sched::transition(task, to, reason, now)
+            task::transition(task, to, reason, now)
         };
         let mut transitions = vec![transition];
         let mut before = before;
         if let Some((error, partial)) = loop_inputs
-            && !sched::is_session_terminal(session.state)
+            && !task::is_session_terminal(session.state)
         {
             transitions.extend(
                 fix_round(
@@ -1066,7 +1061,7 @@ impl Store {
                 }
                 tracing::warn!(session_id = %session_id, task_id = %task.id, worker_id = %task.worker_id, attempt = task.attempt, "lease expired");
                 if task.attempt < task.max_attempts {
-                    transitions.push(sched::transition(
+                    transitions.push(task::transition(
                         task,
                         TaskState::Ready,
                         "lease expired",
@@ -1082,7 +1077,7 @@ impl Store {
                         retryable: false,
                         details: Vec::new(),
                     });
-                    transitions.push(sched::transition(
+                    transitions.push(task::transition(
                         task,
                         TaskState::TimedOut,
                         "lease expired on the last attempt",
@@ -1131,7 +1126,7 @@ impl Store {
             let reason = match task.state {
                 TaskState::Running if task.lease_expires_at.is_some_and(|at| at < now) => {
                     task.max_attempts = task.max_attempts.max(task.attempt + 1);
-                    let transition = sched::transition(
+                    let transition = task::transition(
                         task,
                         TaskState::Ready,
                         "resumed: lease expired (orphaned)",
@@ -1153,7 +1148,7 @@ impl Store {
             task.not_before = None;
             task.finished_at = None;
             task.worker_id.clear();
-            transitions.push(sched::transition(task, TaskState::Pending, reason, now));
+            transitions.push(task::transition(task, TaskState::Pending, reason, now));
         }
         if matches!(session.state, SessionState::Paused | SessionState::Failed) {
             set_session_state(&mut tx, &mut session, SessionState::Active, "resumed", now).await?;
@@ -1479,7 +1474,7 @@ impl Store {
 // ----- transaction helpers -------------------------------------------------------------------
 
 /// Extends a lease and records progress under the session lock, inside a transaction the
-/// caller commits (see [`crate::group`]); returns the new expiry and whether the task was
+/// caller commits (see [`crate::group_commit`]); returns the new expiry and whether the task was
 /// cancelled.
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn heartbeat_in(
@@ -1538,14 +1533,14 @@ pub(crate) struct Completion {
 }
 
 /// Completes a running task under its current fencing token, with the session locked and
-/// loaded, inside a transaction the caller commits (see [`crate::group`]), reading the whole
+/// loaded, inside a transaction the caller commits (see [`crate::group_commit`]), reading the whole
 /// graph: for sessions that are not active and eager (see [`Store::complete_eager`]).
 pub(crate) async fn complete_in(
     tx: &mut Tx,
     session: &mut SessionRow,
     completion: Completion,
     now: i64,
-) -> Result<TaskRow, Error> {
+) -> Result<Task, Error> {
     // Owned: `session` is passed on mutably (see [`finish`]).
     let session_id = session.id.clone();
     let session_id = session_id.as_str();
@@ -1558,7 +1553,7 @@ pub(crate) async fn complete_in(
     }
     write_back_convergence(tx, session_id, task_id, &completion.result).await?;
     task.result = Some(completion.result);
-    let transition = sched::transition(task, TaskState::Completed, "completed", now);
+    let transition = task::transition(task, TaskState::Completed, "completed", now);
     save(tx, session, &before, &mut tasks, vec![transition], now).await?;
     let task = load_task(tx, session_id, task_id).await?;
     Ok(task)
@@ -1567,7 +1562,7 @@ pub(crate) async fn complete_in(
 /// What [`Store::complete_eager`] did.
 pub(crate) struct EagerBatch {
     /// The completed tasks, in the order given.
-    pub(crate) tasks: Vec<TaskRow>,
+    pub(crate) tasks: Vec<Task>,
     /// Each claim's tasks, in the order given.
     pub(crate) claimed: Vec<Vec<Claimed>>,
     /// `Some(transitions)` when it completed tasks and left no task of the session ready or
@@ -1610,8 +1605,8 @@ impl Store {
         };
 
         // The working set, each task once, with its stored form alongside.
-        let mut before: Vec<TaskRow> = Vec::new();
-        let mut work: Vec<TaskRow> = Vec::new();
+        let mut before: Vec<Task> = Vec::new();
+        let mut work: Vec<Task> = Vec::new();
         let mut transitions = Vec::new();
         for completion in completions {
             // Taken out, so a task completed twice in one batch is stale the second time.
@@ -1634,7 +1629,7 @@ impl Store {
             before.push(original.clone());
             let mut task = original;
             task.result = Some(completion.result);
-            transitions.push(sched::transition(
+            transitions.push(task::transition(
                 &mut task,
                 TaskState::Completed,
                 "completed",
@@ -1666,7 +1661,7 @@ impl Store {
                 work.push(task);
             }
         }
-        transitions.extend(sched::settle(
+        transitions.extend(task::settle(
             &mut work,
             session.mode,
             session.on_failure,
@@ -1718,7 +1713,7 @@ impl Store {
 
 /// A ready task's place in claim order: the order of the `tasks_claim` index (and of
 /// [`read_batch`]'s ready tasks) within a session.
-pub(crate) fn claim_order(task: &TaskRow) -> (i32, std::cmp::Reverse<u64>, i64, i64) {
+pub(crate) fn claim_order(task: &Task) -> (i32, std::cmp::Reverse<u64>, i64, i64) {
     (
         task.priority as i32,
         std::cmp::Reverse(task.path_ms),
@@ -1731,11 +1726,11 @@ pub(crate) fn claim_order(task: &TaskRow) -> (i32, std::cmp::Reverse<u64>, i64, 
 /// tasks for its claims, and whether another task is ready or running.
 #[derive(Debug, Default)]
 pub(crate) struct Gathered {
-    pub(crate) originals: HashMap<String, TaskRow>,
+    pub(crate) originals: HashMap<String, Task>,
     /// In plan order.
-    pub(crate) dependents: Vec<TaskRow>,
+    pub(crate) dependents: Vec<Task>,
     /// In claim order.
-    pub(crate) ready: Vec<TaskRow>,
+    pub(crate) ready: Vec<Task>,
     pub(crate) busy: bool,
 }
 
@@ -1748,9 +1743,9 @@ async fn read_batch(
     roles: &[pb::Role],
     wanted: usize,
 ) -> Result<Gathered, Error> {
-    let mut originals: HashMap<String, TaskRow> = HashMap::with_capacity(ids.len());
-    let mut dependents: Vec<TaskRow> = Vec::new();
-    let mut ready: Vec<TaskRow> = Vec::new();
+    let mut originals: HashMap<String, Task> = HashMap::with_capacity(ids.len());
+    let mut dependents: Vec<Task> = Vec::new();
+    let mut ready: Vec<Task> = Vec::new();
     // Per chunk of ids (the first also reads the ready tasks; with no ids, only that): the
     // tasks, the pending tasks naming one of them among their dependencies (the LIKE is a
     // coarse filter on the JSON text; the parsed list decides), the best ready tasks.
@@ -1878,7 +1873,7 @@ async fn load_tasks_by_id(
     session_id: &str,
     ids: &[String],
     columns: &str,
-) -> Result<HashMap<String, TaskRow>, Error> {
+) -> Result<HashMap<String, Task>, Error> {
     let mut out = HashMap::with_capacity(ids.len());
     for chunk in ids.chunks(256) {
         let width = padded(chunk.len());
@@ -1911,13 +1906,13 @@ fn padded(n: usize) -> usize {
 async fn save(
     tx: &mut Tx,
     session: &mut SessionRow,
-    before: &[TaskRow],
-    tasks: &mut [TaskRow],
+    before: &[Task],
+    tasks: &mut [Task],
     mut transitions: Vec<pb::TaskTransition>,
     now: i64,
 ) -> Result<usize, Error> {
     if session.state == SessionState::Active {
-        transitions.extend(sched::settle(tasks, session.mode, session.on_failure, now));
+        transitions.extend(task::settle(tasks, session.mode, session.on_failure, now));
     }
     let count = write_changes(tx, &session.id, before, tasks, transitions, now).await?;
     finish(tx, session, tasks, count, now).await?;
@@ -1930,8 +1925,8 @@ async fn save(
 /// chain's rounds are used up. Returns the transitions to record.
 async fn fix_round(
     tx: &mut Tx,
-    before: &mut Vec<TaskRow>,
-    tasks: &mut Vec<TaskRow>,
+    before: &mut Vec<Task>,
+    tasks: &mut Vec<Task>,
     task_id: &str,
     error: &pb::TaskError,
     partial: Option<&pb::TaskResult>,
@@ -2010,8 +2005,8 @@ async fn fix_round(
 async fn load_upstream(
     tx: &mut Tx,
     session_id: &str,
-    tasks: &[TaskRow],
-) -> Result<HashMap<String, Vec<TaskRow>>, Error> {
+    tasks: &[Task],
+) -> Result<HashMap<String, Vec<Task>>, Error> {
     let mut out = HashMap::new();
     if tasks.iter().all(|task| task.depends_on.is_empty()) {
         return Ok(out);
@@ -2060,7 +2055,7 @@ async fn load_upstream(
     };
     let loaded = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
     for (task_id, ids) in per_task {
-        let mut upstream: Vec<TaskRow> = ids
+        let mut upstream: Vec<Task> = ids
             .iter()
             .filter_map(|id| loaded.get(id).cloned())
             .collect();
@@ -2146,13 +2141,13 @@ async fn any_task_in(tx: &mut Tx, session_id: &str, states: &[TaskState]) -> Res
 async fn finish(
     tx: &mut Tx,
     session: &mut SessionRow,
-    tasks: &[TaskRow],
+    tasks: &[Task],
     count: usize,
     now: i64,
 ) -> Result<(), Error> {
     let mut state = session.state;
     if session.state == SessionState::Active
-        && let Some(outcome) = sched::session_outcome(tasks)
+        && let Some(outcome) = task::session_outcome(tasks)
     {
         let reason = if outcome == SessionState::Completed {
             "every task completed"
@@ -2166,7 +2161,7 @@ async fn finish(
     // session is still on purpose; `check` says why its tasks wait).
     if count > 0
         && state != SessionState::Paused
-        && let Some(stuck) = sched::stall(tasks, state, now)
+        && let Some(stuck) = task::stall(tasks, state, now)
     {
         tracing::warn!(session_id = %session.id, stuck = stuck.len(), "session stalled");
         insert_message(tx, &session.id, stall_message(&stuck), now).await?;
@@ -2175,7 +2170,7 @@ async fn finish(
 }
 
 /// Returns the bus message reporting a stall.
-pub(crate) fn stall_message(stuck: &[sched::Stuck]) -> NewMessage {
+pub(crate) fn stall_message(stuck: &[task::Stuck]) -> NewMessage {
     let names: Vec<&str> = stuck.iter().map(|task| task.task_id.as_str()).collect();
     let tasks = stuck
         .iter()
@@ -2184,7 +2179,7 @@ pub(crate) fn stall_message(stuck: &[sched::Stuck]) -> NewMessage {
             entry.insert("task_id".to_owned(), Value::String(task.task_id.clone()));
             entry.insert(
                 "state".to_owned(),
-                Value::String(sched::state_name(task.state).to_owned()),
+                Value::String(task::state_name(task.state).to_owned()),
             );
             entry.insert("reason".to_owned(), Value::String(task.reason.clone()));
             Value::Object(entry)
@@ -2210,8 +2205,8 @@ pub(crate) fn stall_message(stuck: &[sched::Stuck]) -> NewMessage {
 async fn write_changes(
     tx: &mut Tx,
     session_id: &str,
-    before: &[TaskRow],
-    tasks: &[TaskRow],
+    before: &[Task],
+    tasks: &[Task],
     transitions: Vec<pb::TaskTransition>,
     now: i64,
 ) -> Result<usize, Error> {
@@ -2223,7 +2218,7 @@ async fn write_changes(
         transitions.into_iter().map(Kind::Task).collect(),
     )
     .await?;
-    let changed: Vec<&TaskRow> = before
+    let changed: Vec<&Task> = before
         .iter()
         .zip(tasks.iter())
         .filter(|(old, new)| old != new)
@@ -2324,7 +2319,7 @@ async fn write_events(
     tx: &mut Tx,
     session_id: &str,
     events: Vec<(i64, Kind)>,
-    tasks: &[&TaskRow],
+    tasks: &[&Task],
 ) -> Result<(), Error> {
     let Some(last_ts) = events.iter().map(|(ts, _)| *ts).max() else {
         return update_tasks(tx, tasks).await;
@@ -2698,7 +2693,7 @@ pub(crate) fn add_count(counts: &mut pb::TaskCounts, state: TaskState, n: u32) {
 
 /// Loads a session's tasks in topological order. Writers call [`lock_session`] first: the
 /// session row lock serialises every writer of a session, so what they read stays current.
-async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error> {
+async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 ORDER BY position"
     )))
@@ -2711,7 +2706,7 @@ async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error
 /// Loads a session's tasks without their `spec` (left empty): what write transactions need
 /// to move the graph, without parsing every task's plan object. Never written back (the
 /// UPDATE leaves `spec` alone) nor sent to clients.
-async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec<TaskRow>, Error> {
+async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
     let columns = lite_columns();
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {columns} FROM tasks WHERE session_id = $1 ORDER BY position"
@@ -2729,7 +2724,7 @@ async fn load_claimable(
     session_id: &str,
     roles: &[pb::Role],
     limit: usize,
-) -> Result<Vec<TaskRow>, Error> {
+) -> Result<Vec<Task>, Error> {
     let role_filter = role_filter("role", roles, 3);
     // The state is a constant in the statement (see `Store::pick_session`).
     let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
@@ -2746,7 +2741,7 @@ async fn load_claimable(
     rows.iter().map(task_from_row).collect()
 }
 
-async fn load_task(tx: &mut Tx, session_id: &str, task_id: &str) -> Result<TaskRow, Error> {
+async fn load_task(tx: &mut Tx, session_id: &str, task_id: &str) -> Result<Task, Error> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id = $2"
     )))
@@ -2759,17 +2754,17 @@ async fn load_task(tx: &mut Tx, session_id: &str, task_id: &str) -> Result<TaskR
 }
 
 fn find_task_mut<'a>(
-    tasks: &'a mut [TaskRow],
+    tasks: &'a mut [Task],
     task_id: &str,
     session_id: &str,
-) -> Result<&'a mut TaskRow, Error> {
+) -> Result<&'a mut Task, Error> {
     tasks
         .iter_mut()
         .find(|task| task.id == task_id)
         .ok_or_else(|| Error::NotFound(format!("task {task_id} not found in session {session_id}")))
 }
 
-fn task_from_row(row: &AnyRow) -> Result<TaskRow, Error> {
+fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
     let depends_on: String = row.try_get("depends_on")?;
     let files: String = row.try_get("files")?;
     let spec: String = row.try_get("spec")?;
@@ -2777,7 +2772,7 @@ fn task_from_row(row: &AnyRow) -> Result<TaskRow, Error> {
     let result: Option<Vec<u8>> = row.try_get("result")?;
     let last_error: Option<Vec<u8>> = row.try_get("last_error")?;
     let convergence: Option<Vec<u8>> = row.try_get("convergence")?;
-    Ok(TaskRow {
+    Ok(Task {
         session_id: row.try_get("session_id")?,
         id: row.try_get("id")?,
         position: row.try_get("position")?,
@@ -2827,7 +2822,7 @@ fn task_from_row(row: &AnyRow) -> Result<TaskRow, Error> {
     })
 }
 
-async fn insert_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
+async fn insert_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
     let files: Vec<StoredFile> = task
         .files
         .iter()
@@ -2868,7 +2863,7 @@ async fn insert_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
 }
 
 /// Writes a task's mutable columns.
-async fn update_task(tx: &mut Tx, task: &TaskRow) -> Result<(), Error> {
+async fn update_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
     update_tasks(tx, &[task]).await
 }
 
@@ -2895,7 +2890,7 @@ const MUTABLE_COLUMNS: [&str; 16] = [
 /// Writes the mutable columns of several tasks in one statement per chunk (an `UPDATE ...
 /// FROM` a `VALUES` list, which both databases run): a group commit's transitions cost one
 /// round trip, not one per task.
-async fn update_tasks(tx: &mut Tx, tasks: &[&TaskRow]) -> Result<(), Error> {
+async fn update_tasks(tx: &mut Tx, tasks: &[&Task]) -> Result<(), Error> {
     for chunk in tasks.chunks(TASK_ROWS) {
         tx.needs_lock("a task update without events")?;
         let sql = format!(
@@ -2952,7 +2947,7 @@ fn task_values(first: usize, rows: usize) -> String {
 }
 
 /// Binds a task's id and [`MUTABLE_COLUMNS`], in that order.
-fn bind_task<'q>(query: AnyQuery<'q>, task: &'q TaskRow) -> Result<AnyQuery<'q>, Error> {
+fn bind_task<'q>(query: AnyQuery<'q>, task: &'q Task) -> Result<AnyQuery<'q>, Error> {
     Ok(query
         .bind(&task.session_id)
         .bind(&task.id)

@@ -1,4 +1,4 @@
-//! A session's tasks in memory, for the group commit's batches (see [`crate::group`]).
+//! A session's tasks in memory, for the group commit's batches (see [`crate::group_commit`]).
 //!
 //! An optimistic batch (see [`Store::optimistic`]) commits only if the session's sequence is
 //! still where the batch found it, and every change to a session's tasks moves the sequence
@@ -16,7 +16,7 @@ use troupe_proto::v1::{self as pb, TaskState};
 
 use super::{Gathered, SessionRow, Store, Tx, claim_order, load_session, load_tasks};
 use crate::Error;
-use crate::sched::TaskRow;
+use crate::task::Task;
 
 /// Sessions with more tasks than this are not kept in memory; their batches read instead.
 const MAX_TASKS: i64 = 20_000;
@@ -24,14 +24,14 @@ const MAX_TASKS: i64 = 20_000;
 /// A ready task's place in claim order, with its id.
 type ClaimKey = ((i32, Reverse<u64>, i64, i64), String);
 
-fn claim_key(task: &TaskRow) -> ClaimKey {
+fn claim_key(task: &Task) -> ClaimKey {
     (claim_order(task), task.id.clone())
 }
 
 /// One session's tasks, with the indexes a batch needs.
 #[derive(Debug)]
 pub(crate) struct TaskCache {
-    tasks: HashMap<String, TaskRow>,
+    tasks: HashMap<String, Task>,
     /// Who names each task among its dependencies (fixed: tasks added later, by fix rounds,
     /// are written under the lock, which drops the cache).
     dependents: HashMap<String, Vec<String>>,
@@ -41,7 +41,7 @@ pub(crate) struct TaskCache {
 }
 
 impl TaskCache {
-    fn new(rows: Vec<TaskRow>) -> Self {
+    fn new(rows: Vec<Task>) -> Self {
         let mut cache = Self {
             tasks: HashMap::with_capacity(rows.len()),
             dependents: HashMap::new(),
@@ -62,7 +62,7 @@ impl TaskCache {
     }
 
     /// Stores `task` as written.
-    pub(crate) fn put(&mut self, task: TaskRow) {
+    pub(crate) fn put(&mut self, task: Task) {
         if let Some(old) = self.tasks.get(&task.id)
             && old.state == TaskState::Ready
         {
@@ -80,7 +80,7 @@ impl TaskCache {
     }
 
     /// The tasks of `ids` that exist.
-    pub(crate) fn get_all(&self, ids: &[String]) -> HashMap<String, TaskRow> {
+    pub(crate) fn get_all(&self, ids: &[String]) -> HashMap<String, Task> {
         ids.iter()
             .filter_map(|id| self.tasks.get(id).map(|task| (id.clone(), task.clone())))
             .collect()
@@ -89,7 +89,7 @@ impl TaskCache {
     /// What the database read of a batch ([`super::read_batch`]) would return.
     pub(crate) fn gather(&self, ids: &[String], roles: &[pb::Role], wanted: usize) -> Gathered {
         let originals = self.get_all(ids);
-        let mut dependents: Vec<TaskRow> = Vec::new();
+        let mut dependents: Vec<Task> = Vec::new();
         for id in ids {
             for dependent in self.dependents.get(id).into_iter().flatten() {
                 if let Some(task) = self.tasks.get(dependent)
@@ -153,7 +153,7 @@ pub(crate) async fn load_cache_in(
 }
 
 /// A session's tasks, unless it has more than [`MAX_TASKS`].
-async fn load_small(tx: &mut Tx, session_id: &str) -> Result<Option<Vec<TaskRow>>, Error> {
+async fn load_small(tx: &mut Tx, session_id: &str) -> Result<Option<Vec<Task>>, Error> {
     let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
         .bind(session_id)
         .fetch_one(&mut **tx)

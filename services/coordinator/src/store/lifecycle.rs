@@ -13,7 +13,7 @@ use super::{
     session_state_name, set_session_state,
 };
 use crate::Error;
-use crate::sched;
+use crate::task;
 
 /// What [`Store::pause_session`] did.
 #[derive(Debug)]
@@ -70,7 +70,7 @@ impl Store {
                 super::insert_message(&mut tx, session_id, message, now).await?;
                 true
             }
-            state if sched::is_session_terminal(state) => {
+            state if task::is_session_terminal(state) => {
                 return Err(Error::FailedPrecondition(format!(
                     "session {session_id} already ended ({}) and cannot be paused",
                     session_state_name(state)

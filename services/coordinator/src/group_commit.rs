@@ -47,10 +47,10 @@ use tokio::sync::oneshot;
 use troupe_proto::v1 as pb;
 
 use crate::Error;
-use crate::sched::TaskRow;
 use crate::store::{
     self, ClaimRequest, Claimed, Completion, Dialect, SessionRow, Store, TaskCache,
 };
+use crate::task::Task;
 
 /// One queued write and where its answer goes.
 #[derive(Debug)]
@@ -77,7 +77,7 @@ enum Op {
         /// `claim_next`: claim from the same session, with this group's claims.
         claim_next: Option<ClaimRequest>,
         now: i64,
-        reply: oneshot::Sender<Result<(TaskRow, Vec<Claimed>), Error>>,
+        reply: oneshot::Sender<Result<(Task, Vec<Claimed>), Error>>,
     },
 }
 
@@ -107,7 +107,7 @@ impl Op {
 enum Outcome {
     Claim(Vec<Claimed>),
     Heartbeat((i64, bool)),
-    Complete(Box<TaskRow>, Vec<Claimed>),
+    Complete(Box<Task>, Vec<Claimed>),
 }
 
 /// Why a group did not commit.
@@ -384,7 +384,7 @@ impl GroupCommit {
         result: pb::TaskResult,
         claim_next: Option<ClaimRequest>,
         now: i64,
-    ) -> Result<(TaskRow, Vec<Claimed>), Error> {
+    ) -> Result<(Task, Vec<Claimed>), Error> {
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
             session_id: session_id.to_owned(),
