@@ -47,9 +47,8 @@ use tokio::sync::oneshot;
 use troupe_proto::v1 as pb;
 
 use crate::Error;
-use crate::store::{
-    self, ClaimRequest, Claimed, Completion, Dialect, SessionRow, Store, TaskCache,
-};
+use crate::store::sessions::{self, SessionRow};
+use crate::store::{self, ClaimRequest, Claimed, Completion, Dialect, Store, TaskCache};
 use crate::task::Task;
 
 /// One queued write and where its answer goes.
@@ -617,7 +616,7 @@ impl GroupCommit {
     async fn check_end(&self, session_id: &str, count: usize, now: i64) -> Result<(), Error> {
         let mut tx = self.store.begin().await?;
         let mut session =
-            store::lock_and_load_session(&mut tx, session_id, self.store.for_update()).await?;
+            sessions::lock_and_load_session(&mut tx, session_id, self.store.for_update()).await?;
         store::check_end(&mut tx, &mut session, count, now).await?;
         tx.commit().await
     }
@@ -679,7 +678,7 @@ impl GroupCommit {
         let mut copies = Vec::new();
         for session_id in sessions {
             let mut session =
-                store::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
+                sessions::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
             let copy = self.sessions().remove(session_id);
             let mut tasks = match copy {
                 _ if !copyable(&session, ops) => None,

@@ -18,10 +18,9 @@ use crate::check;
 use crate::convert::{json_to_struct, now_ms, opt_timestamp, struct_to_json, timestamp};
 use crate::group_commit::GroupCommit;
 use crate::rounds;
-use crate::store::{
-    CHANGES_CHANNEL, ClaimRequest, Claimed, Dialect, MessageFilter, NewMessage, NewSession,
-    SessionRow, SessionView, Store, add_count,
-};
+use crate::store::messages::{MessageFilter, NewMessage};
+use crate::store::sessions::{NewSession, SessionRow, SessionView, add_count};
+use crate::store::{CHANGES_CHANNEL, ClaimRequest, Claimed, Dialect, Store};
 use crate::task::{self, Task};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);

@@ -266,6 +266,18 @@ pub(crate) fn state_name(state: TaskState) -> &'static str {
     }
 }
 
+/// Returns the lowercase name of a session state.
+pub(crate) fn session_state_name(state: SessionState) -> &'static str {
+    match state {
+        SessionState::Unspecified => "unspecified",
+        SessionState::Active => "active",
+        SessionState::Completed => "completed",
+        SessionState::Failed => "failed",
+        SessionState::Cancelled => "cancelled",
+        SessionState::Paused => "paused",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use rand::SeedableRng;

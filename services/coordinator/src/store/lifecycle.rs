@@ -10,10 +10,11 @@ use troupe_proto::v1::{SessionState, TaskState};
 
 use super::{
     NewMessage, SessionSummary, Store, load_summary, load_tasks_lite, lock_and_load_session,
-    session_state_name, set_session_state,
+    set_session_state,
 };
 use crate::Error;
 use crate::task;
+use crate::task::session_state_name;
 
 /// What [`Store::pause_session`] did.
 #[derive(Debug)]
