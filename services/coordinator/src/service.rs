@@ -17,10 +17,10 @@ use crate::Error;
 use crate::check;
 use crate::convert::{json_to_struct, now_ms, opt_timestamp, struct_to_json, timestamp};
 use crate::group_commit::GroupCommit;
-use crate::rounds;
+use crate::lifecycle::{self, claim::ClaimRequest, claim::Claimed};
 use crate::store::messages::{MessageFilter, NewMessage};
 use crate::store::sessions::{NewSession, SessionRow, SessionView, add_count};
-use crate::store::{CHANGES_CHANNEL, ClaimRequest, Claimed, Dialect, Store};
+use crate::store::{CHANGES_CHANNEL, Dialect, Store};
 use crate::task::{self, Task};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
@@ -384,7 +384,9 @@ impl Coordinator {
         let loop_problems: Vec<String> = plan
             .tasks
             .iter()
-            .flat_map(|task| rounds::config_problems(&task.id, task.role.to_proto(), &task.spec))
+            .flat_map(|task| {
+                lifecycle::fix_round::config_problems(&task.id, task.role.to_proto(), &task.spec)
+            })
             .collect();
         if !loop_problems.is_empty() {
             return Err(Error::InvalidArgument(format!(
@@ -487,7 +489,7 @@ impl Coordinator {
             assets,
             tasks: task_rows(&plan, &session_id, now),
         };
-        if let Err(err) = self.store.insert_session(new, now).await {
+        if let Err(err) = lifecycle::create::create_session(&self.store, new, now).await {
             crate::repos::delete_branches(&created, &branch).await;
             return Err(err);
         }
@@ -554,10 +556,13 @@ impl Coordinator {
         request: pb::CancelSessionRequest,
     ) -> Result<pb::CancelSessionResponse, Error> {
         require(&request.session_id, "session_id")?;
-        let summary = self
-            .store
-            .cancel_session(&request.session_id, &request.reason, now_ms())
-            .await?;
+        let summary = lifecycle::cancel::cancel_session(
+            &self.store,
+            &request.session_id,
+            &request.reason,
+            now_ms(),
+        )
+        .await?;
         self.notify();
         Ok(pb::CancelSessionResponse {
             session: Some(session_proto(
@@ -712,18 +717,17 @@ impl Coordinator {
         });
         // The attempt number is only known inside the transaction, so pass the policy in.
         let backoff_for = |attempt: u32| task::backoff(attempt, &mut rand::rng());
-        let (task, retry_at) = self
-            .store
-            .fail(
-                &request.session_id,
-                &request.task_id,
-                request.fencing_token,
-                error,
-                request.partial_result,
-                backoff_for,
-                now_ms(),
-            )
-            .await?;
+        let (task, retry_at) = lifecycle::fail::fail(
+            &self.store,
+            &request.session_id,
+            &request.task_id,
+            request.fencing_token,
+            error,
+            request.partial_result,
+            backoff_for,
+            now_ms(),
+        )
+        .await?;
         self.notify();
         let state = task.state;
         tracing::info!(
@@ -747,7 +751,7 @@ impl Coordinator {
                 () = shutdown.cancelled() => return,
                 _ = ticker.tick() => {}
             }
-            match self.store.reap(now_ms()).await {
+            match lifecycle::reap::reap(&self.store, now_ms()).await {
                 Ok(0) => {}
                 Ok(_) => self.notify(),
                 Err(err) => tracing::warn!(error = %err, "reaper pass failed"),
@@ -879,7 +883,7 @@ impl Coordinator {
         session_id: &str,
     ) -> Result<pb::ResumeSessionResponse, Error> {
         require(session_id, "session_id")?;
-        let reconciled = self.store.resume(session_id, now_ms()).await?;
+        let reconciled = lifecycle::resume::resume(&self.store, session_id, now_ms()).await?;
         self.notify();
         tracing::info!(reconciled = reconciled.len(), "session resumed");
         Ok(pb::ResumeSessionResponse {
@@ -895,10 +899,13 @@ impl Coordinator {
         request: pb::PauseSessionRequest,
     ) -> Result<pb::PauseSessionResponse, Error> {
         require(&request.session_id, "session_id")?;
-        let paused = self
-            .store
-            .pause_session(&request.session_id, &request.reason, now_ms())
-            .await?;
+        let paused = lifecycle::pause::pause_session(
+            &self.store,
+            &request.session_id,
+            &request.reason,
+            now_ms(),
+        )
+        .await?;
         if paused.changed {
             self.notify();
             tracing::info!(running = paused.running.len(), "session paused");

@@ -1,5 +1,5 @@
 //! The task ([`Task`]) and its state machine, free of I/O: the tasks a transaction loaded go
-//! in, the transitions to record come out. The store calls these inside its transactions.
+//! in, the transitions to record come out. [`crate::lifecycle`] calls these inside its transactions.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -276,6 +276,17 @@ pub(crate) fn session_state_name(state: SessionState) -> &'static str {
         SessionState::Cancelled => "cancelled",
         SessionState::Paused => "paused",
     }
+}
+
+/// A ready task's place in claim order: the order of the `tasks_claim` index (and of
+/// [`crate::store::tasks::read_batch`]'s ready tasks) within a session.
+pub(crate) fn claim_order(task: &Task) -> (i32, std::cmp::Reverse<u64>, i64, i64) {
+    (
+        task.priority as i32,
+        std::cmp::Reverse(task.path_ms),
+        task.created_at,
+        task.position,
+    )
 }
 
 #[cfg(test)]

@@ -9,7 +9,8 @@ use super::tasks::{
     MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V, UPDATE_FROM_V_BUMP, bind_task, task_values,
     update_tasks,
 };
-use super::{Conn, Dialect, Store, Tx, corrupt, to_i64};
+use super::transactions::Conn;
+use super::{Dialect, Store, Tx, corrupt, to_i64};
 use crate::Error;
 use crate::convert::timestamp;
 use crate::task::Task;
@@ -42,7 +43,7 @@ impl Store {
 
 /// Appends events to a session's log: held back in `tx` until it commits (see [`Tx`]), so
 /// they get their sequence numbers then, in the order appended.
-pub(super) async fn append_events(
+pub(crate) async fn append_events(
     tx: &mut Tx,
     session_id: &str,
     now: i64,
@@ -59,7 +60,7 @@ pub(super) async fn append_events(
     Ok(())
 }
 
-pub(super) async fn append_event(
+pub(crate) async fn append_event(
     tx: &mut Tx,
     session_id: &str,
     now: i64,
@@ -209,7 +210,7 @@ pub(super) async fn write_events(
     Ok(())
 }
 
-pub(super) fn moved(session_id: &str, from: u64) -> Error {
+pub(crate) fn moved(session_id: &str, from: u64) -> Error {
     Error::Contended(format!("session {session_id} moved past sequence {from}"))
 }
 
@@ -225,12 +226,7 @@ pub(super) async fn next_seq(
     reserve_seq(tx, session_id, now, count).await
 }
 
-async fn reserve_seq(
-    tx: &mut Tx,
-    session_id: &str,
-    now: i64,
-    count: usize,
-) -> Result<u64, Error> {
+async fn reserve_seq(tx: &mut Tx, session_id: &str, now: i64, count: usize) -> Result<u64, Error> {
     let row = sqlx::query(
         "UPDATE sessions SET last_seq = last_seq + $3, updated_at = $2 WHERE id = $1 RETURNING last_seq",
     )

@@ -188,7 +188,7 @@ impl Store {
     }
 }
 
-pub(super) async fn insert_message(
+pub(crate) async fn insert_message(
     tx: &mut Tx,
     session_id: &str,
     message: NewMessage,

@@ -71,7 +71,7 @@ pub(crate) struct SessionSummary {
 impl Store {
     /// A session's repositories and assets digest, from the cache once read (they never
     /// change).
-    pub(super) async fn fixed(&self, tx: &mut Tx, session_id: &str) -> Result<Fixed, Error> {
+    pub(crate) async fn fixed(&self, tx: &mut Tx, session_id: &str) -> Result<Fixed, Error> {
         if let Some(fixed) = self.cached_repos().get(session_id) {
             return Ok(fixed.clone());
         }
@@ -192,7 +192,61 @@ impl Store {
     }
 }
 
-pub(super) async fn load_session(tx: &mut Tx, session_id: &str) -> Result<SessionRow, Error> {
+/// Inserts a new session's row (active), its repositories and its plan assets (stored once
+/// per digest); its tasks and events are the caller's.
+pub(crate) async fn insert_session(tx: &mut Tx, new: &NewSession, now: i64) -> Result<(), Error> {
+    let session = &new.session;
+    sqlx::query(
+        "INSERT INTO sessions (id, name, description, state, mode, on_failure, plan_json, plan_dir, last_seq, msg_counter, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 0, 0, $9, $9)",
+    )
+    .bind(&session.id)
+    .bind(&session.name)
+    .bind(&session.description)
+    .bind(SessionState::Active as i32)
+    .bind(session.mode.as_str())
+    .bind(session.on_failure.as_str())
+    .bind(&new.plan_json)
+    .bind(&session.plan_dir)
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    if let Some((digest, bundle)) = &new.assets {
+        use base64::Engine;
+        sqlx::query(
+            "INSERT INTO plan_assets (digest, bundle, size, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT (digest) DO NOTHING",
+        )
+        .bind(digest)
+        .bind(base64::engine::general_purpose::STANDARD.encode(bundle))
+        .bind(i64::try_from(bundle.len()).unwrap_or(i64::MAX))
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+        sqlx::query("UPDATE sessions SET assets_digest = $1 WHERE id = $2")
+            .bind(digest)
+            .bind(&session.id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    for (position, repo) in new.repos.iter().enumerate() {
+        sqlx::query(
+            "INSERT INTO session_repos (session_id, name, position, path, base_commit, branch, url, access) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&session.id)
+        .bind(&repo.name)
+        .bind(i64::try_from(position).unwrap_or(i64::MAX))
+        .bind(&repo.path)
+        .bind(&repo.base_commit)
+        .bind(&repo.branch)
+        .bind(&repo.url)
+        .bind(repo.access)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn load_session(tx: &mut Tx, session_id: &str) -> Result<SessionRow, Error> {
     lock_and_load_session(tx, session_id, "").await
 }
 
@@ -257,7 +311,7 @@ fn session_from_row(row: &AnyRow) -> Result<SessionRow, Error> {
 }
 
 /// A session as it now stands in this transaction, with its repositories and task counts.
-pub(super) async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<SessionSummary, Error> {
+pub(crate) async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<SessionSummary, Error> {
     Ok(SessionSummary {
         session: load_session(tx, session_id).await?,
         repos: load_repos(tx, session_id).await?,
@@ -265,10 +319,7 @@ pub(super) async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<Sessio
     })
 }
 
-async fn load_repos(
-    tx: &mut Tx,
-    session_id: &str,
-) -> Result<Vec<pb::SessionRepo>, Error> {
+async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
     let rows = sqlx::query(
         "SELECT name, path, base_commit, branch, url, access FROM session_repos WHERE session_id = $1 ORDER BY position",
     )
@@ -327,7 +378,7 @@ pub(crate) fn add_count(counts: &mut pb::TaskCounts, state: TaskState, n: u32) {
     *slot += n;
 }
 
-pub(super) async fn set_session_state(
+pub(crate) async fn set_session_state(
     tx: &mut Tx,
     session: &mut SessionRow,
     to: SessionState,

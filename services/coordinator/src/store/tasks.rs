@@ -22,7 +22,7 @@ const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, 
 /// [`TASK_COLUMNS`] without `spec` (an empty object instead): for transactions that move the
 /// graph without parsing every task's plan object; such rows are never written back whole
 /// (the UPDATE leaves `spec` alone) nor sent to clients.
-pub(super) fn lite_columns() -> String {
+pub(crate) fn lite_columns() -> String {
     TASK_COLUMNS.replace(" spec,", " '{}' AS spec,")
 }
 
@@ -92,7 +92,7 @@ fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
     })
 }
 
-pub(super) async fn insert_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
+pub(crate) async fn insert_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
     let files: Vec<StoredFile> = task
         .files
         .iter()
@@ -132,8 +132,27 @@ pub(super) async fn insert_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
     Ok(())
 }
 
+/// Writes a task's `convergence` (its criteria as a validator downstream checked them); false
+/// when the session has no such task. Needs a transaction (not an optimistic write).
+pub(crate) async fn set_convergence(
+    tx: &mut Tx,
+    session_id: &str,
+    task_id: &str,
+    convergence: &pb::TaskConvergence,
+) -> Result<bool, Error> {
+    tx.needs_lock("writing back convergence")?;
+    let written =
+        sqlx::query("UPDATE tasks SET convergence = $3 WHERE session_id = $1 AND id = $2")
+            .bind(session_id)
+            .bind(task_id)
+            .bind(convergence.encode_to_vec())
+            .execute(&mut **tx)
+            .await?;
+    Ok(written.rows_affected() > 0)
+}
+
 /// Writes a task's mutable columns.
-pub(super) async fn update_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
+pub(crate) async fn update_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
     update_tasks(tx, &[task]).await
 }
 
@@ -253,10 +272,26 @@ pub(super) async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task
     rows.iter().map(task_from_row).collect()
 }
 
+/// A session's tasks in topological order, unless it has more than `max`.
+pub(crate) async fn load_tasks_up_to(
+    tx: &mut Tx,
+    session_id: &str,
+    max: i64,
+) -> Result<Option<Vec<Task>>, Error> {
+    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
+        .bind(session_id)
+        .fetch_one(&mut **tx)
+        .await?;
+    if count > max {
+        return Ok(None);
+    }
+    Ok(Some(load_tasks(tx, session_id).await?))
+}
+
 /// Loads a session's tasks without their `spec` (left empty): what write transactions need
 /// to move the graph, without parsing every task's plan object. Never written back (the
 /// UPDATE leaves `spec` alone) nor sent to clients.
-pub(super) async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
+pub(crate) async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
     let columns = lite_columns();
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {columns} FROM tasks WHERE session_id = $1 ORDER BY position"
@@ -269,7 +304,7 @@ pub(super) async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec
 
 /// Loads up to `limit` ready tasks of `roles` (any when empty) of a session, best first (the
 /// claim order).
-pub(super) async fn load_claimable(
+pub(crate) async fn load_claimable(
     tx: &mut Tx,
     session_id: &str,
     roles: &[pb::Role],
@@ -291,7 +326,7 @@ pub(super) async fn load_claimable(
     rows.iter().map(task_from_row).collect()
 }
 
-pub(super) async fn load_task(tx: &mut Tx, session_id: &str, task_id: &str) -> Result<Task, Error> {
+pub(crate) async fn load_task(tx: &mut Tx, session_id: &str, task_id: &str) -> Result<Task, Error> {
     let row = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id = $2"
     )))
@@ -305,7 +340,7 @@ pub(super) async fn load_task(tx: &mut Tx, session_id: &str, task_id: &str) -> R
 
 /// Loads tasks of a session by id (those that exist), with `columns` (all, or without `spec`),
 /// in one query per chunk under the bind limits.
-pub(super) async fn load_tasks_by_id(
+pub(crate) async fn load_tasks_by_id(
     tx: &mut Tx,
     session_id: &str,
     ids: &[String],
@@ -352,7 +387,7 @@ fn role_filter(column: &str, roles: &[pb::Role], first: usize) -> String {
 }
 
 /// Whether any of a session's tasks is in one of `states` (an index probe, not a count).
-pub(super) async fn any_task_in(
+pub(crate) async fn any_task_in(
     tx: &mut Tx,
     session_id: &str,
     states: &[TaskState],
@@ -386,7 +421,7 @@ pub(crate) struct Gathered {
 
 /// Reads what a batch completing `ids` and claiming `wanted` tasks of `roles` works on, in
 /// one statement (per 128 ids).
-pub(super) async fn read_batch(
+pub(crate) async fn read_batch(
     tx: &mut Tx,
     session_id: &str,
     ids: &[String],
@@ -503,7 +538,7 @@ pub(super) async fn read_batch(
 /// The completed tasks upstream of each of `tasks` (transitively, in plan order). Reads the
 /// session's graph skeleton (ids, dependencies, states), then only the rows handed out, so a
 /// claim costs what it returns rather than the whole session's results.
-pub(super) async fn load_upstream(
+pub(crate) async fn load_upstream(
     tx: &mut Tx,
     session_id: &str,
     tasks: &[Task],
@@ -657,5 +692,24 @@ impl Store {
                 (role, took[took.len() / 2].max(1))
             })
             .collect())
+    }
+
+    /// The sessions with a lease that expired before `now` or a retry due by then (for the
+    /// reaper).
+    pub(crate) async fn sessions_due(&self, now: i64) -> Result<Vec<String>, Error> {
+        let mut conn = self.reader.acquire().await?;
+        let due = sqlx::query(
+            "SELECT DISTINCT session_id FROM tasks WHERE (state = $1 AND lease_expires_at < $2) \
+             OR (state = $3 AND not_before IS NOT NULL AND not_before <= $2)",
+        )
+        .bind(TaskState::Running as i32)
+        .bind(now)
+        .bind(TaskState::Pending as i32)
+        .fetch_all(&mut *conn)
+        .await?;
+        drop(conn);
+        due.iter()
+            .map(|row| Ok(row.try_get("session_id")?))
+            .collect()
     }
 }

@@ -81,7 +81,7 @@ impl Tx {
     /// What a failed write means: on SQLite, an optimistic write's transaction is rolled
     /// back (the call stopped at the failing statement), and a failed sequence check is
     /// [`Error::Contended`].
-    pub(super) async fn failed(&mut self, session_id: &str, from: u64, err: sqlx::Error) -> Error {
+    pub(crate) async fn failed(&mut self, session_id: &str, from: u64, err: sqlx::Error) -> Error {
         if self.dialect != Dialect::Sqlite {
             return err.into();
         }
@@ -111,7 +111,7 @@ impl Tx {
 
     /// Writes `tasks` (changed tasks of `session_id`) with the session's held-back events: on
     /// PostgreSQL, with the session held, in one statement.
-    pub(super) async fn write_with_events(
+    pub(crate) async fn write_with_events(
         &mut self,
         session_id: &str,
         tasks: &[&Task],
@@ -163,7 +163,7 @@ impl Store {
 
     /// An optimistic write, without a lock: for a group of one session whose `last_seq` the
     /// caller knows (with what it read or holds in memory as of that sequence; see
-    /// [`TaskCache`]). Reads see the latest commits; the one write (tasks, events and the
+    /// [`crate::lifecycle::task_cache::TaskCache`]). Reads see the latest commits; the one write (tasks, events and the
     /// sequence: see `write_events`; on PostgreSQL one statement, on SQLite one call that
     /// opens and commits its own transaction) applies only if the session's `last_seq` is
     /// still `last_seq`, and fails with [`Error::Contended`] otherwise. Every change to a
@@ -183,7 +183,7 @@ impl Store {
     }
 
     /// A read-only transaction on the reader pool: one consistent snapshot for several reads.
-    pub(super) async fn begin_read(&self) -> Result<Tx, Error> {
+    pub(crate) async fn begin_read(&self) -> Result<Tx, Error> {
         Ok(Tx {
             inner: Conn::Tx(self.reader.begin().await?),
             events: Vec::new(),
