@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use sqlx::Row;
-use troupe_proto::v1::{self as pb};
+use troupe_proto::v1 as pb;
 
 use super::{Store, corrupt};
 use crate::Error;
