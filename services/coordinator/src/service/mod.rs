@@ -16,7 +16,7 @@ use troupe_proto::v1 as pb;
 use crate::Error;
 use crate::convert::now_ms;
 use crate::group_commit::GroupCommit;
-use crate::store::{CHANGES_CHANNEL, Dialect, Store};
+use crate::store::{self, Dialect, Store};
 
 mod bus;
 mod sessions;
@@ -229,11 +229,7 @@ impl Coordinator {
             return;
         };
         let mut listener = loop {
-            let attempt = async {
-                let mut listener = sqlx::postgres::PgListener::connect(url).await?;
-                listener.listen(CHANGES_CHANNEL).await?;
-                Ok::<_, sqlx::Error>(listener)
-            };
+            let attempt = store::listen_to_changes(url);
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 result = attempt => match result {

@@ -68,7 +68,7 @@ pub(crate) struct Store {
 }
 
 /// Channel of the PostgreSQL notifications that wake other coordinators' long polls.
-pub(crate) const CHANGES_CHANNEL: &str = "troupe_changes";
+const CHANGES_CHANNEL: &str = "troupe_changes";
 
 impl Store {
     /// Opens (creating if needed) the database at a `sqlite:` URL and applies migrations.
@@ -186,6 +186,16 @@ impl Store {
             Dialect::Postgres => " FOR UPDATE",
         }
     }
+}
+
+/// Connects a listener to the change notifications that the coordinators sharing the
+/// PostgreSQL at `url` publish ([`Store::publish_change`]).
+pub(crate) async fn listen_to_changes(
+    url: &str,
+) -> Result<sqlx::postgres::PgListener, sqlx::Error> {
+    let mut listener = sqlx::postgres::PgListener::connect(url).await?;
+    listener.listen(CHANGES_CHANNEL).await?;
+    Ok(listener)
 }
 
 fn corrupt(what: impl std::fmt::Display) -> Error {
