@@ -35,7 +35,7 @@ pub(crate) struct Claimed {
 }
 
 /// Puts a ready task under a new lease for `claim`: the next attempt and fencing token.
-pub(crate) fn lease(task: &mut Task, claim: &ClaimRequest) -> pb::TaskTransition {
+pub(super) fn lease(task: &mut Task, claim: &ClaimRequest) -> pb::TaskTransition {
     task.attempt += 1;
     task.fencing_token += 1;
     task.worker_id = claim.worker_id.clone();

@@ -118,7 +118,7 @@ impl LoopKind {
     }
 
     /// The loop's name in reasons and summaries.
-    pub(crate) fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             Self::GeneratorCritic => "generator-critic",
             Self::GapClosure => "gap closure",

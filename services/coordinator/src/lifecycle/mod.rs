@@ -2,12 +2,13 @@
 //! [`claim`], [`heartbeat`], [`complete`], [`fail`] (with the [`fix_round`] a failed check may
 //! start), [`reap`], [`resume`], [`pause`] and [`cancel`].
 //!
-//! Layers: a change runs in one transaction of [`crate::store::transactions`] (the worker
-//! protocol's writes in a group commit's, see [`crate::group_commit`]); it locks and loads the
-//! session and the tasks it needs through the tables of [`crate::store`], decides with the
-//! task's state machine ([`crate::task`], free of I/O: transitions, settling the graph, the
-//! session's outcome, stalls), and writes the changed tasks with their events back through the
-//! tables ([`save`]). Nothing here writes SQL, and nothing in the store decides a change.
+//! The layers below: transactions → tables → lifecycle. A change runs in one transaction
+//! ([`crate::store::Tx`]; the worker protocol's writes in a group commit's, see
+//! [`crate::group_commit`]). It locks and loads the session and the tasks it needs through the
+//! tables of [`crate::store`], decides with the task's state machine ([`crate::task`], free of
+//! I/O: transitions, settling the graph, the session's outcome, stalls), and writes the changed
+//! tasks with their events back through the tables ([`save`]). Nothing here writes SQL, and
+//! nothing in the store decides a change.
 //!
 //! [`task_cache`] holds a session's tasks in memory, which a group commit's batch works on
 //! instead of reading them.

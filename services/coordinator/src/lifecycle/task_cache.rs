@@ -88,7 +88,7 @@ impl TaskCache {
             .collect()
     }
 
-    /// What the database read of a batch ([`super::read_batch`]) would return.
+    /// What the database read of a batch ([`crate::store::tasks::read_batch`]) would return.
     pub(super) fn gather(&self, ids: &[String], roles: &[pb::Role], wanted: usize) -> Gathered {
         let originals = self.get_all(ids);
         let mut dependents: Vec<Task> = Vec::new();

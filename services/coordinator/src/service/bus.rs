@@ -52,7 +52,7 @@ impl Coordinator {
 
     /// Logs a message (or finds the one with its idempotency key, and `false`), and moves the
     /// group commit's copy of the session along with a new one (see
-    /// [`GroupCommit::message_logged`]).
+    /// [`crate::group_commit::GroupCommit::message_logged`]).
     pub(super) async fn log(
         &self,
         session_id: &str,

@@ -210,7 +210,7 @@ pub(super) async fn write_events(
     Ok(())
 }
 
-pub(crate) fn moved(session_id: &str, from: u64) -> Error {
+pub(super) fn moved(session_id: &str, from: u64) -> Error {
     Error::Contended(format!("session {session_id} moved past sequence {from}"))
 }
 

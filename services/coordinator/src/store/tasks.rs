@@ -260,7 +260,7 @@ pub(super) fn bind_task<'q>(query: AnyQuery<'q>, task: &'q Task) -> Result<AnyQu
         .bind(&task.superseded_by))
 }
 
-/// Loads a session's tasks in topological order. Writers call [`lock_session`] first: the
+/// Loads a session's tasks in topological order. Writers call [`super::sessions::lock_session`] first: the
 /// session row lock serialises every writer of a session, so what they read stays current.
 pub(super) async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
     let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
