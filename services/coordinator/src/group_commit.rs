@@ -126,7 +126,7 @@ enum GroupError {
     Contended,
 }
 
-/// The group-commit front of the store's worker-protocol writes.
+/// The group commit of the worker protocol's writes (claim, heartbeat, complete).
 #[derive(Debug, Clone)]
 pub(crate) struct GroupCommit {
     store: Store,
