@@ -7,7 +7,7 @@ use std::time::Duration;
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
 
 use crate::convert::{opt_timestamp, struct_to_json};
-use crate::sched::{self, TaskRow};
+use crate::task::{self, Task};
 
 /// Returns the graph status word of a task state (CCW's done / running / ready / pending).
 pub(crate) fn status_word(state: TaskState) -> &'static str {
@@ -40,7 +40,7 @@ fn progress_task(message: &pb::Message) -> String {
 /// Builds the read-only status of a session.
 pub(crate) fn status(
     session: pb::Session,
-    tasks: &[TaskRow],
+    tasks: &[Task],
     blockers: Vec<pb::Message>,
     progress_messages: &[pb::Message],
     capability_gaps: Vec<pb::CapabilityGap>,
@@ -121,7 +121,7 @@ pub(crate) fn status(
         })
         .collect();
     let state = session.state();
-    let stall = sched::stall(tasks, state, now_ms).map(|stuck| stall_report(&stuck, state));
+    let stall = task::stall(tasks, state, now_ms).map(|stuck| stall_report(&stuck, state));
     pb::CheckSessionResponse {
         session: Some(session),
         percent_complete,
@@ -134,7 +134,7 @@ pub(crate) fn status(
     }
 }
 
-fn stall_report(stuck: &[sched::Stuck], state: SessionState) -> pb::StallReport {
+fn stall_report(stuck: &[task::Stuck], state: SessionState) -> pb::StallReport {
     let names: Vec<&str> = stuck.iter().map(|task| task.task_id.as_str()).collect();
     let hint = match state {
         SessionState::Paused | SessionState::Failed => "; `resume` retries and reactivates",

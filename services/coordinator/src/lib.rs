@@ -7,17 +7,40 @@
 //! with fencing tokens; a reaper returns expired leases. Every state change appends an event
 //! with a per-session, gap-free sequence that `WatchSession` streams. Entry points: [`run`], or
 //! [`App`] to mount the service on a shared server.
+//!
+//! # Layout
+//!
+//! Each layer calls only the layers below it. `task` (the task and its state machine) and
+//! `check` (CCW's status report) are free of I/O and serve every layer.
+//! - `grpc`: the adapter. tonic types stop here, and `grpc/convert.rs` builds the wire form of
+//!   each response from what the domain returns.
+//! - `service`: the domain operations behind the RPCs: `sessions` (intake, with `repos`;
+//!   reads; `check`, `resume`, `pause`, `cancel`), `workers` (the worker protocol with its
+//!   long-polling claims, and the reaper) and `bus` (messages, role state, the event stream).
+//! - `group_commit`: the worker protocol's writes (claim, heartbeat, complete) batched into
+//!   shared transactions, per session on PostgreSQL.
+//! - `lifecycle`: every state change, one module each (`create`, `claim`, `heartbeat`,
+//!   `complete`, `fail`, `fix_round`, `reap`, `resume`, `pause`, `cancel`). A change loads
+//!   what it needs through the tables, decides with `task`, and writes through the tables.
+//! - `store`: SQL only, one module per table (`sessions`, `tasks`, `events`, `messages`,
+//!   `workers`; `migrations` is their schema), over `store::transactions`: the transaction
+//!   and the events it holds back until it commits.
+//!
+//! At the bottom the rule is transactions → tables → lifecycle: lifecycle code writes no SQL,
+//! and the store decides no state change. So a failed TESTRUN spawns its FIX task in
+//! `lifecycle/fix_round.rs` (called by `lifecycle/fail.rs`), which decides the round and
+//! writes it.
 
 mod check;
 mod convert;
 mod error;
-mod group;
+mod group_commit;
 mod grpc;
+mod lifecycle;
 mod repos;
-mod rounds;
-mod sched;
 mod service;
 mod store;
+mod task;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

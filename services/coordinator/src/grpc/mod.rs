@@ -1,5 +1,6 @@
 //! The gRPC adapter: tonic types stop here. Each method unwraps the request, calls the domain
-//! [`Coordinator`] and maps [`Error`] to a status once (`From<Error> for Status`).
+//! [`Coordinator`], builds the response from what it returns ([`convert`], the wire forms of
+//! the domain's values) and maps [`Error`] to a status once (`From<Error> for Status`).
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -9,7 +10,10 @@ use tonic::{Request, Response, Status};
 use troupe_proto::v1::{self as pb, coordinator_server};
 
 use crate::Error;
+use crate::convert::{json_to_struct, opt_timestamp, timestamp};
 use crate::service::Coordinator;
+
+mod convert;
 
 impl From<Error> for Status {
     fn from(err: Error) -> Self {
@@ -63,136 +67,168 @@ impl coordinator_server::Coordinator for Adapter {
         &self,
         request: Request<pb::CreateSessionRequest>,
     ) -> Result<Response<pb::CreateSessionResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator
-                .create_session(request.into_inner())
-                .await?,
-        ))
+        let view = self
+            .coordinator
+            .create_session(request.into_inner())
+            .await?;
+        let (session, tasks) = convert::view_proto(view);
+        Ok(Response::new(pb::CreateSessionResponse {
+            session: Some(session),
+            tasks,
+        }))
     }
 
     async fn get_session(
         &self,
         request: Request<pb::GetSessionRequest>,
     ) -> Result<Response<pb::GetSessionResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator
-                .get_session(&request.into_inner().session_id)
-                .await?,
-        ))
+        let view = self
+            .coordinator
+            .get_session(&request.into_inner().session_id)
+            .await?;
+        let (session, tasks) = convert::view_proto(view);
+        Ok(Response::new(pb::GetSessionResponse {
+            session: Some(session),
+            tasks,
+        }))
     }
 
     async fn list_sessions(
         &self,
         request: Request<pb::ListSessionsRequest>,
     ) -> Result<Response<pb::ListSessionsResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.list_sessions(request.into_inner()).await?,
-        ))
+        let sessions = self.coordinator.list_sessions(request.into_inner()).await?;
+        Ok(Response::new(pb::ListSessionsResponse {
+            sessions: sessions.into_iter().map(convert::summary_proto).collect(),
+        }))
     }
 
     async fn cancel_session(
         &self,
         request: Request<pb::CancelSessionRequest>,
     ) -> Result<Response<pb::CancelSessionResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator
-                .cancel_session(request.into_inner())
-                .await?,
-        ))
+        let summary = self
+            .coordinator
+            .cancel_session(request.into_inner())
+            .await?;
+        Ok(Response::new(pb::CancelSessionResponse {
+            session: Some(convert::summary_proto(summary)),
+        }))
     }
 
     async fn claim_tasks(
         &self,
         request: Request<pb::ClaimTasksRequest>,
     ) -> Result<Response<pb::ClaimTasksResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.claim_tasks(request.into_inner()).await?,
-        ))
+        let claimed = self.coordinator.claim_tasks(request.into_inner()).await?;
+        Ok(Response::new(pb::ClaimTasksResponse {
+            tasks: convert::claimed_protos(claimed),
+        }))
     }
 
     async fn heartbeat(
         &self,
         request: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.heartbeat(request.into_inner()).await?,
-        ))
+        let (expires_at, cancel_requested) =
+            self.coordinator.heartbeat(request.into_inner()).await?;
+        Ok(Response::new(pb::HeartbeatResponse {
+            expires_at: Some(timestamp(expires_at)),
+            cancel_requested,
+        }))
     }
 
     async fn complete_task(
         &self,
         request: Request<pb::CompleteTaskRequest>,
     ) -> Result<Response<pb::CompleteTaskResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.complete_task(request.into_inner()).await?,
-        ))
+        let (task, next) = self.coordinator.complete_task(request.into_inner()).await?;
+        Ok(Response::new(pb::CompleteTaskResponse {
+            task: Some(convert::task_proto(&task)),
+            next: convert::claimed_protos(next),
+        }))
     }
 
     async fn fail_task(
         &self,
         request: Request<pb::FailTaskRequest>,
     ) -> Result<Response<pb::FailTaskResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.fail_task(request.into_inner()).await?,
-        ))
+        let (task, retry_at) = self.coordinator.fail_task(request.into_inner()).await?;
+        Ok(Response::new(pb::FailTaskResponse {
+            task: Some(convert::task_proto(&task)),
+            retry_at: opt_timestamp(retry_at),
+        }))
     }
 
     async fn log_message(
         &self,
         request: Request<pb::LogMessageRequest>,
     ) -> Result<Response<pb::LogMessageResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.log_message(request.into_inner()).await?,
-        ))
+        let message = self.coordinator.log_message(request.into_inner()).await?;
+        Ok(Response::new(pb::LogMessageResponse {
+            message: Some(message),
+        }))
     }
 
     async fn list_messages(
         &self,
         request: Request<pb::ListMessagesRequest>,
     ) -> Result<Response<pb::ListMessagesResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.list_messages(request.into_inner()).await?,
-        ))
+        let (messages, next_sequence) =
+            self.coordinator.list_messages(request.into_inner()).await?;
+        Ok(Response::new(pb::ListMessagesResponse {
+            messages,
+            next_sequence,
+        }))
     }
 
     async fn get_state(
         &self,
         request: Request<pb::GetStateRequest>,
     ) -> Result<Response<pb::GetStateResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.get_state(request.into_inner()).await?,
-        ))
+        let states = self.coordinator.get_state(request.into_inner()).await?;
+        Ok(Response::new(pb::GetStateResponse {
+            role_state: states
+                .into_iter()
+                .map(|(role, state)| (role, json_to_struct(&state)))
+                .collect(),
+        }))
     }
 
     async fn update_state(
         &self,
         request: Request<pb::UpdateStateRequest>,
     ) -> Result<Response<pb::UpdateStateResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.update_state(request.into_inner()).await?,
-        ))
+        let (state, message) = self.coordinator.update_state(request.into_inner()).await?;
+        Ok(Response::new(pb::UpdateStateResponse {
+            state: Some(json_to_struct(&state)),
+            message: Some(message),
+        }))
     }
 
     async fn check_session(
         &self,
         request: Request<pb::CheckSessionRequest>,
     ) -> Result<Response<pb::CheckSessionResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator
-                .check_session(&request.into_inner().session_id)
-                .await?,
-        ))
+        let check = self
+            .coordinator
+            .check_session(&request.into_inner().session_id)
+            .await?;
+        Ok(Response::new(convert::check_proto(check)))
     }
 
     async fn resume_session(
         &self,
         request: Request<pb::ResumeSessionRequest>,
     ) -> Result<Response<pb::ResumeSessionResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator
-                .resume_session(&request.into_inner().session_id)
-                .await?,
-        ))
+        let (reconciled, check) = self
+            .coordinator
+            .resume_session(&request.into_inner().session_id)
+            .await?;
+        Ok(Response::new(pb::ResumeSessionResponse {
+            reconciled,
+            status: Some(convert::check_proto(check)),
+        }))
     }
 
     type WatchSessionStream = EventStream;
@@ -211,19 +247,19 @@ impl coordinator_server::Coordinator for Adapter {
         &self,
         request: Request<pb::PauseSessionRequest>,
     ) -> Result<Response<pb::PauseSessionResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator.pause_session(request.into_inner()).await?,
-        ))
+        let paused = self.coordinator.pause_session(request.into_inner()).await?;
+        Ok(Response::new(pb::PauseSessionResponse {
+            session: Some(convert::summary_proto(paused.summary)),
+            running_task_ids: paused.running,
+        }))
     }
 
     async fn get_plan_assets(
         &self,
         request: Request<pb::GetPlanAssetsRequest>,
     ) -> Result<Response<pb::GetPlanAssetsResponse>, Status> {
-        Ok(Response::new(
-            self.coordinator
-                .get_plan_assets(&request.into_inner().digest)
-                .await?,
-        ))
+        let digest = request.into_inner().digest;
+        let bundle = self.coordinator.get_plan_assets(&digest).await?;
+        Ok(Response::new(convert::plan_assets_proto(&digest, &bundle)?))
     }
 }

@@ -1,4 +1,4 @@
-//! A session's tasks in memory, for the group commit's batches (see [`crate::group`]).
+//! A session's tasks in memory, for the group commit's batches (see [`crate::group_commit`]).
 //!
 //! An optimistic batch (see [`Store::optimistic`]) commits only if the session's sequence is
 //! still where the batch found it, and every change to a session's tasks moves the sequence
@@ -14,9 +14,11 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use troupe_proto::v1::{self as pb, TaskState};
 
-use super::{Gathered, SessionRow, Store, Tx, claim_order, load_session, load_tasks};
 use crate::Error;
-use crate::sched::TaskRow;
+use crate::store::sessions::{SessionRow, load_session};
+use crate::store::tasks::{Gathered, load_tasks_up_to};
+use crate::store::{Store, Tx};
+use crate::task::{Task, claim_order};
 
 /// Sessions with more tasks than this are not kept in memory; their batches read instead.
 const MAX_TASKS: i64 = 20_000;
@@ -24,14 +26,14 @@ const MAX_TASKS: i64 = 20_000;
 /// A ready task's place in claim order, with its id.
 type ClaimKey = ((i32, Reverse<u64>, i64, i64), String);
 
-fn claim_key(task: &TaskRow) -> ClaimKey {
+fn claim_key(task: &Task) -> ClaimKey {
     (claim_order(task), task.id.clone())
 }
 
 /// One session's tasks, with the indexes a batch needs.
 #[derive(Debug)]
 pub(crate) struct TaskCache {
-    tasks: HashMap<String, TaskRow>,
+    tasks: HashMap<String, Task>,
     /// Who names each task among its dependencies (fixed: tasks added later, by fix rounds,
     /// are written under the lock, which drops the cache).
     dependents: HashMap<String, Vec<String>>,
@@ -41,7 +43,7 @@ pub(crate) struct TaskCache {
 }
 
 impl TaskCache {
-    fn new(rows: Vec<TaskRow>) -> Self {
+    fn new(rows: Vec<Task>) -> Self {
         let mut cache = Self {
             tasks: HashMap::with_capacity(rows.len()),
             dependents: HashMap::new(),
@@ -62,7 +64,7 @@ impl TaskCache {
     }
 
     /// Stores `task` as written.
-    pub(crate) fn put(&mut self, task: TaskRow) {
+    pub(super) fn put(&mut self, task: Task) {
         if let Some(old) = self.tasks.get(&task.id)
             && old.state == TaskState::Ready
         {
@@ -80,16 +82,16 @@ impl TaskCache {
     }
 
     /// The tasks of `ids` that exist.
-    pub(crate) fn get_all(&self, ids: &[String]) -> HashMap<String, TaskRow> {
+    pub(super) fn get_all(&self, ids: &[String]) -> HashMap<String, Task> {
         ids.iter()
             .filter_map(|id| self.tasks.get(id).map(|task| (id.clone(), task.clone())))
             .collect()
     }
 
-    /// What the database read of a batch ([`super::read_batch`]) would return.
-    pub(crate) fn gather(&self, ids: &[String], roles: &[pb::Role], wanted: usize) -> Gathered {
+    /// What the database read of a batch ([`crate::store::tasks::read_batch`]) would return.
+    pub(super) fn gather(&self, ids: &[String], roles: &[pb::Role], wanted: usize) -> Gathered {
         let originals = self.get_all(ids);
-        let mut dependents: Vec<TaskRow> = Vec::new();
+        let mut dependents: Vec<Task> = Vec::new();
         for id in ids {
             for dependent in self.dependents.get(id).into_iter().flatten() {
                 if let Some(task) = self.tasks.get(dependent)
@@ -120,27 +122,25 @@ impl TaskCache {
     }
 }
 
-impl Store {
-    /// A session's row and, when it is small enough to keep, its tasks: consistent with the
-    /// row's `last_seq` (read on both sides of the tasks; `None` when it moved meanwhile).
-    pub(crate) async fn load_cached(
-        &self,
-        session_id: &str,
-    ) -> Result<(SessionRow, Option<TaskCache>), Error> {
-        // Each statement sees the latest commits (PostgreSQL's default isolation), so the two
-        // reads of the session bracket the tasks' (under one snapshot they agree anyway).
-        let mut tx: Tx = self.begin_read().await?;
-        let session = load_session(&mut tx, session_id).await?;
-        if session.state != pb::SessionState::Active {
-            return Ok((session, None));
-        }
-        let Some(rows) = load_small(&mut tx, session_id).await? else {
-            return Ok((session, None));
-        };
-        let again = load_session(&mut tx, session_id).await?;
-        let cache = (again.last_seq == session.last_seq).then(|| TaskCache::new(rows));
-        Ok((session, cache))
+/// A session's row and, when it is small enough to keep, its tasks: consistent with the
+/// row's `last_seq` (read on both sides of the tasks; `None` when it moved meanwhile).
+pub(crate) async fn load_cached(
+    store: &Store,
+    session_id: &str,
+) -> Result<(SessionRow, Option<TaskCache>), Error> {
+    // Each statement sees the latest commits (PostgreSQL's default isolation), so the two
+    // reads of the session bracket the tasks' (under one snapshot they agree anyway).
+    let mut tx: Tx = store.begin_read().await?;
+    let session = load_session(&mut tx, session_id).await?;
+    if session.state != pb::SessionState::Active {
+        return Ok((session, None));
     }
+    let Some(rows) = load_tasks_up_to(&mut tx, session_id, MAX_TASKS).await? else {
+        return Ok((session, None));
+    };
+    let again = load_session(&mut tx, session_id).await?;
+    let cache = (again.last_seq == session.last_seq).then(|| TaskCache::new(rows));
+    Ok((session, cache))
 }
 
 /// The tasks of a session held locked in `tx` (so they are as of its `last_seq`), when it is
@@ -149,17 +149,7 @@ pub(crate) async fn load_cache_in(
     tx: &mut Tx,
     session_id: &str,
 ) -> Result<Option<TaskCache>, Error> {
-    Ok(load_small(tx, session_id).await?.map(TaskCache::new))
-}
-
-/// A session's tasks, unless it has more than [`MAX_TASKS`].
-async fn load_small(tx: &mut Tx, session_id: &str) -> Result<Option<Vec<TaskRow>>, Error> {
-    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
-        .bind(session_id)
-        .fetch_one(&mut **tx)
-        .await?;
-    if count > MAX_TASKS {
-        return Ok(None);
-    }
-    Ok(Some(load_tasks(tx, session_id).await?))
+    Ok(load_tasks_up_to(tx, session_id, MAX_TASKS)
+        .await?
+        .map(TaskCache::new))
 }

@@ -7,7 +7,7 @@
 //! fewer scheduler wake-ups. Each caller still gets its answer only once its change is
 //! committed. Inside the transaction each session's operations run together: its row is
 //! locked and loaded once, heartbeats run one by one, then its completions and claims (and
-//! completions' `claim_next`) as one batch ([`Store::complete_eager`]): one read, settling
+//! completions' `claim_next`) as one batch ([`complete::complete_eager`]): one read, settling
 //! and claiming in memory, one write. So a group costs about five round trips to the
 //! database however many operations it holds. The claims see what the completions readied.
 //!
@@ -47,10 +47,14 @@ use tokio::sync::oneshot;
 use troupe_proto::v1 as pb;
 
 use crate::Error;
-use crate::sched::TaskRow;
-use crate::store::{
-    self, ClaimRequest, Claimed, Completion, Dialect, SessionRow, Store, TaskCache,
-};
+use crate::lifecycle::check_end;
+use crate::lifecycle::claim::{self, ClaimRequest, Claimed};
+use crate::lifecycle::complete::{self, Completion};
+use crate::lifecycle::heartbeat::heartbeat_in;
+use crate::lifecycle::task_cache::{self, TaskCache};
+use crate::store::sessions::{self, SessionRow};
+use crate::store::{Dialect, Store, Tx};
+use crate::task::Task;
 
 /// One queued write and where its answer goes.
 #[derive(Debug)]
@@ -77,7 +81,7 @@ enum Op {
         /// `claim_next`: claim from the same session, with this group's claims.
         claim_next: Option<ClaimRequest>,
         now: i64,
-        reply: oneshot::Sender<Result<(TaskRow, Vec<Claimed>), Error>>,
+        reply: oneshot::Sender<Result<(Task, Vec<Claimed>), Error>>,
     },
 }
 
@@ -107,7 +111,7 @@ impl Op {
 enum Outcome {
     Claim(Vec<Claimed>),
     Heartbeat((i64, bool)),
-    Complete(Box<TaskRow>, Vec<Claimed>),
+    Complete(Box<Task>, Vec<Claimed>),
 }
 
 /// Why a group did not commit.
@@ -122,7 +126,7 @@ enum GroupError {
     Contended,
 }
 
-/// The group-commit front of the store's worker-protocol writes.
+/// The group commit of the worker protocol's writes (claim, heartbeat, complete).
 #[derive(Debug, Clone)]
 pub(crate) struct GroupCommit {
     store: Store,
@@ -384,7 +388,7 @@ impl GroupCommit {
         result: pb::TaskResult,
         claim_next: Option<ClaimRequest>,
         now: i64,
-    ) -> Result<(TaskRow, Vec<Claimed>), Error> {
+    ) -> Result<(Task, Vec<Claimed>), Error> {
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
             session_id: session_id.to_owned(),
@@ -518,9 +522,7 @@ impl GroupCommit {
         } = match cached {
             Some(cached) => cached,
             None => {
-                let (session, tasks) = self
-                    .store
-                    .load_cached(session_id)
+                let (session, tasks) = task_cache::load_cached(&self.store, session_id)
                     .await
                     .map_err(|_| GroupError::Contended)?;
                 Cached { session, tasks }
@@ -617,8 +619,8 @@ impl GroupCommit {
     async fn check_end(&self, session_id: &str, count: usize, now: i64) -> Result<(), Error> {
         let mut tx = self.store.begin().await?;
         let mut session =
-            store::lock_and_load_session(&mut tx, session_id, self.store.for_update()).await?;
-        store::check_end(&mut tx, &mut session, count, now).await?;
+            sessions::lock_and_load_session(&mut tx, session_id, self.store.for_update()).await?;
+        check_end(&mut tx, &mut session, count, now).await?;
         tx.commit().await
     }
 
@@ -666,7 +668,7 @@ impl GroupCommit {
     /// SQLite's groups of several sessions, keep their sessions' copies this way.
     async fn run_in(
         &self,
-        tx: &mut store::Tx,
+        tx: &mut Tx,
         ops: &[Op],
     ) -> Result<(Vec<Outcome>, Vec<(String, Cached)>), Error> {
         let mut sessions: Vec<&str> = Vec::new();
@@ -679,14 +681,14 @@ impl GroupCommit {
         let mut copies = Vec::new();
         for session_id in sessions {
             let mut session =
-                store::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
+                sessions::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
             let copy = self.sessions().remove(session_id);
             let mut tasks = match copy {
                 _ if !copyable(&session, ops) => None,
                 Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
                 // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
                 _ if self.store.dialect() == Dialect::Postgres => None,
-                _ => Some(store::load_cache_in(tx, session_id).await?),
+                _ => Some(task_cache::load_cache_in(tx, session_id).await?),
             };
             match self
                 .run_session(
@@ -698,7 +700,7 @@ impl GroupCommit {
                 )
                 .await?
             {
-                Some((count, now)) => store::check_end(tx, &mut session, count, now).await?,
+                Some((count, now)) => check_end(tx, &mut session, count, now).await?,
                 None => {
                     if let Some(tasks) = tasks {
                         let copy = Cached::after(session, tasks, tx.last_seq(session_id));
@@ -717,10 +719,10 @@ impl GroupCommit {
     /// Runs the operations of `ops` on `session` (loaded; locked unless `tx` is optimistic):
     /// its heartbeats one by one, then its completions and claims as one batch (see the
     /// module comment), filling in their `outcomes`. Returns `Some((transitions, now))` when
-    /// the session may have ended or stalled, for [`store::check_end`].
+    /// the session may have ended or stalled, for [`check_end`].
     async fn run_session(
         &self,
-        tx: &mut store::Tx,
+        tx: &mut Tx,
         session: &mut SessionRow,
         mut tasks: Option<&mut TaskCache>,
         ops: &[Op],
@@ -743,7 +745,7 @@ impl GroupCommit {
                 ..
             } = op
             {
-                let beat = store::heartbeat_in(
+                let beat = heartbeat_in(
                     tx,
                     session_id,
                     task_id,
@@ -788,10 +790,9 @@ impl GroupCommit {
                 .iter()
                 .map(|(_, completion, _)| Completion::clone(completion))
                 .collect();
-            let batch = self
-                .store
-                .complete_eager(tx, session, batch, &requests, now, tasks)
-                .await?;
+            let batch =
+                complete::complete_eager(&self.store, tx, session, batch, &requests, now, tasks)
+                    .await?;
             (batch.tasks, batch.claimed, batch.check_end)
         } else {
             // Waves, a session no longer active, or claims asking for different roles:
@@ -799,13 +800,13 @@ impl GroupCommit {
             let mut done = Vec::with_capacity(completions.len());
             for (_, completion, now) in &completions {
                 done.push(
-                    store::complete_in(tx, session, Completion::clone(completion), *now).await?,
+                    complete::complete_in(tx, session, Completion::clone(completion), *now).await?,
                 );
             }
             let claimed = if requests.is_empty() {
                 Vec::new()
             } else {
-                self.store.claim_in(tx, session, &requests).await?
+                claim::claim_in(&self.store, tx, session, &requests).await?
             };
             (done, claimed, None)
         };
@@ -829,7 +830,7 @@ fn copyable(session: &SessionRow, ops: &[Op]) -> bool {
     let mine = || ops.iter().filter(|op| op.session_id() == session.id);
     mine().all(|op| match op {
         Op::Claim { .. } | Op::Heartbeat { .. } => true,
-        Op::Complete { completion, .. } => !store::writes_convergence(&completion.result),
+        Op::Complete { completion, .. } => !complete::writes_convergence(&completion.result),
     }) && one_batch(
         session,
         mine()
@@ -839,7 +840,7 @@ fn copyable(session: &SessionRow, ops: &[Op]) -> bool {
 }
 
 /// Whether a session's completions and claims (asking for `roles`) run as one batch
-/// ([`Store::complete_eager`]): in an active eager session, with every claim asking for the
+/// ([`complete::complete_eager`]): in an active eager session, with every claim asking for the
 /// same roles.
 fn one_batch<'a>(session: &SessionRow, mut roles: impl Iterator<Item = &'a [pb::Role]>) -> bool {
     let first = roles.next();

@@ -1,21 +1,107 @@
-//! Fix rounds, free of I/O: CCW's generator-critic loop (1.C.12, `test.gc` on test-runner
-//! tasks) and gap closure (1.D.6, `gap_closure` on validator tasks). When such a check fails
-//! terminally with a report that says what is wrong, the coordinator adds an executor task
-//! `FIX-<orig>-R<n>` that is told what failed and a re-run `<orig>-R<n>` of the check after it,
-//! supersedes the failed task and points its dependents at the re-run, so downstream waits
-//! instead of being skipped. Rounds are counted per chain (the original task id).
+//! Fix rounds: CCW's generator-critic loop (1.C.12, `test.gc` on test-runner tasks) and gap
+//! closure (1.D.6, `gap_closure` on validator tasks). When such a check fails terminally
+//! ([`super::fail`]) with a report that says what is wrong, [`fix_round`] adds, in the failure's
+//! transaction, an executor task `FIX-<orig>-R<n>` that is told what failed and a re-run
+//! `<orig>-R<n>` of the check after it, supersedes the failed task and points its dependents at
+//! the re-run, so downstream waits instead of being skipped. Rounds are counted per chain (the
+//! original task id). What a failure starts ([`decide`]) and how the graph changes ([`apply`])
+//! are free of I/O.
 
 use serde_json::{Map, Value, json};
 use troupe_proto::v1::{self as pb, TaskState};
 
-use crate::sched::TaskRow;
+use crate::Error;
+use crate::store::Tx;
+use crate::store::messages::{NewMessage, insert_message};
+use crate::store::tasks::{insert_task, load_task};
+use crate::task::Task;
+
+/// After the terminal failure of `task_id` (already in `tasks`, not yet saved): starts a fix
+/// round when its spec asks for one (see [`decide`]), inserting the two new tasks into the
+/// database and into `before`/`tasks` (so `save` settles them with the rest), or logs that the
+/// chain's rounds are used up. Returns the transitions to record.
+pub(crate) async fn fix_round(
+    tx: &mut Tx,
+    before: &mut Vec<Task>,
+    tasks: &mut Vec<Task>,
+    task_id: &str,
+    error: &pb::TaskError,
+    partial: Option<&pb::TaskResult>,
+    now: i64,
+) -> Result<Vec<pb::TaskTransition>, Error> {
+    let Some(index) = tasks.iter().position(|task| task.id == task_id) else {
+        return Ok(Vec::new());
+    };
+    let session_id = tasks[index].session_id.clone();
+    // The write path loads tasks without their spec; the loop configuration lives there.
+    let stored = load_task(tx, &session_id, task_id).await?;
+    let mut failed = tasks[index].clone();
+    failed.spec = stored.spec;
+    let decision = decide(
+        &failed,
+        error,
+        partial,
+        |id| tasks.iter().any(|task| task.id == id),
+        now,
+    );
+    match decision {
+        Decision::None => Ok(Vec::new()),
+        Decision::Exhausted {
+            kind,
+            chain,
+            max_rounds,
+        } => {
+            tracing::warn!(session_id = %session_id, task_id, chain = %chain, max_rounds, "fix rounds exhausted");
+            let mut data = Map::new();
+            data.insert(
+                "kind".to_owned(),
+                Value::String(kind.message_type().to_owned()),
+            );
+            data.insert("chain".to_owned(), Value::String(chain.clone()));
+            data.insert("failed_task".to_owned(), Value::String(task_id.to_owned()));
+            data.insert("max_rounds".to_owned(), Value::from(max_rounds));
+            let message = NewMessage {
+                from: "coordinator".to_owned(),
+                to: "user".to_owned(),
+                kind: "warning".to_owned(),
+                summary: format!("{} rounds exhausted for {chain}", kind.name()),
+                data: Some(data),
+                idempotency_key: None,
+            };
+            insert_message(tx, &session_id, message, now).await?;
+            Ok(Vec::new())
+        }
+        Decision::Round(round) => {
+            let transitions = apply(tasks, index, &round);
+            insert_task(tx, &round.fix).await?;
+            insert_task(tx, &round.rerun).await?;
+            let (kind, summary, data) = round_message(task_id, &round);
+            tracing::info!(session_id = %session_id, task_id, fix = %round.fix.id, rerun = %round.rerun.id, round = round.round, "fix round added");
+            let message = NewMessage {
+                from: "coordinator".to_owned(),
+                to: "executor".to_owned(),
+                kind,
+                summary,
+                data: Some(data),
+                idempotency_key: None,
+            };
+            insert_message(tx, &session_id, message, now).await?;
+            let rows = [round.fix, round.rerun];
+            for (offset, row) in rows.into_iter().enumerate() {
+                before.insert(index + 1 + offset, row.clone());
+                tasks.insert(index + 1 + offset, row);
+            }
+            Ok(transitions)
+        }
+    }
+}
 
 /// Rounds a loop may add when its configuration does not say.
-pub(crate) const DEFAULT_MAX_ROUNDS: u32 = 3;
+const DEFAULT_MAX_ROUNDS: u32 = 3;
 
 /// Which loop a failure belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum LoopKind {
+enum LoopKind {
     /// A test run below target (`test.gc`).
     GeneratorCritic,
     /// A goal-backward verification with gaps (`gap_closure`).
@@ -24,7 +110,7 @@ pub(crate) enum LoopKind {
 
 impl LoopKind {
     /// The CCW message type logged when a round starts.
-    pub(crate) fn message_type(self) -> &'static str {
+    fn message_type(self) -> &'static str {
         match self {
             Self::GeneratorCritic => "gc_loop_trigger",
             Self::GapClosure => "gap_closure",
@@ -32,7 +118,7 @@ impl LoopKind {
     }
 
     /// The loop's name in reasons and summaries.
-    pub(crate) fn name(self) -> &'static str {
+    fn name(self) -> &'static str {
         match self {
             Self::GeneratorCritic => "generator-critic",
             Self::GapClosure => "gap closure",
@@ -42,7 +128,7 @@ impl LoopKind {
 
 /// What the coordinator does about a terminal failure.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Decision {
+enum Decision {
     /// Not a loop failure: the failure cascades as usual.
     None,
     /// Add a round.
@@ -57,7 +143,7 @@ pub(crate) enum Decision {
 
 /// One round to add.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Round {
+struct Round {
     pub(crate) kind: LoopKind,
     /// The original task id.
     pub(crate) chain: String,
@@ -65,17 +151,17 @@ pub(crate) struct Round {
     pub(crate) round: u32,
     pub(crate) max_rounds: u32,
     /// `FIX-<chain>-R<n>`, an executor task without dependencies.
-    pub(crate) fix: TaskRow,
+    pub(crate) fix: Task,
     /// `<chain>-R<n>`, the check again, after the fix.
-    pub(crate) rerun: TaskRow,
+    pub(crate) rerun: Task,
     /// What failed, one line per item, for the message.
     pub(crate) findings: Vec<String>,
 }
 
 /// Decides what a terminal failure of `failed` (loaded with its spec) starts. `taken` says
 /// whether a task id is already used in the session.
-pub(crate) fn decide(
-    failed: &TaskRow,
+fn decide(
+    failed: &Task,
     error: &pb::TaskError,
     partial: Option<&pb::TaskResult>,
     taken: impl Fn(&str) -> bool,
@@ -181,7 +267,7 @@ pub(crate) fn decide(
     rerun_spec.insert("gc_origin".to_owned(), json!(chain));
     rerun_spec.insert("gc_round".to_owned(), json!(round));
 
-    let fix = TaskRow {
+    let fix = Task {
         id: fix_id.clone(),
         position: failed.position + 1,
         title,
@@ -192,7 +278,7 @@ pub(crate) fn decide(
         spec: fix_spec,
         ..fresh(failed, now_ms)
     };
-    let rerun = TaskRow {
+    let rerun = Task {
         id: rerun_id,
         position: failed.position + 2,
         depends_on: vec![fix_id],
@@ -266,8 +352,8 @@ pub(crate) fn config_problems(
 }
 
 /// A pending copy of `failed` with nothing of its runs.
-fn fresh(failed: &TaskRow, now_ms: i64) -> TaskRow {
-    TaskRow {
+fn fresh(failed: &Task, now_ms: i64) -> Task {
+    Task {
         state: TaskState::Pending,
         attempt: 0,
         fencing_token: 0,
@@ -353,11 +439,7 @@ fn gap_findings(gaps: &[pb::VerificationGap]) -> Vec<String> {
 /// failed task superseded, points its dependents at the re-run and makes room for the two new
 /// rows right after it (positions shift by two). Returns the transitions to record; the caller
 /// inserts `round.fix` and `round.rerun` at `failed_index + 1` and `+ 2`.
-pub(crate) fn apply(
-    tasks: &mut [TaskRow],
-    failed_index: usize,
-    round: &Round,
-) -> Vec<pb::TaskTransition> {
+fn apply(tasks: &mut [Task], failed_index: usize, round: &Round) -> Vec<pb::TaskTransition> {
     let failed_id = tasks[failed_index].id.clone();
     let failed_position = tasks[failed_index].position;
     let reason = |what: &str| {
@@ -407,10 +489,7 @@ pub(crate) fn apply(
 }
 
 /// The bus message announcing a round.
-pub(crate) fn round_message(
-    failed_id: &str,
-    round: &Round,
-) -> (String, String, Map<String, Value>) {
+fn round_message(failed_id: &str, round: &Round) -> (String, String, Map<String, Value>) {
     let summary = format!(
         "[coordinator] {} round {}/{} for {}: {} then {} ({} finding(s))",
         round.kind.name(),
@@ -436,8 +515,8 @@ pub(crate) fn round_message(
 mod tests {
     use super::*;
 
-    fn row(id: &str, role: pb::Role, spec: Value, position: i64) -> TaskRow {
-        TaskRow {
+    fn row(id: &str, role: pb::Role, spec: Value, position: i64) -> Task {
+        Task {
             session_id: "s".into(),
             id: id.into(),
             position,
@@ -597,8 +676,8 @@ mod tests {
     }
 
     impl Round {
-        fn rerun_failed(&self) -> TaskRow {
-            TaskRow {
+        fn rerun_failed(&self) -> Task {
+            Task {
                 state: TaskState::Failed,
                 ..self.rerun.clone()
             }

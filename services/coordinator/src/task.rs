@@ -1,5 +1,5 @@
-//! The task state machine, free of I/O: the rows a transaction loaded go in, the transitions to
-//! record come out. The store calls these inside its transactions.
+//! The task ([`Task`]) and its state machine, free of I/O: the tasks a transaction loaded go
+//! in, the transitions to record come out. [`crate::lifecycle`] calls these inside its transactions.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -11,9 +11,10 @@ use troupe_proto::v1::{self as pb, SessionState, TaskState};
 /// Longest retry delay.
 const BACKOFF_CAP: Duration = Duration::from_secs(60);
 
-/// One task as stored.
+/// A task of a session: what the plan says it is, where it stands (state, attempt, lease) and
+/// what it produced. One row of the `tasks` table.
 #[derive(Debug, Clone, PartialEq)]
-pub(crate) struct TaskRow {
+pub(crate) struct Task {
     pub(crate) session_id: String,
     pub(crate) id: String,
     /// Index in the plan's topological order.
@@ -75,7 +76,7 @@ pub(crate) fn is_session_terminal(state: SessionState) -> bool {
 
 /// Records a state change on `task` and returns its event payload.
 pub(crate) fn transition(
-    task: &mut TaskRow,
+    task: &mut Task,
     to: TaskState,
     reason: impl Into<String>,
     now_ms: i64,
@@ -104,7 +105,7 @@ pub(crate) fn transition(
 /// (and, in `waves` mode, whose earlier waves are all terminal) become ready once their retry
 /// backoff has passed. `tasks` must be in topological order.
 pub(crate) fn settle(
-    tasks: &mut [TaskRow],
+    tasks: &mut [Task],
     mode: Mode,
     on_failure: OnFailure,
     now_ms: i64,
@@ -169,7 +170,7 @@ pub(crate) fn settle(
 }
 
 /// Returns the state a session reaches when every task is terminal, else `None`.
-pub(crate) fn session_outcome(tasks: &[TaskRow]) -> Option<SessionState> {
+pub(crate) fn session_outcome(tasks: &[Task]) -> Option<SessionState> {
     if !tasks.iter().all(|task| is_terminal(task.state)) {
         return None;
     }
@@ -202,7 +203,7 @@ pub(crate) struct Stuck {
 
 /// Detects a stall: nothing ready, nothing running (nor waiting out a retry backoff), and
 /// work left (pending or blocked tasks). Returns the stuck tasks with their reasons, or `None`.
-pub(crate) fn stall(tasks: &[TaskRow], session: SessionState, now_ms: i64) -> Option<Vec<Stuck>> {
+pub(crate) fn stall(tasks: &[Task], session: SessionState, now_ms: i64) -> Option<Vec<Stuck>> {
     if matches!(session, SessionState::Completed | SessionState::Cancelled) {
         return None;
     }
@@ -213,8 +214,7 @@ pub(crate) fn stall(tasks: &[TaskRow], session: SessionState, now_ms: i64) -> Op
     if moving {
         return None;
     }
-    let index: HashMap<&str, &TaskRow> =
-        tasks.iter().map(|task| (task.id.as_str(), task)).collect();
+    let index: HashMap<&str, &Task> = tasks.iter().map(|task| (task.id.as_str(), task)).collect();
     let stuck: Vec<Stuck> = tasks
         .iter()
         .filter(|task| matches!(task.state, TaskState::Pending | TaskState::Blocked))
@@ -266,14 +266,37 @@ pub(crate) fn state_name(state: TaskState) -> &'static str {
     }
 }
 
+/// Returns the lowercase name of a session state.
+pub(crate) fn session_state_name(state: SessionState) -> &'static str {
+    match state {
+        SessionState::Unspecified => "unspecified",
+        SessionState::Active => "active",
+        SessionState::Completed => "completed",
+        SessionState::Failed => "failed",
+        SessionState::Cancelled => "cancelled",
+        SessionState::Paused => "paused",
+    }
+}
+
+/// A ready task's place in claim order: the order of the `tasks_claim` index (and of
+/// [`crate::store::tasks::read_batch`]'s ready tasks) within a session.
+pub(crate) fn claim_order(task: &Task) -> (i32, std::cmp::Reverse<u64>, i64, i64) {
+    (
+        task.priority as i32,
+        std::cmp::Reverse(task.path_ms),
+        task.created_at,
+        task.position,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use rand::SeedableRng;
 
     use super::*;
 
-    fn row(id: &str, deps: &[&str], wave: u32, position: i64) -> TaskRow {
-        TaskRow {
+    fn row(id: &str, deps: &[&str], wave: u32, position: i64) -> Task {
+        Task {
             session_id: "s".into(),
             id: id.into(),
             position,
@@ -307,7 +330,7 @@ mod tests {
         }
     }
 
-    fn states(tasks: &[TaskRow]) -> Vec<TaskState> {
+    fn states(tasks: &[Task]) -> Vec<TaskState> {
         tasks.iter().map(|task| task.state).collect()
     }
 

@@ -1,0 +1,233 @@
+//! Completing: a running task's result recorded under its fencing token, and what that
+//! readies.
+
+use troupe_proto::v1::{self as pb, TaskState};
+
+use super::claim::{ClaimRequest, Claimed, hand_out, lease};
+use super::task_cache::TaskCache;
+use super::{find_task_mut, save, stale, write_changes};
+use crate::Error;
+use crate::store::sessions::SessionRow;
+use crate::store::tasks::{
+    Gathered, lite_columns, load_task, load_tasks_by_id, load_tasks_lite, read_batch,
+    set_convergence,
+};
+use crate::store::{Store, Tx};
+use crate::task::{self, Task, claim_order};
+
+/// One `CompleteTask`, checked.
+#[derive(Debug, Clone)]
+pub(crate) struct Completion {
+    pub(crate) task_id: String,
+    pub(crate) token: u64,
+    pub(crate) result: pb::TaskResult,
+}
+
+/// Completes a running task under its current fencing token, with the session locked and
+/// loaded, inside a transaction the caller commits (see [`crate::group_commit`]), reading the whole
+/// graph: for sessions that are not active and eager (see [`complete_eager`]).
+pub(crate) async fn complete_in(
+    tx: &mut Tx,
+    session: &mut SessionRow,
+    completion: Completion,
+    now: i64,
+) -> Result<Task, Error> {
+    // Owned: `session` is passed on mutably (see `finish`).
+    let session_id = session.id.clone();
+    let session_id = session_id.as_str();
+    let task_id = completion.task_id.as_str();
+    let before = load_tasks_lite(tx, session_id).await?;
+    let mut tasks = before.clone();
+    let task = find_task_mut(&mut tasks, task_id, session_id)?;
+    if task.state != TaskState::Running || task.fencing_token != completion.token {
+        return Err(stale(task, completion.token));
+    }
+    write_back_convergence(tx, session_id, task_id, &completion.result).await?;
+    task.result = Some(completion.result);
+    let transition = task::transition(task, TaskState::Completed, "completed", now);
+    save(tx, session, &before, &mut tasks, vec![transition], now).await?;
+    let task = load_task(tx, session_id, task_id).await?;
+    Ok(task)
+}
+
+/// What [`complete_eager`] did.
+pub(crate) struct EagerBatch {
+    /// The completed tasks, in the order given.
+    pub(crate) tasks: Vec<Task>,
+    /// Each claim's tasks, in the order given.
+    pub(crate) claimed: Vec<Vec<Claimed>>,
+    /// `Some(transitions)` when it completed tasks and left no task of the session ready or
+    /// running: the session may have ended or stalled, which [`super::check_end`] decides.
+    pub(crate) check_end: Option<usize>,
+}
+
+/// Completes several running tasks of an active eager session and serves claims of it, at
+/// once (a group commit's; one completion alone is a batch of one). All `claims` must ask
+/// for the same roles. One read fetches the completed tasks, their pending dependents and
+/// the session's best ready tasks; settling and the claims (which also see the tasks the
+/// completions just readied) happen in memory; one update writes every change. So the
+/// batch costs the same few statements however many operations it holds, and the graph is
+/// never read whole (a completion can only make its own pending dependents ready). With
+/// `cache` (an optimistic group's copy of the session's tasks) there is no read, and the
+/// copy follows the write. Any stale token fails the whole batch (a group then runs each
+/// operation alone).
+pub(crate) async fn complete_eager(
+    store: &Store,
+    tx: &mut Tx,
+    session: &SessionRow,
+    completions: Vec<Completion>,
+    claims: &[ClaimRequest],
+    now: i64,
+    cache: Option<&mut TaskCache>,
+) -> Result<EagerBatch, Error> {
+    let session_id = session.id.as_str();
+    let roles: &[pb::Role] = claims.first().map_or(&[], |claim| claim.roles.as_slice());
+    let wanted: usize = claims.iter().map(|claim| claim.max as usize).sum();
+    let ids: Vec<String> = completions.iter().map(|c| c.task_id.clone()).collect();
+    let Gathered {
+        mut originals,
+        dependents,
+        ready,
+        busy,
+    } = match cache.as_deref() {
+        Some(cache) => cache.gather(&ids, roles, wanted),
+        None => read_batch(tx, session_id, &ids, roles, wanted).await?,
+    };
+
+    // The working set, each task once, with its stored form alongside.
+    let mut before: Vec<Task> = Vec::new();
+    let mut work: Vec<Task> = Vec::new();
+    let mut transitions = Vec::new();
+    for completion in completions {
+        // Taken out, so a task completed twice in one batch is stale the second time.
+        let Some(original) = originals.remove(&completion.task_id) else {
+            if work.iter().any(|task| task.id == completion.task_id) {
+                return Err(Error::FailedPrecondition(format!(
+                    "task {} is completed twice in one transaction",
+                    completion.task_id
+                )));
+            }
+            return Err(Error::NotFound(format!(
+                "task {} not found in session {session_id}",
+                completion.task_id
+            )));
+        };
+        if original.state != TaskState::Running || original.fencing_token != completion.token {
+            return Err(stale(&original, completion.token));
+        }
+        write_back_convergence(tx, session_id, &completion.task_id, &completion.result).await?;
+        before.push(original.clone());
+        let mut task = original;
+        task.result = Some(completion.result);
+        transitions.push(task::transition(
+            &mut task,
+            TaskState::Completed,
+            "completed",
+            now,
+        ));
+        work.push(task);
+    }
+    let completed = work.len();
+    for task in dependents.into_iter().chain(ready) {
+        before.push(task.clone());
+        work.push(task);
+    }
+    // The dependents' other dependencies (their states decide the settling).
+    let mut others: Vec<String> = Vec::new();
+    for dependent in &work[completed..] {
+        for dep in &dependent.depends_on {
+            if !work.iter().any(|known| &known.id == dep) && !others.contains(dep) {
+                others.push(dep.clone());
+            }
+        }
+    }
+    let mut loaded = match cache.as_deref() {
+        Some(cache) => cache.get_all(&others),
+        None => load_tasks_by_id(tx, session_id, &others, &lite_columns()).await?,
+    };
+    for id in &others {
+        if let Some(task) = loaded.remove(id) {
+            before.push(task.clone());
+            work.push(task);
+        }
+    }
+    transitions.extend(task::settle(
+        &mut work,
+        session.mode,
+        session.on_failure,
+        now,
+    ));
+
+    // The claims take the best ready tasks, those just readied included, in claim order.
+    let mut candidates: Vec<usize> = (0..work.len())
+        .filter(|&i| {
+            work[i].state == TaskState::Ready && (roles.is_empty() || roles.contains(&work[i].role))
+        })
+        .collect();
+    candidates.sort_by_key(|&i| claim_order(&work[i]));
+    let mut candidates = candidates.into_iter();
+    let mut taken: Vec<(usize, usize)> = Vec::new();
+    for (c, claim) in claims.iter().enumerate() {
+        for i in candidates.by_ref().take(claim.max as usize) {
+            transitions.push(lease(&mut work[i], claim));
+            taken.push((c, i));
+        }
+    }
+    let count = write_changes(tx, session_id, &before, &work, transitions, now).await?;
+    if let Some(cache) = cache {
+        // Written (an optimistic write commits on its own): the cache follows.
+        for task in &work {
+            cache.put(task.clone());
+        }
+    }
+    let taken = taken
+        .into_iter()
+        .map(|(c, i)| (c, work[i].clone()))
+        .collect();
+    let claimed = hand_out(store, tx, session, claims.len(), taken).await?;
+    // Only a completion can end the session; a task ready or running keeps it going.
+    let open = completed == 0
+        || busy
+        || work
+            .iter()
+            .any(|task| matches!(task.state, TaskState::Ready | TaskState::Running));
+    work.truncate(completed);
+    Ok(EagerBatch {
+        tasks: work,
+        claimed,
+        check_end: (!open).then_some(count),
+    })
+}
+
+/// Whether completing with `result` writes convergence onto other tasks (see
+/// [`write_back_convergence`]).
+pub(crate) fn writes_convergence(result: &pb::TaskResult) -> bool {
+    matches!(&result.detail, Some(pb::task_result::Detail::Validation(report)) if !report.upstream_convergence.is_empty())
+}
+
+/// Copies a validator task's per-task criterion results (`upstream_convergence` of its report)
+/// onto the tasks they belong to, so each task's record carries its own `convergence`. Written
+/// in the same transaction as the validator's result; a later validator overwrites it.
+pub(super) async fn write_back_convergence(
+    tx: &mut Tx,
+    session_id: &str,
+    checked_by: &str,
+    result: &pb::TaskResult,
+) -> Result<(), Error> {
+    let Some(pb::task_result::Detail::Validation(report)) = &result.detail else {
+        return Ok(());
+    };
+    for entry in &report.upstream_convergence {
+        let convergence = pb::TaskConvergence {
+            verified: entry.convergence_verified.clone(),
+            met: entry.convergence_met.clone(),
+            checked_by: checked_by.to_owned(),
+            commit: entry.commit.clone(),
+        };
+        let written = set_convergence(tx, session_id, &entry.task_id, &convergence).await?;
+        if !written {
+            tracing::warn!(session_id, checked_by, task_id = %entry.task_id, "convergence names an unknown task");
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,358 @@
+//! Sessions: intake (`CreateSession`), reading them, and CCW's session commands (`check`,
+//! `resume`, `pause`, `cancel`).
+
+use std::path::PathBuf;
+
+use rand::Rng;
+use troupe_plan::Plan;
+use troupe_proto::v1::{self as pb, SessionState, TaskState};
+
+use super::{Coordinator, require};
+use crate::Error;
+use crate::convert::now_ms;
+use crate::lifecycle::{self, pause::Paused};
+use crate::store::messages::MessageFilter;
+use crate::store::sessions::{NewSession, SessionRow, SessionSummary, SessionView};
+use crate::task::{self, Task};
+
+/// A session's status as CCW's `check` reports it; the adapter builds the report
+/// ([`crate::check::status`]).
+#[derive(Debug)]
+pub(crate) struct SessionCheck {
+    pub(crate) view: SessionView,
+    /// The newest `blocker` messages.
+    pub(crate) blockers: Vec<pb::Message>,
+    /// The newest `progress` messages, oldest first: each task's latest note.
+    pub(crate) progress: Vec<pb::Message>,
+    /// Roles whose ready tasks no worker claims (an active session's only).
+    pub(crate) gaps: Vec<pb::CapabilityGap>,
+    /// When the status was taken (unix ms).
+    pub(crate) now: i64,
+}
+
+impl Coordinator {
+    #[tracing::instrument(skip_all, fields(dry_run = request.dry_run))]
+    pub(crate) async fn create_session(
+        &self,
+        mut request: pb::CreateSessionRequest,
+    ) -> Result<SessionView, Error> {
+        let mut plan = Plan::from_json(&request.plan_json)?;
+        let loop_problems: Vec<String> = plan
+            .tasks
+            .iter()
+            .flat_map(|task| {
+                lifecycle::fix_round::config_problems(&task.id, task.role.to_proto(), &task.spec)
+            })
+            .collect();
+        if !loop_problems.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "invalid plan:\n{}",
+                loop_problems.join("\n")
+            )));
+        }
+        // The files the plan brings: checked here, stored with the session.
+        let assets = match request.assets.len() {
+            0 => None,
+            _ => Some(
+                troupe_grpc::assets::bundle(std::mem::take(&mut request.assets))
+                    .map_err(|why| Error::InvalidArgument(format!("invalid plan:\n{why}")))?,
+            ),
+        };
+        // Tasks without an estimate rank by what their role took lately (see the README's
+        // plan format), so a chain of quick checks does not go before slower work.
+        plan.weigh_by_role(
+            &self
+                .store
+                .learned_durations(self.learn_from_sessions)
+                .await?,
+        );
+        // The submitting machine's plan directory: relative repositories resolve against it
+        // when this machine can see it; across machines, repositories are URLs.
+        let base_dir = match request.base_dir.as_str() {
+            "" => None,
+            dir => Some(
+                tokio::fs::canonicalize(dir)
+                    .await
+                    .unwrap_or_else(|_| PathBuf::from(dir)),
+            ),
+        };
+        let repos = crate::repos::Intake {
+            base_dir: base_dir.as_deref(),
+            overrides: &request.repo_paths,
+            dry_run: request.dry_run,
+            data_dir: &self.data_dir,
+            credentials: &self.credentials,
+        }
+        .resolve(&plan)
+        .await?;
+        let now = now_ms();
+        let plan_dir = base_dir
+            .as_ref()
+            .map(|dir| dir.display().to_string())
+            .unwrap_or_default();
+
+        if request.dry_run {
+            let session_repos = repos.iter().map(|repo| repo.to_proto("")).collect();
+            let session = SessionRow {
+                id: String::new(),
+                name: plan.name.clone(),
+                description: plan.description.clone(),
+                state: SessionState::Active,
+                mode: plan.mode,
+                on_failure: plan.on_failure,
+                plan_dir,
+                last_seq: 0,
+                created_at: now,
+                updated_at: now,
+            };
+            let mut tasks = task_rows(&plan, "", now);
+            task::settle(&mut tasks, plan.mode, plan.on_failure, now);
+            return Ok(SessionView {
+                session,
+                repos: session_repos,
+                tasks,
+            });
+        }
+
+        let session_id = format!(
+            "{}-{}-{:06x}",
+            plan.name,
+            chrono::Utc::now().format("%Y%m%d"),
+            rand::rng().random_range(0..0x100_0000u32)
+        );
+        let branch = format!("troupe/{session_id}");
+        let created = crate::repos::create_local_branches(&repos, &branch).await?;
+        let session_repos = repos.iter().map(|repo| repo.to_proto(&branch)).collect();
+        let new = NewSession {
+            session: SessionRow {
+                id: session_id.clone(),
+                name: plan.name.clone(),
+                description: plan.description.clone(),
+                state: SessionState::Active,
+                mode: plan.mode,
+                on_failure: plan.on_failure,
+                plan_dir,
+                last_seq: 0,
+                created_at: now,
+                updated_at: now,
+            },
+            plan_json: request.plan_json,
+            repos: session_repos,
+            assets,
+            tasks: task_rows(&plan, &session_id, now),
+        };
+        if let Err(err) = lifecycle::create::create_session(&self.store, new, now).await {
+            crate::repos::delete_branches(&created, &branch).await;
+            return Err(err);
+        }
+        self.notify();
+        tracing::info!(session_id = %session_id, tasks = plan.tasks.len(), "session created");
+        self.store.get_session(&session_id).await
+    }
+
+    /// The bundle of plan assets stored under `digest`, encoded.
+    pub(crate) async fn get_plan_assets(&self, digest: &str) -> Result<Vec<u8>, Error> {
+        require(digest, "digest")?;
+        self.store
+            .plan_assets(digest)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("no plan assets with digest {digest}")))
+    }
+
+    pub(crate) async fn get_session(&self, session_id: &str) -> Result<SessionView, Error> {
+        require(session_id, "session_id")?;
+        self.store.get_session(session_id).await
+    }
+
+    pub(crate) async fn list_sessions(
+        &self,
+        request: pb::ListSessionsRequest,
+    ) -> Result<Vec<SessionSummary>, Error> {
+        let state = match request.state() {
+            SessionState::Unspecified => None,
+            state => Some(state),
+        };
+        let limit = match request.limit {
+            0 => 50,
+            limit => limit.min(500),
+        };
+        self.store.list_sessions(state, limit).await
+    }
+
+    #[tracing::instrument(skip_all, fields(session_id = %request.session_id))]
+    pub(crate) async fn cancel_session(
+        &self,
+        request: pb::CancelSessionRequest,
+    ) -> Result<SessionSummary, Error> {
+        require(&request.session_id, "session_id")?;
+        let summary = lifecycle::cancel::cancel_session(
+            &self.store,
+            &request.session_id,
+            &request.reason,
+            now_ms(),
+        )
+        .await?;
+        self.notify();
+        Ok(summary)
+    }
+
+    /// CCW `check`: the session's status, read-only.
+    pub(crate) async fn check_session(&self, session_id: &str) -> Result<SessionCheck, Error> {
+        require(session_id, "session_id")?;
+        let now = now_ms();
+        let view = self.store.get_session(session_id).await?;
+        let recent = |kind: &str, last: u32| MessageFilter {
+            kind: Some(kind.to_owned()),
+            last,
+            ..MessageFilter::default()
+        };
+        let (blockers, _) = self
+            .store
+            .list_messages(session_id, &recent("blocker", 10))
+            .await?;
+        let (progress, _) = self
+            .store
+            .list_messages(session_id, &recent("progress", 50))
+            .await?;
+        let gaps = if view.session.state == SessionState::Active {
+            self.gaps_by_session(now)
+                .await?
+                .remove(session_id)
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        Ok(SessionCheck {
+            view,
+            blockers,
+            progress,
+            gaps,
+            now,
+        })
+    }
+
+    /// CCW `resume`: reconcile, advance, then report the status.
+    #[tracing::instrument(skip_all, fields(session_id = %session_id))]
+    pub(crate) async fn resume_session(
+        &self,
+        session_id: &str,
+    ) -> Result<(Vec<pb::TaskTransition>, SessionCheck), Error> {
+        require(session_id, "session_id")?;
+        let reconciled = lifecycle::resume::resume(&self.store, session_id, now_ms()).await?;
+        self.notify();
+        tracing::info!(reconciled = reconciled.len(), "session resumed");
+        Ok((reconciled, self.check_session(session_id).await?))
+    }
+
+    /// Pauses a session: no new claims until resumed; running tasks finish and are recorded.
+    #[tracing::instrument(skip_all, fields(session_id = %request.session_id))]
+    pub(crate) async fn pause_session(
+        &self,
+        request: pb::PauseSessionRequest,
+    ) -> Result<Paused, Error> {
+        require(&request.session_id, "session_id")?;
+        let paused = lifecycle::pause::pause_session(
+            &self.store,
+            &request.session_id,
+            &request.reason,
+            now_ms(),
+        )
+        .await?;
+        if paused.changed {
+            self.notify();
+            tracing::info!(running = paused.running.len(), "session paused");
+        }
+        Ok(paused)
+    }
+}
+
+/// Returns a CCW runtime `status: "completed"` task's result: an imported session resumes
+/// where it was. `None` for every other status (those tasks start pending).
+fn imported_result(spec: &serde_json::Map<String, serde_json::Value>) -> Option<pb::TaskResult> {
+    use serde_json::Value;
+    if spec.get("status").and_then(Value::as_str) != Some("completed") {
+        return None;
+    }
+    let strings = |value: Option<&Value>| -> Vec<String> {
+        value
+            .and_then(Value::as_array)
+            .map(|items| {
+                items
+                    .iter()
+                    .filter_map(|item| item.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let mut result = pb::TaskResult {
+        summary: "imported as completed".to_owned(),
+        ..Default::default()
+    };
+    match spec.get("result") {
+        Some(Value::String(text)) => result.summary.clone_from(text),
+        Some(Value::Object(object)) => {
+            result.summary = match object.get("summary") {
+                Some(Value::String(text)) => text.clone(),
+                _ => Value::Object(object.clone()).to_string(),
+            };
+            if let Some(commit) = object.get("commit").and_then(Value::as_str) {
+                commit.clone_into(&mut result.commit);
+            }
+            result.files_modified = strings(object.get("files_modified"));
+            result.warnings = strings(object.get("warnings"));
+        }
+        Some(Value::Null) | None => {}
+        Some(other) => result.summary = other.to_string(),
+    }
+    Some(result)
+}
+
+/// Builds the stored rows of a plan's tasks (topological order): pending, or completed when
+/// the plan says so (CCW runtime `status`).
+fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<Task> {
+    plan.tasks
+        .iter()
+        .enumerate()
+        .map(|(position, task)| (position, task, imported_result(&task.spec)))
+        .map(|(position, task, imported)| Task {
+            session_id: session_id.to_owned(),
+            id: task.id.clone(),
+            position: i64::try_from(position).unwrap_or(i64::MAX),
+            title: task.title.clone(),
+            description: task.description.clone(),
+            role: task.role.to_proto(),
+            priority: task.priority.to_proto(),
+            repo: task.repo.clone(),
+            wave: task.wave,
+            critical_path: task.critical_path,
+            path_ms: task.path_ms,
+            depends_on: task.depends_on.clone(),
+            files: task
+                .files
+                .iter()
+                .map(troupe_plan::FileSpec::to_proto)
+                .collect(),
+            spec: task.spec.clone(),
+            state: if imported.is_some() {
+                TaskState::Completed
+            } else {
+                TaskState::Pending
+            },
+            attempt: 0,
+            max_attempts: task.max_attempts,
+            fencing_token: 0,
+            worker_id: String::new(),
+            lease_ms: 0,
+            lease_expires_at: None,
+            not_before: None,
+            created_at: now,
+            started_at: None,
+            finished_at: imported.is_some().then_some(now),
+            progress: String::new(),
+            result: imported,
+            last_error: None,
+            superseded_by: String::new(),
+            convergence: None,
+        })
+        .collect()
+}

@@ -1,0 +1,273 @@
+//! The `events` table: each session's log of transitions and messages under its gap-free
+//! sequence (`sessions.last_seq`), which `WatchSession` streams.
+
+use prost::Message as _;
+use sqlx::Row;
+use troupe_proto::v1::{self as pb, session_event::Kind};
+
+use super::tasks::{
+    MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V, UPDATE_FROM_V_BUMP, bind_task, task_values,
+    update_tasks,
+};
+use super::transactions::Conn;
+use super::{Dialect, Store, Tx, corrupt, to_i64};
+use crate::Error;
+use crate::convert::timestamp;
+use crate::task::Task;
+
+impl Store {
+    /// Returns up to `limit` events with a sequence greater than `after`, in order.
+    pub(crate) async fn events_after(
+        &self,
+        session_id: &str,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<pb::SessionEvent>, Error> {
+        let mut conn = self.reader.acquire().await?;
+        let rows = sqlx::query(
+            "SELECT payload FROM events WHERE session_id = $1 AND seq > $2 ORDER BY seq LIMIT $3",
+        )
+        .bind(session_id)
+        .bind(to_i64(after))
+        .bind(i64::from(limit))
+        .fetch_all(&mut *conn)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                let payload: Vec<u8> = row.try_get("payload")?;
+                pb::SessionEvent::decode(payload.as_slice()).map_err(corrupt)
+            })
+            .collect()
+    }
+}
+
+/// Appends events to a session's log: held back in `tx` until it commits (see [`Tx`]), so
+/// they get their sequence numbers then, in the order appended.
+pub(crate) async fn append_events(
+    tx: &mut Tx,
+    session_id: &str,
+    now: i64,
+    kinds: Vec<Kind>,
+) -> Result<(), Error> {
+    if kinds.is_empty() {
+        return Ok(());
+    }
+    let events = kinds.into_iter().map(|kind| (now, kind));
+    match tx.events.iter_mut().find(|(id, _)| id == session_id) {
+        Some((_, pending)) => pending.extend(events),
+        None => tx.events.push((session_id.to_owned(), events.collect())),
+    }
+    Ok(())
+}
+
+pub(crate) async fn append_event(
+    tx: &mut Tx,
+    session_id: &str,
+    now: i64,
+    kind: Kind,
+) -> Result<(), Error> {
+    append_events(tx, session_id, now, vec![kind]).await
+}
+
+/// Writes events with consecutive sequence numbers: one sequence update and one insert
+/// (per chunk) however many there are.
+pub(super) async fn write_events(
+    tx: &mut Tx,
+    session_id: &str,
+    events: Vec<(i64, Kind)>,
+    tasks: &[&Task],
+) -> Result<(), Error> {
+    let Some(last_ts) = events.iter().map(|(ts, _)| *ts).max() else {
+        return update_tasks(tx, tasks).await;
+    };
+    if tx.wrote {
+        tx.needs_lock("a second write")?;
+    }
+    let count = events.len();
+    // Rows per INSERT, well below the databases' limits on bound parameters.
+    const CHUNK: usize = 256;
+    // With the session's row held (or an optimistic write's counter known), its counter is
+    // known: number the events here and move the counter with the first insert, together
+    // with the tasks' update, in one round trip (PostgreSQL: one statement with writing CTEs;
+    // SQLite, which has none: several statements in one call). Else take the numbers from
+    // the database first.
+    let known = tx.sequences.get(session_id).copied();
+    let together = known.is_some();
+    if !together || count > CHUNK || tasks.len() > TASK_ROWS {
+        tx.needs_lock("a write of more than one statement")?;
+    }
+    // The tasks that go out with the first insert; the others (all, unless together and
+    // within one statement's rows) are updated first, on their own.
+    let mut tasks = if together && tasks.len() <= TASK_ROWS {
+        tasks
+    } else {
+        update_tasks(tx, tasks).await?;
+        &[]
+    };
+    let first = match known {
+        Some(last) => last + 1,
+        None => reserve_seq(tx, session_id, last_ts, count).await?,
+    };
+    let last = first + count as u64 - 1;
+    let mut events = events.into_iter().enumerate().peekable();
+    let mut bump = together;
+    while events.peek().is_some() {
+        let chunk: Vec<(usize, (i64, Kind))> = events.by_ref().take(CHUNK).collect();
+        let rows = chunk.len();
+        // After `$1` (and `$2` to `$4` for the bump), three parameters per event, then the
+        // tasks.
+        let base = if bump { 5 } else { 2 };
+        let values: Vec<String> = (0..rows)
+            .map(|i| {
+                let at = base + 3 * i;
+                format!("($1, ${at}, ${}, ${})", at + 1, at + 2)
+            })
+            .collect();
+        let values = values.join(", ");
+        let v = || {
+            format!(
+                "v (session_id, id, {}) AS (VALUES {})",
+                MUTABLE_COLUMNS.join(", "),
+                task_values(base + 3 * rows, tasks.len())
+            )
+        };
+        let sql = match tx.dialect {
+            Dialect::Postgres if bump => {
+                // The counter moves only from the value the events were numbered from, and
+                // the tasks and events go in only if it moved: under the lock that always
+                // holds; an optimistic write learns from the row count that someone else
+                // wrote first.
+                let mut ctes = vec![
+                    "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 \
+                     WHERE id = $1 AND last_seq = $4 RETURNING id)"
+                        .to_owned(),
+                ];
+                if !tasks.is_empty() {
+                    ctes.push(v());
+                    ctes.push(format!("upd AS ({})", *UPDATE_FROM_V_BUMP));
+                }
+                format!(
+                    "WITH {} INSERT INTO events (session_id, seq, ts, payload) \
+                     SELECT e.* FROM (VALUES {values}) e (session_id, seq, ts, payload), bump",
+                    ctes.join(", ")
+                )
+            }
+            Dialect::Sqlite if bump => {
+                // An optimistic write (no transaction open) brings its own, so the call is
+                // all or nothing. The counter moves only from the value the events were
+                // numbered from: else its NOT NULL constraint fails the call (see
+                // `Tx::failed`), before anything else is written.
+                let auto = matches!(tx.inner, Conn::Auto(_));
+                let mut sql = String::from(if auto { "BEGIN IMMEDIATE; " } else { "" });
+                sql.push_str(
+                    "UPDATE sessions SET last_seq = CASE last_seq WHEN $4 THEN $2 END, \
+                     updated_at = $3 WHERE id = $1; ",
+                );
+                if !tasks.is_empty() {
+                    sql.push_str(&format!("WITH {} {}; ", v(), *UPDATE_FROM_V));
+                }
+                sql.push_str(&format!(
+                    "INSERT INTO events (session_id, seq, ts, payload) VALUES {values}"
+                ));
+                if auto {
+                    sql.push_str("; COMMIT");
+                }
+                sql
+            }
+            _ => format!("INSERT INTO events (session_id, seq, ts, payload) VALUES {values}"),
+        };
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(session_id);
+        let bumped = bump;
+        if bump {
+            query = query
+                .bind(to_i64(last))
+                .bind(last_ts)
+                .bind(to_i64(first - 1));
+        }
+        bump = false;
+        for (i, (ts, kind)) in chunk {
+            let sequence = first + i as u64;
+            query = query
+                .bind(to_i64(sequence))
+                .bind(ts)
+                .bind(event_payload(session_id, sequence, ts, kind));
+        }
+        for task in std::mem::take(&mut tasks) {
+            query = bind_task(query, task)?;
+        }
+        let written = match query.execute(&mut **tx).await {
+            Ok(done) => done.rows_affected(),
+            Err(err) => return Err(tx.failed(session_id, first - 1, err).await),
+        };
+        if bumped && tx.dialect == Dialect::Postgres && written != rows as u64 {
+            return Err(moved(session_id, first - 1));
+        }
+        tx.wrote = true;
+    }
+    if known.is_some() {
+        tx.sequences.insert(session_id.to_owned(), last);
+    }
+    Ok(())
+}
+
+pub(super) fn moved(session_id: &str, from: u64) -> Error {
+    Error::Contended(format!("session {session_id} moved past sequence {from}"))
+}
+
+/// Takes the session's next `count` sequence numbers and returns the first; the row lock makes
+/// them gap-free and unique. Events held back in `tx` come first.
+pub(super) async fn next_seq(
+    tx: &mut Tx,
+    session_id: &str,
+    now: i64,
+    count: usize,
+) -> Result<u64, Error> {
+    tx.flush_events(Some(session_id)).await?;
+    reserve_seq(tx, session_id, now, count).await
+}
+
+async fn reserve_seq(tx: &mut Tx, session_id: &str, now: i64, count: usize) -> Result<u64, Error> {
+    let row = sqlx::query(
+        "UPDATE sessions SET last_seq = last_seq + $3, updated_at = $2 WHERE id = $1 RETURNING last_seq",
+    )
+    .bind(session_id)
+    .bind(now)
+    .bind(i64::try_from(count).map_err(corrupt)?)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    let last = u64::try_from(row.try_get::<i64, _>("last_seq")?).map_err(corrupt)?;
+    if let Some(known) = tx.sequences.get_mut(session_id) {
+        *known = last;
+    }
+    Ok(last + 1 - count as u64)
+}
+
+/// Inserts one event under a sequence number taken with [`next_seq`].
+pub(super) async fn insert_event(
+    tx: &mut Tx,
+    session_id: &str,
+    sequence: u64,
+    now: i64,
+    kind: Kind,
+) -> Result<(), Error> {
+    sqlx::query("INSERT INTO events (session_id, seq, ts, payload) VALUES ($1, $2, $3, $4)")
+        .bind(session_id)
+        .bind(to_i64(sequence))
+        .bind(now)
+        .bind(event_payload(session_id, sequence, now, kind))
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The stored form of one event.
+fn event_payload(session_id: &str, sequence: u64, now: i64, kind: Kind) -> Vec<u8> {
+    pb::SessionEvent {
+        sequence,
+        session_id: session_id.to_owned(),
+        ts: Some(timestamp(now)),
+        kind: Some(kind),
+    }
+    .encode_to_vec()
+}

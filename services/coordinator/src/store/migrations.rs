@@ -1,0 +1,89 @@
+//! The schema: migrations, applied in order at open and recorded in `schema_migrations`.
+
+use super::{Dialect, Store};
+use crate::Error;
+
+/// Schema migrations, applied in order and recorded in `schema_migrations`.
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "init", include_str!("migrations/0001_init.sql")),
+    (2, "workers", include_str!("migrations/0002_workers.sql")),
+    (
+        3,
+        "superseded",
+        include_str!("migrations/0003_superseded.sql"),
+    ),
+    (
+        4,
+        "claim order",
+        include_str!("migrations/0004_claim_order.sql"),
+    ),
+    (
+        5,
+        "convergence",
+        include_str!("migrations/0005_convergence.sql"),
+    ),
+    (6, "path ms", include_str!("migrations/0006_path_ms.sql")),
+    (
+        7,
+        "repo urls",
+        include_str!("migrations/0007_repo_urls.sql"),
+    ),
+    (
+        8,
+        "plan assets",
+        include_str!("migrations/0008_plan_assets.sql"),
+    ),
+];
+
+/// Returns a migration in a dialect: the files are written for SQLite with portable types; the
+/// only PostgreSQL difference is the binary type (`BLOB` is `BYTEA`).
+fn dialect_sql(sql: &str, dialect: Dialect) -> String {
+    match dialect {
+        Dialect::Sqlite => sql.to_owned(),
+        Dialect::Postgres => sql.replace(" BLOB", " BYTEA"),
+    }
+}
+
+/// Serialises concurrent migrations of coordinators starting together on one PostgreSQL.
+const MIGRATION_LOCK: i64 = 0x7472_6f75_7065;
+
+impl Store {
+    pub(super) async fn migrate(&self) -> Result<(), Error> {
+        let mut tx = self.begin().await?;
+        if self.dialect == Dialect::Postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(MIGRATION_LOCK)
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version BIGINT PRIMARY KEY, name TEXT NOT NULL, applied_at BIGINT NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        for (version, name, sql) in MIGRATIONS {
+            let applied = sqlx::query("SELECT version FROM schema_migrations WHERE version = $1")
+                .bind(version)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if applied.is_some() {
+                continue;
+            }
+            let sql = dialect_sql(sql, self.dialect);
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(
+                "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
+            )
+            .bind(version)
+            .bind(*name)
+            .bind(crate::convert::now_ms())
+            .execute(&mut *tx)
+            .await?;
+            tracing::info!(version, name, "applied migration");
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}

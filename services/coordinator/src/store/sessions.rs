@@ -1,0 +1,409 @@
+//! The `sessions` table, with each session's repositories (`session_repos`) and the plan
+//! assets it names (`plan_assets`).
+
+use std::collections::HashMap;
+
+use sqlx::Row;
+use sqlx::any::AnyRow;
+use troupe_plan::{Mode, OnFailure};
+use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
+
+use super::events::append_event;
+use super::tasks::load_tasks;
+use super::{Dialect, Store, Tx, corrupt, to_u32};
+use crate::Error;
+use crate::task::Task;
+use crate::task::session_state_name;
+
+const SESSION_COLUMNS: &str =
+    "id, name, description, state, mode, on_failure, plan_dir, last_seq, created_at, updated_at";
+
+/// A session row.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct SessionRow {
+    pub(crate) id: String,
+    pub(crate) name: String,
+    pub(crate) description: String,
+    pub(crate) state: SessionState,
+    pub(crate) mode: Mode,
+    pub(crate) on_failure: OnFailure,
+    pub(crate) plan_dir: String,
+    pub(crate) last_seq: u64,
+    pub(crate) created_at: i64,
+    pub(crate) updated_at: i64,
+}
+
+/// Everything a new session stores.
+#[derive(Debug)]
+pub(crate) struct NewSession {
+    pub(crate) session: SessionRow,
+    pub(crate) plan_json: String,
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    /// The plan's files: their digest and encoded bundle (see `troupe_grpc::assets`).
+    pub(crate) assets: Option<(String, Vec<u8>)>,
+    /// Tasks in topological order: pending, or completed when imported so.
+    pub(crate) tasks: Vec<Task>,
+}
+
+/// What never changes about a stored session and every claim hands out.
+#[derive(Debug, Clone)]
+pub(crate) struct Fixed {
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    pub(crate) assets_digest: String,
+}
+
+/// A session with its repositories and tasks (topological order).
+#[derive(Debug)]
+pub(crate) struct SessionView {
+    pub(crate) session: SessionRow,
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    pub(crate) tasks: Vec<Task>,
+}
+
+/// A session with its repositories and task counts.
+#[derive(Debug)]
+pub(crate) struct SessionSummary {
+    pub(crate) session: SessionRow,
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    pub(crate) counts: pb::TaskCounts,
+}
+
+impl Store {
+    /// A session's repositories and assets digest, from the cache once read (they never
+    /// change).
+    pub(crate) async fn fixed(&self, tx: &mut Tx, session_id: &str) -> Result<Fixed, Error> {
+        if let Some(fixed) = self.cached_repos().get(session_id) {
+            return Ok(fixed.clone());
+        }
+        let repos = load_repos(tx, session_id).await?;
+        let assets_digest: String =
+            sqlx::query_scalar("SELECT assets_digest FROM sessions WHERE id = $1")
+                .bind(session_id)
+                .fetch_one(&mut **tx)
+                .await?;
+        let fixed = Fixed {
+            repos,
+            assets_digest,
+        };
+        let mut cache = self.cached_repos();
+        // Bounded: finished sessions' entries are dropped wholesale now and then.
+        if cache.len() >= 4096 {
+            cache.clear();
+        }
+        cache.insert(session_id.to_owned(), fixed.clone());
+        Ok(fixed)
+    }
+
+    fn cached_repos(&self) -> std::sync::MutexGuard<'_, HashMap<String, Fixed>> {
+        // A poisoned cache holds nothing wrong: the data is immutable.
+        self.repos
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The bundle of plan assets stored under `digest`, encoded, if there is one.
+    pub(crate) async fn plan_assets(&self, digest: &str) -> Result<Option<Vec<u8>>, Error> {
+        use base64::Engine;
+        let mut tx = self.begin().await?;
+        let bundle: Option<String> =
+            sqlx::query_scalar("SELECT bundle FROM plan_assets WHERE digest = $1")
+                .bind(digest)
+                .fetch_optional(&mut *tx)
+                .await?;
+        tx.commit().await?;
+        bundle
+            .map(|text| {
+                base64::engine::general_purpose::STANDARD
+                    .decode(text)
+                    .map_err(corrupt)
+            })
+            .transpose()
+    }
+
+    /// Returns a session with its repos and tasks.
+    pub(crate) async fn get_session(&self, session_id: &str) -> Result<SessionView, Error> {
+        let mut tx = self.begin_read().await?;
+        let session = load_session(&mut tx, session_id).await?;
+        let repos = load_repos(&mut tx, session_id).await?;
+        let tasks = load_tasks(&mut tx, session_id).await?;
+        tx.commit().await?;
+        Ok(SessionView {
+            session,
+            repos,
+            tasks,
+        })
+    }
+
+    /// Lists sessions, newest first.
+    pub(crate) async fn list_sessions(
+        &self,
+        state: Option<SessionState>,
+        limit: u32,
+    ) -> Result<Vec<SessionSummary>, Error> {
+        let mut tx = self.begin_read().await?;
+        let rows = match state {
+            Some(state) => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT {SESSION_COLUMNS} FROM sessions WHERE state = $1 ORDER BY created_at DESC, id DESC LIMIT $2"
+                )))
+                .bind(state as i32)
+                .bind(i64::from(limit))
+                .fetch_all(&mut *tx)
+                .await?
+            }
+            None => {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SELECT {SESSION_COLUMNS} FROM sessions ORDER BY created_at DESC, id DESC LIMIT $1"
+                )))
+                .bind(i64::from(limit))
+                .fetch_all(&mut *tx)
+                .await?
+            }
+        };
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let session = session_from_row(&row)?;
+            let repos = load_repos(&mut tx, &session.id).await?;
+            let counts = load_counts(&mut tx, &session.id).await?;
+            out.push(SessionSummary {
+                session,
+                repos,
+                counts,
+            });
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    /// Returns a session's state and last sequence.
+    pub(crate) async fn session_head(
+        &self,
+        session_id: &str,
+    ) -> Result<(SessionState, u64), Error> {
+        let mut conn = self.reader.acquire().await?;
+        let row = sqlx::query("SELECT state, last_seq FROM sessions WHERE id = $1")
+            .bind(session_id)
+            .fetch_optional(&mut *conn)
+            .await?
+            .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+        let state = SessionState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?;
+        let last: i64 = row.try_get("last_seq")?;
+        Ok((state, u64::try_from(last).unwrap_or(0)))
+    }
+}
+
+/// Inserts a new session's row (active), its repositories and its plan assets (stored once
+/// per digest); its tasks and events are the caller's.
+pub(crate) async fn insert_session(tx: &mut Tx, new: &NewSession, now: i64) -> Result<(), Error> {
+    let session = &new.session;
+    sqlx::query(
+        "INSERT INTO sessions (id, name, description, state, mode, on_failure, plan_json, plan_dir, last_seq, msg_counter, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 0, 0, $9, $9)",
+    )
+    .bind(&session.id)
+    .bind(&session.name)
+    .bind(&session.description)
+    .bind(SessionState::Active as i32)
+    .bind(session.mode.as_str())
+    .bind(session.on_failure.as_str())
+    .bind(&new.plan_json)
+    .bind(&session.plan_dir)
+    .bind(now)
+    .execute(&mut **tx)
+    .await?;
+    if let Some((digest, bundle)) = &new.assets {
+        use base64::Engine;
+        sqlx::query(
+            "INSERT INTO plan_assets (digest, bundle, size, created_at) VALUES ($1, $2, $3, $4) ON CONFLICT (digest) DO NOTHING",
+        )
+        .bind(digest)
+        .bind(base64::engine::general_purpose::STANDARD.encode(bundle))
+        .bind(i64::try_from(bundle.len()).unwrap_or(i64::MAX))
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+        sqlx::query("UPDATE sessions SET assets_digest = $1 WHERE id = $2")
+            .bind(digest)
+            .bind(&session.id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    for (position, repo) in new.repos.iter().enumerate() {
+        sqlx::query(
+            "INSERT INTO session_repos (session_id, name, position, path, base_commit, branch, url, access) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&session.id)
+        .bind(&repo.name)
+        .bind(i64::try_from(position).unwrap_or(i64::MAX))
+        .bind(&repo.path)
+        .bind(&repo.base_commit)
+        .bind(&repo.branch)
+        .bind(&repo.url)
+        .bind(repo.access)
+        .execute(&mut **tx)
+        .await?;
+    }
+    Ok(())
+}
+
+pub(crate) async fn load_session(tx: &mut Tx, session_id: &str) -> Result<SessionRow, Error> {
+    lock_and_load_session(tx, session_id, "").await
+}
+
+/// [`lock_session`] and [`load_session`] in one statement.
+pub(crate) async fn lock_and_load_session(
+    tx: &mut Tx,
+    session_id: &str,
+    lock: &str,
+) -> Result<SessionRow, Error> {
+    // Its `last_seq` counts the events held back so far.
+    tx.flush_events(Some(session_id)).await?;
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1{lock}"
+    )))
+    .bind(session_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    let session = session_from_row(&row)?;
+    // Held from here to the commit: SQLite's writer holds the whole database; PostgreSQL
+    // holds the row when it was read `FOR UPDATE`.
+    let held = match tx.dialect {
+        Dialect::Sqlite => tx.writes,
+        Dialect::Postgres => lock.contains("FOR UPDATE"),
+    };
+    if held {
+        tx.sequences.insert(session_id.to_owned(), session.last_seq);
+    }
+    Ok(session)
+}
+
+/// Checks a session exists and, in write transactions on PostgreSQL, locks its row: every
+/// writer of a session takes this lock first (claims take several in id order), so writers
+/// of one session are serialised and never wait on each other crosswise.
+pub(crate) async fn lock_session(tx: &mut Tx, session_id: &str, lock: &str) -> Result<(), Error> {
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT id FROM sessions WHERE id = $1{lock}"
+    )))
+    .bind(session_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    Ok(())
+}
+
+fn session_from_row(row: &AnyRow) -> Result<SessionRow, Error> {
+    let mode: String = row.try_get("mode")?;
+    let on_failure: String = row.try_get("on_failure")?;
+    Ok(SessionRow {
+        id: row.try_get("id")?,
+        name: row.try_get("name")?,
+        description: row.try_get("description")?,
+        state: SessionState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?,
+        mode: Mode::parse(&mode).ok_or_else(|| corrupt(format!("mode {mode}")))?,
+        on_failure: OnFailure::parse(&on_failure)
+            .ok_or_else(|| corrupt(format!("on_failure {on_failure}")))?,
+        plan_dir: row.try_get("plan_dir")?,
+        last_seq: u64::try_from(row.try_get::<i64, _>("last_seq")?).map_err(corrupt)?,
+        created_at: row.try_get("created_at")?,
+        updated_at: row.try_get("updated_at")?,
+    })
+}
+
+/// A session as it now stands in this transaction, with its repositories and task counts.
+pub(crate) async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<SessionSummary, Error> {
+    Ok(SessionSummary {
+        session: load_session(tx, session_id).await?,
+        repos: load_repos(tx, session_id).await?,
+        counts: load_counts(tx, session_id).await?,
+    })
+}
+
+async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
+    let rows = sqlx::query(
+        "SELECT name, path, base_commit, branch, url, access FROM session_repos WHERE session_id = $1 ORDER BY position",
+    )
+    .bind(session_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(pb::SessionRepo {
+                name: row.try_get("name")?,
+                path: row.try_get("path")?,
+                base_commit: row.try_get("base_commit")?,
+                branch: row.try_get("branch")?,
+                url: row.try_get("url")?,
+                access: row.try_get("access")?,
+                ..pb::SessionRepo::default()
+            })
+        })
+        .collect()
+}
+
+async fn load_counts(tx: &mut Tx, session_id: &str) -> Result<pb::TaskCounts, Error> {
+    let rows =
+        sqlx::query("SELECT state, COUNT(*) AS n FROM tasks WHERE session_id = $1 GROUP BY state")
+            .bind(session_id)
+            .fetch_all(&mut **tx)
+            .await?;
+    counts_from_rows(&rows)
+}
+
+fn counts_from_rows(rows: &[AnyRow]) -> Result<pb::TaskCounts, Error> {
+    let mut counts = pb::TaskCounts::default();
+    for row in rows {
+        let state = TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?;
+        let n = to_u32(row.try_get::<i64, _>("n")?);
+        add_count(&mut counts, state, n);
+    }
+    Ok(counts)
+}
+
+/// Adds `n` tasks in `state` to `counts`.
+pub(crate) fn add_count(counts: &mut pb::TaskCounts, state: TaskState, n: u32) {
+    counts.total += n;
+    let slot = match state {
+        TaskState::Pending => &mut counts.pending,
+        TaskState::Ready => &mut counts.ready,
+        TaskState::Running => &mut counts.running,
+        TaskState::Completed => &mut counts.completed,
+        TaskState::Failed => &mut counts.failed,
+        TaskState::Skipped => &mut counts.skipped,
+        TaskState::Cancelled => &mut counts.cancelled,
+        TaskState::TimedOut => &mut counts.timed_out,
+        TaskState::Blocked => &mut counts.blocked,
+        TaskState::Unspecified => return,
+    };
+    *slot += n;
+}
+
+pub(crate) async fn set_session_state(
+    tx: &mut Tx,
+    session: &mut SessionRow,
+    to: SessionState,
+    reason: &str,
+    now: i64,
+) -> Result<(), Error> {
+    let from = session.state;
+    sqlx::query("UPDATE sessions SET state = $2, updated_at = $3 WHERE id = $1")
+        .bind(&session.id)
+        .bind(to as i32)
+        .bind(now)
+        .execute(&mut **tx)
+        .await?;
+    session.state = to;
+    append_event(
+        tx,
+        &session.id,
+        now,
+        Kind::Session(pb::SessionTransition {
+            from: from as i32,
+            to: to as i32,
+            reason: reason.to_owned(),
+        }),
+    )
+    .await?;
+    tracing::info!(session_id = %session.id, from = session_state_name(from), to = session_state_name(to), reason, "session transition");
+    Ok(())
+}

@@ -1,0 +1,715 @@
+//! The `tasks` table: a session's tasks, read whole, by id, as a batch's working set or in
+//! claim order, and written back column by column.
+
+use std::collections::HashMap;
+
+use prost::Message as _;
+use serde_json::Value;
+use sqlx::any::AnyRow;
+use sqlx::{Any, Row};
+use troupe_plan::Role;
+use troupe_proto::v1::{self as pb, SessionState, TaskState};
+
+use super::{Store, Tx, corrupt, parse_object, to_i64, to_u32};
+use crate::Error;
+use crate::task::Task;
+
+const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
+     wave, critical_path, path_ms, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
+     worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
+     progress, result, last_error, superseded_by, convergence";
+
+/// [`TASK_COLUMNS`] without `spec` (an empty object instead): for transactions that move the
+/// graph without parsing every task's plan object; such rows are never written back whole
+/// (the UPDATE leaves `spec` alone) nor sent to clients.
+pub(crate) fn lite_columns() -> String {
+    TASK_COLUMNS.replace(" spec,", " '{}' AS spec,")
+}
+
+/// JSON shape of a stored file change.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoredFile {
+    path: String,
+    action: i32,
+    change: String,
+}
+
+fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
+    let depends_on: String = row.try_get("depends_on")?;
+    let files: String = row.try_get("files")?;
+    let spec: String = row.try_get("spec")?;
+    let files: Vec<StoredFile> = serde_json::from_str(&files).map_err(corrupt)?;
+    let result: Option<Vec<u8>> = row.try_get("result")?;
+    let last_error: Option<Vec<u8>> = row.try_get("last_error")?;
+    let convergence: Option<Vec<u8>> = row.try_get("convergence")?;
+    Ok(Task {
+        session_id: row.try_get("session_id")?,
+        id: row.try_get("id")?,
+        position: row.try_get("position")?,
+        title: row.try_get("title")?,
+        description: row.try_get("description")?,
+        role: pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
+        priority: pb::Priority::try_from(row.try_get::<i32, _>("priority")?).map_err(corrupt)?,
+        repo: row.try_get("repo")?,
+        wave: to_u32(row.try_get("wave")?),
+        critical_path: to_u32(row.try_get("critical_path")?),
+        path_ms: u64::try_from(row.try_get::<i64, _>("path_ms")?).map_err(corrupt)?,
+        depends_on: serde_json::from_str(&depends_on).map_err(corrupt)?,
+        files: files
+            .into_iter()
+            .map(|file| pb::FileChange {
+                path: file.path,
+                action: file.action,
+                change: file.change,
+            })
+            .collect(),
+        spec: parse_object(&spec)?,
+        state: TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?,
+        attempt: to_u32(row.try_get("attempt")?),
+        max_attempts: to_u32(row.try_get("max_attempts")?),
+        fencing_token: u64::try_from(row.try_get::<i64, _>("fencing_token")?).map_err(corrupt)?,
+        worker_id: row.try_get("worker_id")?,
+        lease_ms: row.try_get("lease_ms")?,
+        lease_expires_at: row.try_get("lease_expires_at")?,
+        not_before: row.try_get("not_before")?,
+        created_at: row.try_get("created_at")?,
+        started_at: row.try_get("started_at")?,
+        finished_at: row.try_get("finished_at")?,
+        progress: row.try_get("progress")?,
+        result: result
+            .map(|bytes| pb::TaskResult::decode(bytes.as_slice()))
+            .transpose()
+            .map_err(corrupt)?,
+        last_error: last_error
+            .map(|bytes| pb::TaskError::decode(bytes.as_slice()))
+            .transpose()
+            .map_err(corrupt)?,
+        superseded_by: row.try_get("superseded_by")?,
+        convergence: convergence
+            .map(|bytes| pb::TaskConvergence::decode(bytes.as_slice()))
+            .transpose()
+            .map_err(corrupt)?,
+    })
+}
+
+pub(crate) async fn insert_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
+    let files: Vec<StoredFile> = task
+        .files
+        .iter()
+        .map(|file| StoredFile {
+            path: file.path.clone(),
+            action: file.action,
+            change: file.change.clone(),
+        })
+        .collect();
+    sqlx::query(
+        "INSERT INTO tasks (session_id, id, position, title, description, role, priority, repo, wave, critical_path, \
+         path_ms, depends_on, files, spec, state, attempt, max_attempts, fencing_token, worker_id, lease_ms, created_at, \
+         progress, finished_at, result) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, 0, $16, 0, '', 0, $17, '', $18, $19)",
+    )
+    .bind(&task.session_id)
+    .bind(&task.id)
+    .bind(task.position)
+    .bind(&task.title)
+    .bind(&task.description)
+    .bind(task.role as i32)
+    .bind(task.priority as i32)
+    .bind(&task.repo)
+    .bind(i64::from(task.wave))
+    .bind(i64::from(task.critical_path))
+    .bind(i64::try_from(task.path_ms).unwrap_or(i64::MAX))
+    .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
+    .bind(serde_json::to_string(&files).map_err(corrupt)?)
+    .bind(Value::Object(task.spec.clone()).to_string())
+    .bind(task.state as i32)
+    .bind(i64::from(task.max_attempts))
+    .bind(task.created_at)
+    .bind(task.finished_at)
+    .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Writes a task's `convergence` (its criteria as a validator downstream checked them); false
+/// when the session has no such task. Needs a transaction (not an optimistic write).
+pub(crate) async fn set_convergence(
+    tx: &mut Tx,
+    session_id: &str,
+    task_id: &str,
+    convergence: &pb::TaskConvergence,
+) -> Result<bool, Error> {
+    tx.needs_lock("writing back convergence")?;
+    let written =
+        sqlx::query("UPDATE tasks SET convergence = $3 WHERE session_id = $1 AND id = $2")
+            .bind(session_id)
+            .bind(task_id)
+            .bind(convergence.encode_to_vec())
+            .execute(&mut **tx)
+            .await?;
+    Ok(written.rows_affected() > 0)
+}
+
+/// Writes a task's mutable columns.
+pub(crate) async fn update_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
+    update_tasks(tx, &[task]).await
+}
+
+/// The columns [`update_tasks`] writes, after `session_id` and `id`.
+pub(super) const MUTABLE_COLUMNS: [&str; 16] = [
+    "state",
+    "attempt",
+    "fencing_token",
+    "worker_id",
+    "lease_ms",
+    "lease_expires_at",
+    "not_before",
+    "started_at",
+    "finished_at",
+    "progress",
+    "result",
+    "last_error",
+    "max_attempts",
+    "position",
+    "depends_on",
+    "superseded_by",
+];
+
+/// Writes the mutable columns of several tasks in one statement per chunk (an `UPDATE ...
+/// FROM` a `VALUES` list, which both databases run): a group commit's transitions cost one
+/// round trip, not one per task.
+pub(super) async fn update_tasks(tx: &mut Tx, tasks: &[&Task]) -> Result<(), Error> {
+    for chunk in tasks.chunks(TASK_ROWS) {
+        tx.needs_lock("a task update without events")?;
+        let sql = format!(
+            "WITH v (session_id, id, {}) AS (VALUES {}) {}",
+            MUTABLE_COLUMNS.join(", "),
+            task_values(1, chunk.len()),
+            *UPDATE_FROM_V
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for task in chunk {
+            query = bind_task(query, task)?;
+        }
+        query.execute(&mut **tx).await?;
+    }
+    Ok(())
+}
+
+/// Task rows per `UPDATE`: 18 parameters each, well below both databases' limits.
+pub(super) const TASK_ROWS: usize = 200;
+
+type AnyQuery<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>;
+
+/// `UPDATE tasks ... FROM v`, for a `v` of the session id, the id and [`MUTABLE_COLUMNS`].
+pub(super) static UPDATE_FROM_V: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| update_from_v(""));
+
+/// [`UPDATE_FROM_V`] joined with an optimistic write's `bump`, which vetoes every row when the
+/// session's sequence moved (see `write_events`).
+pub(super) static UPDATE_FROM_V_BUMP: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| update_from_v(", bump"));
+
+/// `UPDATE tasks ... FROM v{also}` (`also`: more from-items), built once per form above.
+fn update_from_v(also: &str) -> String {
+    format!(
+        "UPDATE tasks SET {} FROM v{also} WHERE tasks.session_id = v.session_id AND tasks.id = v.id",
+        MUTABLE_COLUMNS
+            .iter()
+            .map(|column| format!("{column} = v.{column}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+/// The `VALUES` rows of `rows` tasks for [`bind_task`], numbering parameters from `$first`.
+pub(super) fn task_values(first: usize, rows: usize) -> String {
+    const WIDTH: usize = MUTABLE_COLUMNS.len() + 2;
+    (0..rows)
+        .map(|row| {
+            let params: Vec<String> = (0..WIDTH)
+                .map(|i| format!("${}", first + row * WIDTH + i))
+                .collect();
+            format!("({})", params.join(", "))
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Binds a task's id and [`MUTABLE_COLUMNS`], in that order.
+pub(super) fn bind_task<'q>(query: AnyQuery<'q>, task: &'q Task) -> Result<AnyQuery<'q>, Error> {
+    Ok(query
+        .bind(&task.session_id)
+        .bind(&task.id)
+        .bind(task.state as i32)
+        .bind(i64::from(task.attempt))
+        .bind(to_i64(task.fencing_token))
+        .bind(&task.worker_id)
+        .bind(task.lease_ms)
+        .bind(task.lease_expires_at)
+        .bind(task.not_before)
+        .bind(task.started_at)
+        .bind(task.finished_at)
+        .bind(&task.progress)
+        .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
+        .bind(task.last_error.as_ref().map(prost::Message::encode_to_vec))
+        .bind(i64::from(task.max_attempts))
+        .bind(task.position)
+        .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
+        .bind(&task.superseded_by))
+}
+
+/// Loads a session's tasks in topological order. Writers call [`super::sessions::lock_session`] first: the
+/// session row lock serialises every writer of a session, so what they read stays current.
+pub(super) async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 ORDER BY position"
+    )))
+    .bind(session_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    rows.iter().map(task_from_row).collect()
+}
+
+/// A session's tasks in topological order, unless it has more than `max`.
+pub(crate) async fn load_tasks_up_to(
+    tx: &mut Tx,
+    session_id: &str,
+    max: i64,
+) -> Result<Option<Vec<Task>>, Error> {
+    let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
+        .bind(session_id)
+        .fetch_one(&mut **tx)
+        .await?;
+    if count > max {
+        return Ok(None);
+    }
+    Ok(Some(load_tasks(tx, session_id).await?))
+}
+
+/// Loads a session's tasks without their `spec` (left empty): what write transactions need
+/// to move the graph, without parsing every task's plan object. Never written back (the
+/// UPDATE leaves `spec` alone) nor sent to clients.
+pub(crate) async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
+    let columns = lite_columns();
+    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {columns} FROM tasks WHERE session_id = $1 ORDER BY position"
+    )))
+    .bind(session_id)
+    .fetch_all(&mut **tx)
+    .await?;
+    rows.iter().map(task_from_row).collect()
+}
+
+/// Loads up to `limit` ready tasks of `roles` (any when empty) of a session, best first (the
+/// claim order).
+pub(crate) async fn load_claimable(
+    tx: &mut Tx,
+    session_id: &str,
+    roles: &[pb::Role],
+    limit: usize,
+) -> Result<Vec<Task>, Error> {
+    let role_filter = role_filter("role", roles, 3);
+    // The state is a constant in the statement (see `Store::pick_session`).
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {}{role_filter} \
+         ORDER BY priority, path_ms DESC, created_at, position LIMIT $2",
+        TaskState::Ready as i32
+    )))
+    .bind(session_id)
+    .bind(i64::try_from(limit).unwrap_or(i64::MAX));
+    for role in roles {
+        query = query.bind(*role as i32);
+    }
+    let rows = query.fetch_all(&mut **tx).await?;
+    rows.iter().map(task_from_row).collect()
+}
+
+pub(crate) async fn load_task(tx: &mut Tx, session_id: &str, task_id: &str) -> Result<Task, Error> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id = $2"
+    )))
+    .bind(session_id)
+    .bind(task_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("task {task_id} not found in session {session_id}")))?;
+    task_from_row(&row)
+}
+
+/// Loads tasks of a session by id (those that exist), with `columns` (all, or without `spec`),
+/// in one query per chunk under the bind limits.
+pub(crate) async fn load_tasks_by_id(
+    tx: &mut Tx,
+    session_id: &str,
+    ids: &[String],
+    columns: &str,
+) -> Result<HashMap<String, Task>, Error> {
+    let mut out = HashMap::with_capacity(ids.len());
+    for chunk in ids.chunks(256) {
+        let width = padded(chunk.len());
+        let placeholders: Vec<String> = (0..width).map(|i| format!("${}", i + 2)).collect();
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {columns} FROM tasks WHERE session_id = $1 AND id IN ({})",
+            placeholders.join(", ")
+        )))
+        .bind(session_id);
+        for i in 0..width {
+            query = query.bind(&chunk[i.min(chunk.len() - 1)]);
+        }
+        for row in query.fetch_all(&mut **tx).await? {
+            let task = task_from_row(&row)?;
+            out.insert(task.id.clone(), task);
+        }
+    }
+    Ok(out)
+}
+
+/// The length an `IN (...)` list of `n` items is padded to (repeating its last item): a power
+/// of two, so a few prepared statements serve every length instead of one per length (each
+/// new one costs a prepare, and they crowd the connection's statement cache).
+fn padded(n: usize) -> usize {
+    n.next_power_of_two()
+}
+
+/// `AND <column> = $n` for one role (an equality keeps the claim index's order), `IN` for
+/// several, nothing for any role; the roles bind from `$first` on.
+fn role_filter(column: &str, roles: &[pb::Role], first: usize) -> String {
+    match roles.len() {
+        0 => String::new(),
+        1 => format!(" AND {column} = ${first}"),
+        n => {
+            let placeholders: Vec<String> = (first..first + n).map(|i| format!("${i}")).collect();
+            format!(" AND {column} IN ({})", placeholders.join(", "))
+        }
+    }
+}
+
+/// Whether any of a session's tasks is in one of `states` (an index probe, not a count).
+pub(crate) async fn any_task_in(
+    tx: &mut Tx,
+    session_id: &str,
+    states: &[TaskState],
+) -> Result<bool, Error> {
+    // The states are written into the statement (see [`Store::pick_session`]).
+    let states: Vec<String> = states
+        .iter()
+        .map(|state| (*state as i32).to_string())
+        .collect();
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 AS found FROM tasks WHERE session_id = $1 AND state IN ({}) LIMIT 1",
+        states.join(", ")
+    )))
+    .bind(session_id)
+    .fetch_optional(&mut **tx)
+    .await?;
+    Ok(row.is_some())
+}
+
+/// What a batch works on: the tasks it completes, their pending dependents, the best ready
+/// tasks for its claims, and whether another task is ready or running.
+#[derive(Debug, Default)]
+pub(crate) struct Gathered {
+    pub(crate) originals: HashMap<String, Task>,
+    /// In plan order.
+    pub(crate) dependents: Vec<Task>,
+    /// In claim order.
+    pub(crate) ready: Vec<Task>,
+    pub(crate) busy: bool,
+}
+
+/// Reads what a batch completing `ids` and claiming `wanted` tasks of `roles` works on, in
+/// one statement (per 128 ids).
+pub(crate) async fn read_batch(
+    tx: &mut Tx,
+    session_id: &str,
+    ids: &[String],
+    roles: &[pb::Role],
+    wanted: usize,
+) -> Result<Gathered, Error> {
+    let mut originals: HashMap<String, Task> = HashMap::with_capacity(ids.len());
+    let mut dependents: Vec<Task> = Vec::new();
+    let mut ready: Vec<Task> = Vec::new();
+    // Per chunk of ids (the first also reads the ready tasks; with no ids, only that): the
+    // tasks, the pending tasks naming one of them among their dependencies (the LIKE is a
+    // coarse filter on the JSON text; the parsed list decides), the best ready tasks.
+    let mut chunks: Vec<&[String]> = ids.chunks(128).collect();
+    if chunks.is_empty() {
+        chunks.push(&[]);
+    }
+    let single = chunks.len() == 1;
+    // Some task outside the batch is ready or running (known with one chunk of ids).
+    let mut busy = false;
+    for (n, chunk) in chunks.into_iter().enumerate() {
+        let read_ready = n == 0 && wanted > 0;
+        if chunk.is_empty() && !read_ready {
+            continue;
+        }
+        let mut parts = Vec::new();
+        let mut next = 2;
+        let mut param = || {
+            let name = format!("${next}");
+            next += 1;
+            name
+        };
+        // Padded (see `padded`): the last id repeats.
+        let width = padded(chunk.len());
+        let repeat = |i: usize| &chunk[i.min(chunk.len().saturating_sub(1))];
+        if !chunk.is_empty() {
+            let these: Vec<String> = (0..width).map(|_| param()).collect();
+            let likes: Vec<String> = (0..width)
+                .map(|_| format!("depends_on LIKE {}", param()))
+                .collect();
+            parts.push(format!(
+                "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id IN ({})",
+                these.join(", ")
+            ));
+            // States are constants in the statement (see `pick_session`).
+            parts.push(format!(
+                "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {} AND ({})",
+                TaskState::Pending as i32,
+                likes.join(" OR ")
+            ));
+            if single {
+                // Whether any other task is ready or running: then the session goes on
+                // whatever this batch does, and needs no end check.
+                parts.push(format!(
+                    "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 \
+                     AND state IN ({}, {}) AND id NOT IN ({}) LIMIT 1) o",
+                    TaskState::Ready as i32,
+                    TaskState::Running as i32,
+                    these.join(", ")
+                ));
+            }
+        }
+        if read_ready {
+            let state = TaskState::Ready as i32;
+            let limit = param();
+            let first_role: usize = next;
+            parts.push(format!(
+                "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {state}{} \
+                 ORDER BY priority, path_ms DESC, created_at, position LIMIT {limit}) r",
+                role_filter("role", roles, first_role)
+            ));
+        }
+        let mut query =
+            sqlx::query(sqlx::AssertSqlSafe(parts.join(" UNION ALL "))).bind(session_id);
+        if !chunk.is_empty() {
+            for i in 0..width {
+                query = query.bind(repeat(i));
+            }
+            for i in 0..width {
+                query = query.bind(format!("%{}%", Value::String(repeat(i).clone())));
+            }
+        }
+        if read_ready {
+            query = query.bind(i64::try_from(wanted).unwrap_or(i64::MAX));
+            for role in roles {
+                query = query.bind(*role as i32);
+            }
+        }
+        for row in query.fetch_all(&mut **tx).await? {
+            let task = task_from_row(&row)?;
+            let completing = ids.contains(&task.id);
+            busy |= !completing && matches!(task.state, TaskState::Ready | TaskState::Running);
+            if completing {
+                originals.insert(task.id.clone(), task);
+            } else if task.state == TaskState::Ready {
+                if !ready.iter().any(|known| known.id == task.id) {
+                    ready.push(task);
+                }
+            } else if task.depends_on.iter().any(|dep| ids.contains(dep))
+                && !dependents.iter().any(|known| known.id == task.id)
+            {
+                dependents.push(task);
+            }
+        }
+    }
+    dependents.sort_by_key(|task| task.position);
+    Ok(Gathered {
+        originals,
+        dependents,
+        ready,
+        busy,
+    })
+}
+
+/// The completed tasks upstream of each of `tasks` (transitively, in plan order). Reads the
+/// session's graph skeleton (ids, dependencies, states), then only the rows handed out, so a
+/// claim costs what it returns rather than the whole session's results.
+pub(crate) async fn load_upstream(
+    tx: &mut Tx,
+    session_id: &str,
+    tasks: &[Task],
+) -> Result<HashMap<String, Vec<Task>>, Error> {
+    let mut out = HashMap::new();
+    if tasks.iter().all(|task| task.depends_on.is_empty()) {
+        return Ok(out);
+    }
+    let rows = sqlx::query("SELECT id, depends_on, state FROM tasks WHERE session_id = $1")
+        .bind(session_id)
+        .fetch_all(&mut **tx)
+        .await?;
+    let mut graph: HashMap<String, (Vec<String>, bool)> = HashMap::with_capacity(rows.len());
+    for row in &rows {
+        let depends_on: String = row.try_get("depends_on")?;
+        let depends_on: Vec<String> = serde_json::from_str(&depends_on).map_err(corrupt)?;
+        let completed = row.try_get::<i32, _>("state")? == TaskState::Completed as i32;
+        graph.insert(row.try_get("id")?, (depends_on, completed));
+    }
+    let mut wanted: Vec<String> = Vec::new();
+    let mut per_task: Vec<(String, Vec<String>)> = Vec::new();
+    for task in tasks {
+        let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
+        let mut stack: Vec<&str> = task.depends_on.iter().map(String::as_str).collect();
+        while let Some(dep) = stack.pop() {
+            if seen.insert(dep)
+                && let Some((deps, _)) = graph.get(dep)
+            {
+                stack.extend(deps.iter().map(String::as_str));
+            }
+        }
+        let completed: Vec<String> = seen
+            .into_iter()
+            .filter(|id| graph.get(*id).is_some_and(|(_, completed)| *completed))
+            .map(str::to_owned)
+            .collect();
+        for id in &completed {
+            if !wanted.contains(id) {
+                wanted.push(id.clone());
+            }
+        }
+        per_task.push((task.id.clone(), completed));
+    }
+    // Checkers read what their upstream tasks promised (criteria, verification) from the
+    // upstream specs; other roles need only the results.
+    let columns = if tasks.iter().any(|task| task.role == pb::Role::Validator) {
+        TASK_COLUMNS.to_owned()
+    } else {
+        lite_columns()
+    };
+    let loaded = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
+    for (task_id, ids) in per_task {
+        let mut upstream: Vec<Task> = ids
+            .iter()
+            .filter_map(|id| loaded.get(id).cloned())
+            .collect();
+        upstream.sort_by_key(|task| task.position);
+        out.insert(task_id, upstream);
+    }
+    Ok(out)
+}
+
+/// How many of the newest completed tasks [`Store::learned_durations`] learns from.
+const LEARNED_TASKS: u32 = 500;
+
+/// How many completed tasks a role needs before its median counts.
+const LEARNED_MIN: usize = 3;
+
+impl Store {
+    /// The session holding the best ready task of `roles` (any role when empty) in claim
+    /// order, read without locks: a claim is queued on that session's group (see
+    /// [`crate::group_commit`]), which takes the session's best ready tasks under its lock.
+    pub(crate) async fn pick_session(&self, roles: &[pb::Role]) -> Result<Option<String>, Error> {
+        let role_filter = role_filter("t.role", roles, 1);
+        // The order of the `tasks_claim` index, so the best candidate is its first entry. The
+        // states are constants written into the statement, not parameters: PostgreSQL's
+        // generic plans (see `open_postgres`) then still know how few rows they select.
+        let sql = format!(
+            "SELECT t.session_id FROM tasks t JOIN sessions s ON s.id = t.session_id \
+             WHERE t.state = {} AND s.state = {}{role_filter} \
+             ORDER BY t.priority, t.path_ms DESC, t.created_at, t.session_id, t.position LIMIT 1",
+            TaskState::Ready as i32,
+            SessionState::Active as i32
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for role in roles {
+            query = query.bind(*role as i32);
+        }
+        let row = query.fetch_optional(&self.reader).await?;
+        Ok(row.map(|row| row.try_get("session_id")).transpose()?)
+    }
+
+    /// Returns the ready tasks of active sessions as (session id, task id, role).
+    pub(crate) async fn ready_tasks(&self) -> Result<Vec<(String, String, pb::Role)>, Error> {
+        let rows = sqlx::query(
+            "SELECT t.session_id, t.id, t.role FROM tasks t JOIN sessions s ON s.id = t.session_id \
+             WHERE t.state = $1 AND s.state = $2 ORDER BY t.session_id, t.position",
+        )
+        .bind(TaskState::Ready as i32)
+        .bind(SessionState::Active as i32)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    row.try_get("session_id")?,
+                    row.try_get("id")?,
+                    pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
+                ))
+            })
+            .collect()
+    }
+
+    /// What each role's tasks took lately: the median, in milliseconds, of the last attempt
+    /// (the one that succeeded) of the newest [`LEARNED_TASKS`] completed tasks in the
+    /// `sessions` newest sessions, for roles with at least [`LEARNED_MIN`] of them.
+    /// It reads only those sessions' tasks (through the sessions' creation index and the
+    /// tasks' primary key), however long the history.
+    pub(crate) async fn learned_durations(
+        &self,
+        sessions: u32,
+    ) -> Result<HashMap<Role, u64>, Error> {
+        if sessions == 0 {
+            return Ok(HashMap::new());
+        }
+        let mut conn = self.reader.acquire().await?;
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT role, finished_at - started_at AS took FROM tasks \
+             WHERE session_id IN (SELECT id FROM sessions ORDER BY created_at DESC LIMIT {sessions}) \
+             AND state = $1 AND started_at IS NOT NULL AND finished_at IS NOT NULL \
+             ORDER BY finished_at DESC LIMIT {LEARNED_TASKS}"
+        )))
+        .bind(TaskState::Completed as i32)
+        .fetch_all(&mut *conn)
+        .await?;
+        let mut took: HashMap<Role, Vec<u64>> = HashMap::new();
+        for row in rows {
+            let role = pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?;
+            let Some(role) = Role::from_proto(role) else {
+                continue;
+            };
+            let ms = u64::try_from(row.try_get::<i64, _>("took")?).unwrap_or(0);
+            took.entry(role).or_default().push(ms);
+        }
+        Ok(took
+            .into_iter()
+            .filter(|(_, took)| took.len() >= LEARNED_MIN)
+            .map(|(role, mut took)| {
+                took.sort_unstable();
+                // At least 1 ms, so chains of a role that takes no time still rank by length.
+                (role, took[took.len() / 2].max(1))
+            })
+            .collect())
+    }
+
+    /// The sessions with a lease that expired before `now` or a retry due by then (for the
+    /// reaper).
+    pub(crate) async fn sessions_due(&self, now: i64) -> Result<Vec<String>, Error> {
+        let mut conn = self.reader.acquire().await?;
+        let due = sqlx::query(
+            "SELECT DISTINCT session_id FROM tasks WHERE (state = $1 AND lease_expires_at < $2) \
+             OR (state = $3 AND not_before IS NOT NULL AND not_before <= $2)",
+        )
+        .bind(TaskState::Running as i32)
+        .bind(now)
+        .bind(TaskState::Pending as i32)
+        .fetch_all(&mut *conn)
+        .await?;
+        drop(conn);
+        due.iter()
+            .map(|row| Ok(row.try_get("session_id")?))
+            .collect()
+    }
+}
