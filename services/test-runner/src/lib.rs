@@ -24,6 +24,7 @@ mod fix;
 mod grpc;
 mod js;
 mod node;
+mod project_venv;
 mod pytest;
 mod python;
 mod runner;

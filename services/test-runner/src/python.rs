@@ -316,6 +316,48 @@ pub(crate) async fn choose_interpreter(
     )))
 }
 
+/// What building the project itself needs, when it is an installable package: its
+/// `[build-system] requires` (PEP 518), or setuptools for a `setup.py`/`setup.cfg` project or
+/// a `[project]` table without a build system (PEP 517's legacy default). `None` when the
+/// directory holds no package to install (a `pyproject.toml` of tool settings only).
+pub(crate) fn build_requirements(root: &Path) -> Option<Vec<String>> {
+    let legacy = || vec!["setuptools>=64".to_owned(), "wheel".to_owned()];
+    let table = pyproject(root);
+    if let Some(build) = table.as_ref().and_then(|t| t.get("build-system")) {
+        let requires = build
+            .get("requires")
+            .and_then(toml::Value::as_array)
+            .map(|items| {
+                items
+                    .iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_else(legacy);
+        return Some(with_wheel(requires));
+    }
+    let has_project = table.as_ref().is_some_and(|t| t.contains_key("project"));
+    (has_project || root.join("setup.py").is_file() || root.join("setup.cfg").is_file())
+        .then(legacy)
+}
+
+/// setuptools before 70.1 builds wheels (editable ones too) only with `wheel` installed,
+/// which it asks for at build time (`get_requires_for_build_editable`): without build
+/// isolation nothing would install it.
+fn with_wheel(mut requires: Vec<String>) -> Vec<String> {
+    let setuptools = requires
+        .iter()
+        .any(|r| normalise_name(requirement_name(r)) == "setuptools");
+    if setuptools
+        && !requires
+            .iter()
+            .any(|r| normalise_name(requirement_name(r)) == "wheel")
+    {
+        requires.push("wheel".to_owned());
+    }
+    requires
+}
+
 /// The project's test requirements from `pyproject.toml`: `[project] dependencies`, the test
 /// extras, and the test dependency groups (PEP 735, `include-group` followed). Returns the
 /// requirement strings and what was selected, e.g. `extra test`, `group dev`.
@@ -554,5 +596,40 @@ dev = ["pytest-cov", {include-group = "lint"}]
             ["attrs>=23", "pytest-cov", "pytest>=7", "ruff"]
         );
         assert_eq!(selected, ["extra test", "group dev"]);
+        // A `[project]` without a build system builds with setuptools (PEP 517's default).
+        assert_eq!(
+            build_requirements(root),
+            Some(vec!["setuptools>=64".to_owned(), "wheel".to_owned()])
+        );
+    }
+
+    #[test]
+    fn build_requirements_come_from_the_build_system_or_not_at_all() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        assert_eq!(build_requirements(root), None);
+        std::fs::write(root.join("pyproject.toml"), "[tool.pytest.ini_options]\n").expect("write");
+        assert_eq!(build_requirements(root), None, "tool settings only");
+        std::fs::write(
+            root.join("pyproject.toml"),
+            "[build-system]\nrequires = [\"hatchling\", \"hatch-vcs\"]\nbuild-backend = \"hatchling.build\"\n",
+        )
+        .expect("write");
+        assert_eq!(
+            build_requirements(root),
+            Some(vec!["hatchling".to_owned(), "hatch-vcs".to_owned()])
+        );
+        std::fs::write(
+            root.join("pyproject.toml"),
+            "[build-system]\nrequires = [\"setuptools>=61\"]\n",
+        )
+        .expect("write");
+        assert_eq!(
+            build_requirements(root),
+            Some(vec!["setuptools>=61".to_owned(), "wheel".to_owned()])
+        );
+        std::fs::remove_file(root.join("pyproject.toml")).expect("rm");
+        std::fs::write(root.join("setup.py"), "").expect("write");
+        assert!(build_requirements(root).is_some(), "a setup.py project");
     }
 }

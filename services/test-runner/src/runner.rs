@@ -367,6 +367,13 @@ impl Runner {
         if let Err(err) = repo.remove_worktree(&worktree).await {
             tracing::warn!(worktree = %worktree.display(), error = %err, "cannot remove worktree");
         }
+        // The run's own venv (`project_venv`), when it made one.
+        let own_venv = crate::project_venv::dir_for(&worktree);
+        if let Err(err) = tokio::fs::remove_dir_all(&own_venv).await
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(venv = %own_venv.display(), error = %err, "cannot remove the run's venv");
+        }
         result
     }
 
@@ -713,12 +720,37 @@ impl Runner {
         )
         .await?;
         notes.extend(chosen);
+        let mut requirements_bin = None;
         let (python, installer, install_log) = if spec.install {
             let venv = self.venvs.ensure(&root, &base_python, cancel).await?;
             if venv.built {
                 notes.push(format!("built a venv at {}", venv.python.display()));
             }
-            (venv.python.display().to_string(), venv.installer, venv.log)
+            requirements_bin = venv.python.parent().map(Path::to_path_buf);
+            let (mut python, mut installer, mut log) =
+                (venv.python.display().to_string(), venv.installer, venv.log);
+            if crate::python::build_requirements(&root).is_some() {
+                let own = crate::project_venv::dir_for(worktree);
+                match crate::project_venv::install(&self.venvs, &venv.python, &root, &own, cancel)
+                    .await
+                {
+                    Ok(installed) => {
+                        python = installed.python.display().to_string();
+                        installer.push_str(&format!(
+                            "; the project installed editable (--no-deps) into the run's own venv {}",
+                            own.display()
+                        ));
+                        log.push_str(&installed.log);
+                    }
+                    // The suite can still run from the source directories (PYTHONPATH below).
+                    Err(Error::Install { step, detail }) => notes.push(format!(
+                        "the project could not be installed into the run's venv (`{step}`: {}); it imports from its source directories only, without its installed metadata or entry points",
+                        crash_reason(&detail)
+                    )),
+                    Err(err) => return Err(err),
+                }
+            }
+            (python, installer, log)
         } else {
             (
                 base_python.clone(),
@@ -744,7 +776,11 @@ impl Runner {
         }
         // The venv's scripts first on PATH, for setup commands (`pip`, `msgfmt` wrappers).
         if let Some(bin) = Path::new(&python).parent().filter(|_| spec.install) {
-            let path = std::env::var("PATH").unwrap_or_default();
+            let mut path = std::env::var("PATH").unwrap_or_default();
+            // The requirements' console scripts, after the run's own venv.
+            if let Some(requirements) = requirements_bin.filter(|dir| dir != bin) {
+                path = format!("{}:{path}", requirements.display());
+            }
             env.insert("PATH".to_owned(), format!("{}:{path}", bin.display()));
             env.insert(
                 "VIRTUAL_ENV".to_owned(),

@@ -9,8 +9,9 @@
 //! --no-install-project` with those extras and groups, else `pip install` of the pyproject's
 //! requirements; then `pip install -r` for each requirements file present; then the pytest
 //! plugins troupe needs (`pytest pytest-cov pytest-json-report`) when nothing brought them.
-//! The project itself is not installed: it runs from the worktree (its `src` on
-//! `PYTHONPATH`), so the venv holds no copy of the code under test. A marker file written
+//! The project's build system (`[build-system] requires`) goes in too; the project itself
+//! never does, since the venv is shared by every commit with these requirements: each run
+//! installs it editable into a venv of its own layered on this one (`project_venv`). A marker file written
 //! last says the venv is complete; one without it is rebuilt.
 //! Builders of the same key serialise on a lock directory (`mkdir` is atomic), so parallel
 //! runs, even from other processes, build each venv once.
@@ -88,6 +89,9 @@ struct Inputs {
     pyproject: Vec<String>,
     selected: Vec<String>,
     uv_lock: Option<Vec<u8>>,
+    /// What building the project needs (`[build-system] requires`), so that the run's own
+    /// venv can install it editable without build isolation (see `project_venv`).
+    build: Vec<String>,
 }
 
 impl VenvCache {
@@ -114,6 +118,7 @@ impl VenvCache {
             pyproject,
             selected,
             uv_lock: uv_lock.filter(|_| use_uv),
+            build: crate::python::build_requirements(worktree).unwrap_or_default(),
         };
         let installer = describe(&inputs, worktree);
         let requirements = &inputs.files;
@@ -207,6 +212,22 @@ impl VenvCache {
                     .await?,
             );
         }
+        if !inputs.build.is_empty() {
+            let pip = Command::new(&python_text)
+                .args(["-m", "pip", "install", "--disable-pip-version-check"])
+                .args(inputs.build.iter().cloned())
+                .cwd(worktree);
+            log.push_str(
+                &self
+                    .step(
+                        "pip install (the project's build system)",
+                        pip,
+                        PIP_TIMEOUT,
+                        cancel,
+                    )
+                    .await?,
+            );
+        }
         for (name, _) in requirements {
             let pip = Command::new(&python_text)
                 .args([
@@ -284,6 +305,10 @@ impl VenvCache {
             hasher.update(requirement.as_bytes());
             hasher.update([1]);
         }
+        for requirement in &inputs.build {
+            hasher.update(requirement.as_bytes());
+            hasher.update([2]);
+        }
         if let Some(lock) = &inputs.uv_lock {
             hasher.update(b"uv.lock\0");
             hasher.update(lock);
@@ -296,7 +321,7 @@ impl VenvCache {
     }
 
     /// Runs one install step; returns its output tail.
-    async fn step(
+    pub(crate) async fn step(
         &self,
         what: &str,
         command: Command,
@@ -360,6 +385,9 @@ fn describe(inputs: &Inputs, worktree: &Path) -> String {
             format!(" with {}", inputs.selected.join(", "))
         };
         parts.push(format!("pyproject.toml dependencies{chosen}"));
+    }
+    if !inputs.build.is_empty() {
+        parts.push(format!("build system {}", inputs.build.join(" ")));
     }
     for (name, _) in &inputs.files {
         parts.push(format!("-r {name}"));
@@ -477,6 +505,7 @@ mod tests {
             pyproject: pyproject.iter().map(|s| (*s).to_owned()).collect(),
             selected: Vec::new(),
             uv_lock: None,
+            build: Vec::new(),
         };
         let a = cache.key(&inputs(b"pytest\n", "python3", &[]));
         assert_ne!(a, cache.key(&inputs(b"pytest==9.2.0\n", "python3", &[])));

@@ -6,7 +6,7 @@
 use troupe_proto::v1::{RunTestsRequest, TestFramework, TestOutcome};
 
 use super::support::{checkout_of, commit_on_branch, fixture_repo, read_json, run};
-use super::{run_tests, start};
+use super::{data_dir, run_tests, start};
 
 #[tokio::test]
 async fn a_pnpm_workspace_installs_frozen_and_tests_the_task_commit() {
@@ -157,8 +157,92 @@ async fn python_installs_the_projects_test_extras_or_dependency_groups() {
             "{rev}: {}",
             report.installer
         );
-        assert!(report.python.contains("/venvs/"), "{}", report.python);
+        assert!(
+            report.python.ends_with(".venv/bin/python"),
+            "{}",
+            report.python
+        );
+        assert!(
+            report.installer.contains("cached venv") || report.installer.contains("built venv")
+        );
         assert!(!report.framework_version.is_empty());
+    }
+    service.stop().await;
+}
+
+/// The project itself is installed (its metadata and entry points exist) into a venv of the
+/// run's own, editable from the worktree: the shared, cached venv never holds it, so two
+/// commits in a row each test their own code.
+#[tokio::test]
+async fn python_installs_the_project_itself_into_the_runs_own_venv() {
+    let repo = fixture_repo("pysrc-proj", &[], &[], None);
+    let metadata_test = "import pytest\nimport importlib.metadata, pathlib\nimport pricing\n\n\n\
+def test_the_project_is_installed_from_the_worktree():\n    \
+assert importlib.metadata.version('pricing') == '0.1.0'\n    \
+assert pathlib.Path(pricing.__file__).resolve().is_relative_to(pathlib.Path(__file__).resolve().parents[1])\n";
+    commit_on_branch(
+        repo.path(),
+        "metadata",
+        &[("tests/test_cart.py", "import pytest\n", metadata_test)],
+    );
+    // The same test on a commit whose code has a one-line bug: it must be seen.
+    commit_on_branch(
+        repo.path(),
+        "bug",
+        &[
+            ("tests/test_cart.py", "import pytest\n", metadata_test),
+            ("src/pricing/cart.py", "return sum(", "return 1 + sum("),
+        ],
+    );
+    let service = start().await;
+    for (rev, passed, failed) in [("metadata", 4, 0), ("bug", 3, 1), ("metadata", 4, 0)] {
+        let report = run_tests(
+            &service,
+            RunTestsRequest {
+                repo_path: repo.path().display().to_string(),
+                r#ref: rev.to_owned(),
+                install: true,
+                ..RunTestsRequest::default()
+            },
+        )
+        .await
+        .expect("run");
+        let totals = report.totals.expect("totals");
+        assert_eq!(
+            (totals.passed, totals.failed),
+            (passed, failed),
+            "{rev}: {report:#?}"
+        );
+        assert!(
+            report
+                .installer
+                .contains("the project installed editable (--no-deps) into the run's own venv"),
+            "{rev}: {}",
+            report.installer
+        );
+        assert!(
+            report.python.ends_with(".venv/bin/python"),
+            "{}",
+            report.python
+        );
+    }
+    // The cached venvs hold the requirements and the build system, never the project.
+    let venvs = data_dir().join("venvs");
+    for venv in std::fs::read_dir(&venvs).expect("venvs").flatten() {
+        let found = std::process::Command::new("find")
+            .args([
+                venv.path().as_os_str(),
+                "-iname".as_ref(),
+                "pricing*".as_ref(),
+            ])
+            .output()
+            .expect("find");
+        assert!(
+            found.stdout.is_empty(),
+            "the cached venv {} holds the project: {}",
+            venv.path().display(),
+            String::from_utf8_lossy(&found.stdout)
+        );
     }
     service.stop().await;
 }
