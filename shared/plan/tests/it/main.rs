@@ -90,7 +90,8 @@ fn every_example_plan_validates() {
 
 #[test]
 fn the_plan_format_pages_sample_plan_validates() {
-    let page = std::fs::read_to_string(workspace_root().join("docs/plans.md")).expect("docs/plans.md");
+    let page =
+        std::fs::read_to_string(workspace_root().join("docs/plans.md")).expect("docs/plans.md");
     let block = page
         .split("```json\n")
         .nth(1)
