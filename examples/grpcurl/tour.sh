@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every troupe RPC, called with grpcurl exactly as the README shows them.
+# Every troupe RPC, called with grpcurl in the order of docs/grpcurl.md.
 #
 #   troupe-coordinator --listen 127.0.0.1:7071 --data-dir /tmp/tour-coord &   # part 1: the worker protocol by hand
 #   troupe up --listen 127.0.0.1:7070 --data-dir /tmp/tour-up &               # part 2: the services
