@@ -108,6 +108,11 @@ async fn the_grpcurl_walkthrough_runs_in_order_after_another_session() -> anyhow
             "`{message}` not in:\n{stderr}"
         );
     }
+    // GetPlanAssets returned the plan's agent scripts, one path a line.
+    assert!(
+        stdout.lines().any(|line| line == "agents/add_median.py"),
+        "no plan asset listed:\n{stdout}"
+    );
     // The calls answered with real results, in the session the page created.
     for expected in [
         "\"task\": \"IMPL-002\"",
