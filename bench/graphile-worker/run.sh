@@ -12,7 +12,7 @@
 #              completion), jobs/s from the first job start to the last completion;
 #   latency:   SAMPLES sequential add_job -> task start times with an idle worker (LISTEN/NOTIFY).
 # With OURS=1 it then runs the coordinator's S1/S2 bench on the same server with the same job
-# count and concurrency, for the table in the README.
+# count and concurrency, for the table in docs/performance.md.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# grpcurl against a troupe that requires credentials, exactly as the README's Security
-# section shows it. Start it with the files of examples/auth/make-certs.sh:
+# grpcurl against a troupe that requires credentials, exactly as docs/security.md
+# shows it. Start it with the files of examples/auth/make-certs.sh:
 #
 #   examples/auth/make-certs.sh /tmp/troupe-auth
 #   A=/tmp/troupe-auth

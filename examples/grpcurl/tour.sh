@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every troupe RPC, called with grpcurl exactly as the README shows them.
+# The troupe RPCs, called with grpcurl in the order of docs/grpcurl.md (which also shows
+# GetPlanAssets), with checks of their answers.
 #
 #   troupe-coordinator --listen 127.0.0.1:7071 --data-dir /tmp/tour-coord &   # part 1: the worker protocol by hand
 #   troupe up --listen 127.0.0.1:7070 --data-dir /tmp/tour-up &               # part 2: the services

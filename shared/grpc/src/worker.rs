@@ -276,7 +276,7 @@ pub struct WorkerTuning {
     )]
     pub rpc_timeout_seconds: f64,
     /// Credentials for private repositories, by URL prefix: a TOML file of `[[remote]]` rules
-    /// (`prefix` plus `token_file`, `token_env` or `ssh_key_file`; see the README). Never
+    /// (`prefix` plus `token_file`, `token_env` or `ssh_key_file`; see docs/distributed.md). Never
     /// taken from a plan.
     #[arg(long, env = "TROUPE_GIT_CREDENTIALS")]
     pub git_credentials: Option<std::path::PathBuf>,

@@ -164,12 +164,20 @@ fn stall_message(stuck: &[task::Stuck]) -> NewMessage {
     }
 }
 
+/// The refusal of a heartbeat or report under a token that no longer holds the task. It says
+/// which way the token is off, since the fixes differ: behind means a newer attempt took the
+/// task (the caller must stop); ahead means the caller invented or mixed up a token.
 fn stale(task: &Task, token: u64) -> Error {
+    let current = task.fencing_token;
+    let why = match token.cmp(&current) {
+        std::cmp::Ordering::Less => "behind the current token: a newer attempt holds the task",
+        std::cmp::Ordering::Greater => "ahead of the current token: no claim was given it",
+        std::cmp::Ordering::Equal => "the current token, but the task is no longer running",
+    };
     Error::FailedPrecondition(format!(
-        "stale fencing token {token} for task {} (state {}, current token {})",
+        "stale fencing token {token} for task {} (state {}, current token {current}): {why}",
         task.id,
         task::state_name(task.state),
-        task.fencing_token
     ))
 }
 

@@ -58,8 +58,8 @@ impl Coordinator {
                     .map_err(|why| Error::InvalidArgument(format!("invalid plan:\n{why}")))?,
             ),
         };
-        // Tasks without an estimate rank by what their role took lately (see the README's
-        // plan format), so a chain of quick checks does not go before slower work.
+        // Tasks without an estimate rank by what their role took lately (see
+        // docs/plans.md), so a chain of quick checks does not go before slower work.
         plan.weigh_by_role(
             &self
                 .store

@@ -230,12 +230,13 @@ async fn stale_fencing_tokens_are_refused(db: Db) {
     let session = session_id(&created);
     let claimed = harness.claim(&[Role::Executor], 1).await;
     let claimed = &claimed[0];
+    // A token no claim was given is ahead of the task's, and the refusal says so.
     assert_code(
         harness
             .complete_with_token(claimed, token(claimed) + 1, "late")
             .await,
         Code::FailedPrecondition,
-        "stale fencing token",
+        "stale fencing token 2 for task IMPL-1 (state running, current token 1): ahead of the current token",
     );
     let heartbeat = harness
         .client()
@@ -246,7 +247,11 @@ async fn stale_fencing_tokens_are_refused(db: Db) {
             ..Default::default()
         })
         .await;
-    assert_code(heartbeat, Code::FailedPrecondition, "stale fencing token");
+    assert_code(
+        heartbeat,
+        Code::FailedPrecondition,
+        "stale fencing token 8 for task IMPL-1 (state running, current token 1): ahead of the current token",
+    );
 
     harness.complete(claimed, "first").await.expect("complete");
     let before = harness
@@ -258,7 +263,7 @@ async fn stale_fencing_tokens_are_refused(db: Db) {
     assert_code(
         harness.complete(claimed, "second").await,
         Code::FailedPrecondition,
-        "stale fencing token",
+        "stale fencing token 1 for task IMPL-1 (state completed, current token 1): the current token, but the task is no longer running",
     );
     let after = harness.session(&session).await;
     assert_eq!(
@@ -347,10 +352,11 @@ async fn expired_leases_are_redispatched_then_time_out(db: Db) {
     assert_eq!(id_of(&second[0]), "IMPL-1");
     let second_lease = second[0].lease.as_ref().expect("lease");
     assert_eq!((second_lease.attempt, second_lease.fencing_token), (2, 2));
+    // The first attempt's token is behind the task's, and the refusal says so.
     assert_code(
         harness.complete(&first[0], "late").await,
         Code::FailedPrecondition,
-        "stale fencing token",
+        "stale fencing token 1 for task IMPL-1 (state running, current token 2): behind the current token: a newer attempt holds the task",
     );
 
     // The last attempt's lease expires too: timed out for good, downstream skipped.

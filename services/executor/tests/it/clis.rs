@@ -442,7 +442,7 @@ async fn classifies(backend: &str, cases: &[(&str, ErrorKind)]) {
 }
 
 /// A fault the CLI retries internally for 70–90 s with no switch to turn that off (qwen's
-/// inner 7-attempt backoff, opencode's 5 session retries; services/executor/README.md). Each
+/// inner 7-attempt backoff, opencode's 5 session retries; docs/backends.md). Each
 /// is its own test so nextest can overlap them, and `.config/nextest.toml` gives them a longer
 /// slow-timeout. The CLI must give up by itself, classified, well before the backend timeout
 /// (which would make it TIMEOUT instead).

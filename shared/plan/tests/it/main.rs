@@ -1,5 +1,5 @@
 //! Integration tests of troupe-plan: `plan.schema.json` agrees with [`Plan::from_json`] on the
-//! repository's plans (examples, the README's sample, imported CCW fixtures) and on plans
+//! repository's plans (examples, the sample in docs/plans.md, imported CCW fixtures) and on plans
 //! both must refuse.
 
 use std::path::{Path, PathBuf};
@@ -89,20 +89,17 @@ fn every_example_plan_validates() {
 }
 
 #[test]
-fn the_readme_sample_plan_validates() {
-    let readme = std::fs::read_to_string(workspace_root().join("README.md")).expect("README");
-    let plans = readme
-        .split("## Plans")
-        .nth(1)
-        .expect("README has a Plans section");
-    let block = plans
+fn the_plan_format_pages_sample_plan_validates() {
+    let page =
+        std::fs::read_to_string(workspace_root().join("docs/plans.md")).expect("docs/plans.md");
+    let block = page
         .split("```json\n")
         .nth(1)
         .and_then(|rest| rest.split("```").next())
-        .expect("the Plans section starts with a json block");
+        .expect("docs/plans.md starts with a json block");
     // The sample elides text with `…`, which is still valid JSON inside strings.
-    let plan: Value = serde_json::from_str(block).expect("README sample is json");
-    assert_accepted(&validator(), "README Plans sample", &plan);
+    let plan: Value = serde_json::from_str(block).expect("the docs/plans.md sample is json");
+    assert_accepted(&validator(), "docs/plans.md sample", &plan);
 }
 
 #[test]

@@ -706,7 +706,7 @@ async fn quickstart_through_troupe_up_and_run_connect_with_tls_and_tokens() -> a
 }
 
 #[tokio::test]
-async fn the_readme_security_examples_work_as_written() -> anyhow::Result<()> {
+async fn the_security_page_examples_work_as_written() -> anyhow::Result<()> {
     let root = troupe_testkit::workspace_root();
     let work = tempfile::tempdir()?;
     let auth = work.path().join("troupe-auth");

@@ -4,6 +4,7 @@ mod agent_children;
 mod auth;
 mod bad_plan;
 mod distributed;
+mod docs;
 mod exactly_once;
 mod exec_phase;
 mod grpcurl;
