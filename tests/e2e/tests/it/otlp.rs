@@ -179,5 +179,18 @@ async fn spans_reach_an_otlp_collector_with_propagated_trace_context() -> anyhow
         complete_in_task_trace,
         "CompleteTask's server span is not in the worker's task trace"
     );
+    // Self-validation: the executor's call to the validator joins the task's trace too.
+    let validate_in_task_trace = spans.iter().any(|(_, span)| {
+        attribute(span, "rpc").as_deref() == Some("/troupe.v1.Validator/Validate")
+            && task_traces.contains(&hex(&span.trace_id))
+    });
+    assert!(
+        validate_in_task_trace,
+        "the self-validation's Validate server span is not in the task's trace: {:?}",
+        spans
+            .iter()
+            .filter_map(|(_, span)| attribute(span, "rpc"))
+            .collect::<Vec<_>>()
+    );
     Ok(())
 }
