@@ -54,27 +54,10 @@ impl From<Error> for Status {
                 );
                 status
             }
-            Error::Workspace(inner) => match inner {
-                troupe_workspace::Error::NotARepo { .. }
-                | troupe_workspace::Error::InvalidRemote { .. }
-                | troupe_workspace::Error::InvalidBranchName { .. } => {
-                    Status::invalid_argument(message)
-                }
-                troupe_workspace::Error::Unreachable { .. } => Status::unavailable(message),
-                troupe_workspace::Error::PushRejected { .. } => {
-                    Status::failed_precondition(message)
-                }
-                troupe_workspace::Error::UnknownRevision { .. }
-                | troupe_workspace::Error::BranchMissing { .. } => Status::not_found(message),
-                _ => {
-                    tracing::error!(error = %message, "git failed");
-                    Status::internal(message)
-                }
-            },
+            Error::Workspace(inner) => troupe_grpc::status::workspace(&inner),
             Error::Config(_) => Status::failed_precondition(message),
             Error::Io { .. } | Error::Grpc(_) | Error::Children(_) => {
-                tracing::error!(error = %message, "executor failed");
-                Status::internal(message)
+                troupe_grpc::status::internal(&message)
             }
         }
     }
@@ -154,7 +137,9 @@ impl ExecutorRpc for ExecutorService {
         let executor = Arc::clone(&self.executor);
         let result = tokio::spawn(async move { executor.execute_direct(job, &cancel).await })
             .await
-            .map_err(|err| Status::internal(format!("execute task failed: {err}")))??;
+            .map_err(|err| {
+                troupe_grpc::status::internal(&format!("execute task failed: {err}"))
+            })??;
         Ok(Response::new(ExecuteTaskResponse {
             result: Some(result),
         }))

@@ -17,20 +17,12 @@ impl From<Error> for Status {
             Error::Unimplemented(_) => Status::unimplemented(message),
             Error::NotInstalled(_) | Error::Install { .. } => Status::failed_precondition(message),
             Error::Cancelled => Status::cancelled(message),
-            Error::Workspace(inner) => match inner {
-                troupe_workspace::Error::NotARepo { .. } => Status::invalid_argument(message),
-                troupe_workspace::Error::UnknownRevision { .. }
-                | troupe_workspace::Error::BranchMissing { .. } => Status::not_found(message),
-                _ => Status::internal(message),
-            },
+            Error::Workspace(inner) => troupe_grpc::status::workspace(&inner),
             Error::Process { .. }
             | Error::Io { .. }
             | Error::Grpc(_)
             | Error::Internal(_)
-            | Error::Children(_) => {
-                tracing::error!(error = %message, "test run failed");
-                Status::internal(message)
-            }
+            | Error::Children(_) => troupe_grpc::status::internal(&message),
         }
     }
 }
@@ -67,7 +59,7 @@ impl TestRunner for TestRunnerService {
             Ok::<_, crate::Error>(report)
         })
         .await
-        .map_err(|err| Status::internal(format!("test run task failed: {err}")))??;
+        .map_err(|err| troupe_grpc::status::internal(&format!("test run task failed: {err}")))??;
         Ok(Response::new(RunTestsResponse {
             report: Some(report),
         }))

@@ -15,16 +15,9 @@ impl From<Error> for Status {
         match err {
             Error::InvalidArgument(_) => Status::invalid_argument(message),
             Error::Cancelled => Status::cancelled(message),
-            Error::Workspace(troupe_workspace::Error::NotARepo { .. }) => {
-                Status::invalid_argument(message)
-            }
-            Error::Workspace(
-                troupe_workspace::Error::UnknownRevision { .. }
-                | troupe_workspace::Error::BranchMissing { .. },
-            ) => Status::not_found(message),
-            Error::Workspace(_) | Error::Process(_) | Error::Io { .. } | Error::Grpc(_) => {
-                tracing::error!(error = %message, "validation failed");
-                Status::internal(message)
+            Error::Workspace(inner) => troupe_grpc::status::workspace(&inner),
+            Error::Process(_) | Error::Io { .. } | Error::Grpc(_) => {
+                troupe_grpc::status::internal(&message)
             }
         }
     }
@@ -58,7 +51,9 @@ impl validator_server::Validator for ValidatorService {
         let validator = Arc::clone(&self.validator);
         let report = tokio::spawn(async move { validator.validate(&validation, &cancel).await })
             .await
-            .map_err(|err| Status::internal(format!("validation task failed: {err}")))??;
+            .map_err(|err| {
+                troupe_grpc::status::internal(&format!("validation task failed: {err}"))
+            })??;
         Ok(Response::new(ValidateResponse {
             report: Some(report),
         }))

@@ -34,13 +34,9 @@ impl From<Error> for Status {
             }
             // Group commit retries these under the lock; safe to retry should one get here.
             Error::Contended(_) => Status::aborted(err.to_string()),
-            Error::Git(_)
-            | Error::Database(_)
-            | Error::Corrupt(_)
-            | Error::Io { .. }
-            | Error::Serve(_) => {
-                tracing::error!(error = %err, "internal error");
-                Status::internal(err.to_string())
+            Error::Git(git) => troupe_grpc::status::workspace(git),
+            Error::Database(_) | Error::Corrupt(_) | Error::Io { .. } | Error::Serve(_) => {
+                troupe_grpc::status::internal(&err)
             }
         }
     }
