@@ -11,3 +11,6 @@ if ! command -v corepack >/dev/null 2>&1; then
   return 1
 fi
 corepack pnpm@9.15.9 --version >/dev/null
+# The yarn workspace tests: classic and berry (its fixture names the npm registry).
+corepack yarn@1.22.22 --version >/dev/null
+corepack yarn@4.5.3 --version >/dev/null

@@ -1,4 +1,5 @@
-//! Installs as the project says: a pnpm workspace through corepack with its frozen lockfile
+//! Installs as the project says: one Vitest workspace under pnpm, yarn classic, yarn berry
+//! (through corepack) and bun, each with its frozen lockfile
 //! (workspace links re-made inside the worktree), and a Python project's own test extras or
 //! PEP 735 dependency groups from `pyproject.toml`. Each is compared with the framework run
 //! directly at the same commit, with a one-line bug in a task's commit.
@@ -10,7 +11,54 @@ use super::{data_dir, run_tests, start};
 
 #[tokio::test]
 async fn a_pnpm_workspace_installs_frozen_and_tests_the_task_commit() {
-    let repo = fixture_repo("pnpm-workspace", &[], &[], None);
+    workspace_installs_frozen_and_tests_the_task_commit(
+        "pnpm-workspace",
+        &["corepack", "pnpm", "install", "--frozen-lockfile"],
+        "pnpm",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_yarn_classic_workspace_installs_frozen_and_tests_the_task_commit() {
+    workspace_installs_frozen_and_tests_the_task_commit(
+        "yarn-workspace",
+        &["corepack", "yarn", "install", "--frozen-lockfile", "--non-interactive"],
+        "yarn",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_yarn_berry_workspace_installs_frozen_and_tests_the_task_commit() {
+    workspace_installs_frozen_and_tests_the_task_commit(
+        "yarn-berry-workspace",
+        &["corepack", "yarn", "install", "--immutable"],
+        "yarn berry",
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_bun_workspace_installs_frozen_and_tests_the_task_commit() {
+    workspace_installs_frozen_and_tests_the_task_commit(
+        "bun-workspace",
+        &["bun", "install", "--frozen-lockfile"],
+        "bun",
+    )
+    .await;
+}
+
+/// The same two-package Vitest workspace under each package manager, with its committed
+/// lockfile: installed by the manager itself at the task's commit (a one-line bug in package
+/// a, caught by package b's test) and run directly, then through `RunTests`; the numbers must
+/// agree, the install must be the frozen one, and a second run must reuse the cached install.
+async fn workspace_installs_frozen_and_tests_the_task_commit(
+    fixture: &str,
+    install: &[&str],
+    manager: &str,
+) {
+    let repo = fixture_repo(fixture, &[], &[], None);
     let task = commit_on_branch(
         repo.path(),
         "task",
@@ -20,10 +68,10 @@ async fn a_pnpm_workspace_installs_frozen_and_tests_the_task_commit() {
             "(100 + percent)",
         )],
     );
-    // Directly: a clean checkout of the task's commit, installed by pnpm itself.
+    // Directly: a clean checkout of the task's commit, installed by the package manager itself.
     let direct = checkout_of(repo.path(), &task);
     let dir = direct.path().join("co");
-    let corepack = std::path::PathBuf::from("corepack");
+    let program = std::path::PathBuf::from(install[0]);
     let env: Vec<(&str, String)> = ["COREPACK_HOME", "COREPACK_INTEGRITY_KEYS"]
         .iter()
         .filter_map(|k| std::env::var(k).ok().map(|v| (*k, v)))
@@ -32,15 +80,11 @@ async fn a_pnpm_workspace_installs_frozen_and_tests_the_task_commit() {
             ("CI", "true".to_owned()),
         ])
         .collect();
-    let out = run(
-        &corepack,
-        &["pnpm", "install", "--frozen-lockfile"],
-        &dir,
-        &env,
-    );
+    let out = run(&program, &install[1..], &dir, &env);
     assert!(
         out.status.success(),
-        "pnpm install (run scripts/setup/35-corepack.sh first): {out:?}"
+        "{} (run scripts/setup/35-corepack.sh and 36-bun.sh first): {out:?}",
+        install.join(" ")
     );
     let results = dir.join("results.json");
     let out = run(
@@ -79,12 +123,15 @@ async fn a_pnpm_workspace_installs_frozen_and_tests_the_task_commit() {
     assert!(
         report
             .installer
-            .contains("corepack pnpm install --frozen-lockfile"),
+            .contains(&install.join(" ")),
         "{}",
         report.installer
     );
     assert!(
-        report.warnings.iter().any(|w| w == "package manager: pnpm"),
+        report
+            .warnings
+            .iter()
+            .any(|w| *w == format!("package manager: {manager}")),
         "{:?}",
         report.warnings
     );
