@@ -24,6 +24,7 @@ mod fix;
 mod grpc;
 mod js;
 mod node;
+mod poetry;
 mod project_venv;
 mod pytest;
 mod python;

@@ -2,11 +2,13 @@
 //!
 //! A venv lives at `<data_dir>/venvs/<key>`, where the key is the SHA-256 of the base
 //! interpreter, the repository's requirement files (`requirements-dev.txt`,
-//! `requirements-test.txt`, `requirements.txt`, names and contents), its `uv.lock` and the
+//! `requirements-test.txt`, `requirements.txt`, names and contents), its `uv.lock` or
+//! `poetry.lock`, its build system and the
 //! test requirements its `pyproject.toml` declares (`[project] dependencies`, the `test` /
 //! `tests` / `testing` / `dev` extras and PEP 735 dependency groups). It is built with
 //! `python -m venv`; then, with a `uv.lock` and `uv` on PATH, `uv sync --frozen
-//! --no-install-project` with those extras and groups, else `pip install` of the pyproject's
+//! --no-install-project` with those extras and groups, else with a `poetry.lock` its pinned
+//! packages (see `poetry`; `pip install --no-deps`), else `pip install` of the pyproject's
 //! requirements; then `pip install -r` for each requirements file present; then the pytest
 //! plugins troupe needs (`pytest pytest-cov pytest-json-report`) when nothing brought them.
 //! The project's build system (`[build-system] requires`) goes in too; the project itself
@@ -89,6 +91,9 @@ struct Inputs {
     pyproject: Vec<String>,
     selected: Vec<String>,
     uv_lock: Option<Vec<u8>>,
+    /// The pinned requirements of a `poetry.lock` (when uv does not sync a `uv.lock`), with the
+    /// lock's bytes for the key.
+    poetry: Option<(Vec<u8>, crate::poetry::Locked)>,
     /// What building the project needs (`[build-system] requires`), so that the run's own
     /// venv can install it editable without build isolation (see `project_venv`).
     build: Vec<String>,
@@ -112,12 +117,25 @@ impl VenvCache {
         let (pyproject, selected) = crate::python::test_requirements(worktree);
         let uv_lock = std::fs::read(worktree.join("uv.lock")).ok();
         let use_uv = uv_lock.is_some() && troupe_process::which("uv").is_some();
+        let poetry = match crate::poetry::locked_requirements(worktree).filter(|_| !use_uv) {
+            Some(Ok(locked)) => std::fs::read(worktree.join("poetry.lock"))
+                .ok()
+                .map(|bytes| (bytes, locked)),
+            Some(Err(detail)) => {
+                return Err(Error::Install {
+                    step: "read poetry.lock".to_owned(),
+                    detail,
+                });
+            }
+            None => None,
+        };
         let inputs = Inputs {
             base_python: base_python.to_owned(),
             files: requirements,
             pyproject,
             selected,
             uv_lock: uv_lock.filter(|_| use_uv),
+            poetry,
             build: crate::python::build_requirements(worktree).unwrap_or_default(),
         };
         let installer = describe(&inputs, worktree);
@@ -194,6 +212,38 @@ impl VenvCache {
             log.push_str(
                 &self
                     .step("uv sync --frozen", uv, PIP_TIMEOUT, cancel)
+                    .await?,
+            );
+        } else if let Some((_, locked)) = &inputs.poetry {
+            // The lock is complete (transitive dependencies included): no resolution.
+            let file = dir.join("troupe-poetry-lock.txt");
+            let mut text = locked.requirements.join("\n");
+            text.push('\n');
+            tokio::fs::write(&file, text)
+                .await
+                .map_err(|source| Error::Io {
+                    path: file.clone(),
+                    source,
+                })?;
+            let pip = Command::new(&python_text)
+                .args([
+                    "-m",
+                    "pip",
+                    "install",
+                    "--disable-pip-version-check",
+                    "--no-deps",
+                    "-r",
+                ])
+                .arg(file.display().to_string())
+                .cwd(worktree);
+            log.push_str(
+                &self
+                    .step(
+                        "pip install --no-deps (poetry.lock)",
+                        pip,
+                        PIP_TIMEOUT,
+                        cancel,
+                    )
                     .await?,
             );
         } else if !inputs.pyproject.is_empty() {
@@ -313,6 +363,10 @@ impl VenvCache {
             hasher.update(b"uv.lock\0");
             hasher.update(lock);
         }
+        if let Some((lock, _)) = &inputs.poetry {
+            hasher.update(b"poetry.lock\0");
+            hasher.update(lock);
+        }
         hasher
             .finalize()
             .iter()
@@ -372,13 +426,12 @@ fn describe(inputs: &Inputs, worktree: &Path) -> String {
     } else if worktree.join("uv.lock").is_file() {
         parts.push("uv.lock present but uv is not on PATH: pip from pyproject.toml".to_owned());
     }
-    if worktree.join("poetry.lock").is_file() {
-        parts.push(
-            "poetry.lock not used (poetry installs are not implemented; PEP 621 requirements only)"
-                .to_owned(),
-        );
-    }
-    if !inputs.pyproject.is_empty() || !inputs.selected.is_empty() {
+    if let Some((_, locked)) = &inputs.poetry {
+        parts.push(format!(
+            "poetry.lock pinned, --no-deps (groups {})",
+            locked.groups.join(", ")
+        ));
+    } else if !inputs.pyproject.is_empty() || !inputs.selected.is_empty() {
         let chosen = if inputs.selected.is_empty() {
             String::new()
         } else {
@@ -505,6 +558,7 @@ mod tests {
             pyproject: pyproject.iter().map(|s| (*s).to_owned()).collect(),
             selected: Vec::new(),
             uv_lock: None,
+            poetry: None,
             build: Vec::new(),
         };
         let a = cache.key(&inputs(b"pytest\n", "python3", &[]));

@@ -23,7 +23,13 @@ async fn a_pnpm_workspace_installs_frozen_and_tests_the_task_commit() {
 async fn a_yarn_classic_workspace_installs_frozen_and_tests_the_task_commit() {
     workspace_installs_frozen_and_tests_the_task_commit(
         "yarn-workspace",
-        &["corepack", "yarn", "install", "--frozen-lockfile", "--non-interactive"],
+        &[
+            "corepack",
+            "yarn",
+            "install",
+            "--frozen-lockfile",
+            "--non-interactive",
+        ],
         "yarn",
     )
     .await;
@@ -121,9 +127,7 @@ async fn workspace_installs_frozen_and_tests_the_task_commit(
     assert_eq!(report.failures[0].name, "a quarter off");
     assert_eq!(report.failures[0].file, "packages/b/test/checkout.test.js");
     assert!(
-        report
-            .installer
-            .contains(&install.join(" ")),
+        report.installer.contains(&install.join(" ")),
         "{}",
         report.installer
     );
@@ -291,5 +295,78 @@ assert pathlib.Path(pricing.__file__).resolve().is_relative_to(pathlib.Path(__fi
             String::from_utf8_lossy(&found.stdout)
         );
     }
+    service.stop().await;
+}
+
+/// A poetry project keeps its dependencies in `[tool.poetry]` and `poetry.lock` only: the
+/// venv gets exactly the locked versions of the main and test groups (without poetry), the
+/// project itself is installed through its poetry-core build system, and a bug in a task's
+/// commit is seen.
+#[tokio::test]
+async fn a_poetry_project_installs_its_lock() {
+    let repo = fixture_repo("poetry-proj", &[], &[], None);
+    commit_on_branch(
+        repo.path(),
+        "bug",
+        &[(
+            "inventory/__init__.py",
+            "item.count + amount",
+            "item.count - amount",
+        )],
+    );
+    let service = start().await;
+    for (rev, passed, failed) in [("main", 2, 0), ("bug", 1, 1)] {
+        let report = run_tests(
+            &service,
+            RunTestsRequest {
+                repo_path: repo.path().display().to_string(),
+                r#ref: rev.to_owned(),
+                install: true,
+                ..RunTestsRequest::default()
+            },
+        )
+        .await
+        .expect("run");
+        let totals = report.totals.expect("totals");
+        assert_eq!(
+            (totals.passed, totals.failed, totals.errors),
+            (passed, failed, 0),
+            "{rev}: {report:#?}"
+        );
+        assert!(
+            report
+                .installer
+                .contains("poetry.lock pinned, --no-deps (groups main, test)"),
+            "{}",
+            report.installer
+        );
+        assert!(
+            report.installer.contains("the project installed editable"),
+            "{}",
+            report.installer
+        );
+        assert!(
+            report.outside_paths.is_empty(),
+            "{:?}",
+            report.outside_paths
+        );
+    }
+    // Exactly the locked versions.
+    let venvs = data_dir().join("venvs");
+    let attrs = std::fs::read_dir(&venvs)
+        .expect("venvs")
+        .flatten()
+        .any(|venv| {
+            let site = venv.path().join("lib");
+            std::process::Command::new("find")
+                .args([
+                    site.as_os_str(),
+                    "-name".as_ref(),
+                    "attrs-25.4.0.dist-info".as_ref(),
+                ])
+                .output()
+                .is_ok_and(|out| !out.stdout.is_empty())
+        });
+    assert!(attrs, "no venv holds the locked attrs 25.4.0");
     service.stop().await;
 }
