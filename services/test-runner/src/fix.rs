@@ -441,7 +441,13 @@ pub(crate) async fn run_loop(
                 path: iter_dir.clone(),
                 source,
             })?;
-        let text = prompt(strategy, &current, ctx.fix.scope, target, iteration);
+        let mut text = prompt(strategy, &current, ctx.fix.scope, target, iteration);
+        // Agents that need absolute paths (claude, qwen, opencode) take them from here, as the
+        // executor's prompt gives them.
+        text.push_str(&format!(
+            "\nWorking directory: {}\n",
+            ctx.worktree.display()
+        ));
         let prompt_file = iter_dir.join("prompt.md");
         tokio::fs::write(&prompt_file, &text)
             .await

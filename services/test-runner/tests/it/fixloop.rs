@@ -281,11 +281,18 @@ fn backends_toml(backend: &str, base: &str) -> String {
     let (endpoint, model) = match backend {
         "codex" => (format!("{base}/v1"), "gpt-5.5"),
         "claude" => (base.to_owned(), "fake-model"),
+        // `-m` spares gemini its router call.
+        "gemini" => (base.to_owned(), "gemini-2.5-flash"),
         _ => (format!("{base}/v1"), "fake-model"),
     };
+    // The built-in `agent` loop is no program: it talks to the endpoint itself.
+    let command = if backend == "agent" {
+        String::new()
+    } else {
+        format!("command = {:?}\n", cli_program(backend))
+    };
     format!(
-        "fallback = []\nretries = 0\n\n[backends.{backend}]\ncommand = {:?}\nmodel = {model:?}\nendpoint = {endpoint:?}\napi_key = \"fake-key\"\nfast_fail = true\ntimeout_seconds = 120\n",
-        cli_program(backend)
+        "fallback = []\nretries = 0\n\n[backends.{backend}]\n{command}model = {model:?}\nendpoint = {endpoint:?}\napi_key = \"fake-key\"\nfast_fail = true\ntimeout_seconds = 120\n"
     )
 }
 
@@ -338,11 +345,44 @@ async fn start_with_backends(toml: &str, dir: &Path) -> troupe_testkit::TestServ
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn codex_and_claude_fix_one_failure_in_two_hundred_within_scope() {
+async fn codex_fixes_one_failure_in_two_hundred_within_scope() {
+    fixes_one_failure_in_two_hundred_within_scope("codex").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_fixes_one_failure_in_two_hundred_within_scope() {
+    fixes_one_failure_in_two_hundred_within_scope("claude").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_fixes_one_failure_in_two_hundred_within_scope() {
+    fixes_one_failure_in_two_hundred_within_scope("gemini").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qwen_fixes_one_failure_in_two_hundred_within_scope() {
+    fixes_one_failure_in_two_hundred_within_scope("qwen").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opencode_fixes_one_failure_in_two_hundred_within_scope() {
+    fixes_one_failure_in_two_hundred_within_scope("opencode").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_loop_fixes_one_failure_in_two_hundred_within_scope() {
+    fixes_one_failure_in_two_hundred_within_scope("agent").await;
+}
+
+/// The fix loop with `backend` (a real CLI, or the built-in agent loop) against the scripted
+/// model: one failure in 200 repaired within a tests-only scope, then an out-of-scope edit
+/// reverted.
+async fn fixes_one_failure_in_two_hundred_within_scope(backend: &str) {
     use troupe_modelserver::{Action, ModelServer, Script};
     // The scripted model: a failing test about rounding down is "fixed" in the source (out
     // of a tests-only scope); any other failure is fixed in its test. Codex edits through its
-    // shell; claude reads, then edits (acceptEdits allows file edits, not arbitrary commands).
+    // shell; the others read, then write (claude's acceptEdits allows file edits, not
+    // arbitrary commands, and some tools refuse to overwrite a file not read first).
     let edit = |backend: &str, path: &str, content: &str, sed: &str| {
         if backend == "codex" {
             vec![Action::Shell {
@@ -360,7 +400,7 @@ async fn codex_and_claude_fix_one_failure_in_two_hundred_within_scope() {
             ]
         }
     };
-    for backend in ["claude", "codex"] {
+    {
         let script = Script::default()
             .rule(
                 "test_half_rounds_down",
