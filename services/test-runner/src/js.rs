@@ -483,6 +483,10 @@ pub(crate) fn parse_results(
 struct Metric {
     #[serde(default)]
     pct: serde_json::Value,
+    #[serde(default)]
+    total: u64,
+    #[serde(default)]
+    covered: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -515,6 +519,23 @@ pub(crate) fn parse_coverage(text: &str, root: &Path) -> Result<Coverage, serde_
         }
     }
     Ok(coverage)
+}
+
+/// Istanbul's per-file line counts `(covered, total)`, keyed by repo-relative path (what a
+/// project's own line coverage is summed from).
+pub(crate) fn parse_line_counts(
+    text: &str,
+    root: &Path,
+) -> Result<BTreeMap<String, (u64, u64)>, serde_json::Error> {
+    let summary: BTreeMap<String, FileSummary> = serde_json::from_str(text)?;
+    Ok(summary
+        .into_iter()
+        .filter(|(key, _)| key != "total")
+        .filter_map(|(key, file)| {
+            let lines = file.lines?;
+            Some((relative(&key, root), (lines.covered, lines.total)))
+        })
+        .collect())
 }
 
 /// The verdict from the exit and the results file (test-frameworks.md §2).

@@ -937,7 +937,12 @@ impl Runner {
                     cancel,
                 )
                 .await?;
-                report.projects = projects_of(&files, &report, worktree, packages);
+                let summary = out_dir.join("coverage").join("coverage-summary.json");
+                let lines = std::fs::read_to_string(&summary)
+                    .ok()
+                    .and_then(|text| js::parse_line_counts(&text, worktree).ok())
+                    .unwrap_or_default();
+                report.projects = projects_of(&files, &lines, &report, worktree, packages);
                 Ok(report)
             }
             Tool::Pytest {
@@ -1061,9 +1066,11 @@ pub(crate) fn crash_reason(text: &str) -> String {
 }
 
 /// Counts per JS workspace package or Python package directory (`packages/*`), from the
-/// failures and the per-file results; empty for a single project.
+/// failures and the per-file results, and each project's line coverage from the per-file
+/// line counts `(covered, total)`; empty for a single project.
 fn projects_of(
     files: &[(String, TestTotals)],
+    lines: &BTreeMap<String, (u64, u64)>,
     report: &TestRunReport,
     worktree: &Path,
     packages: &[PathBuf],
@@ -1112,12 +1119,23 @@ fn projects_of(
             .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
             .and_then(|p| p.get("name")?.as_str().map(str::to_owned))
             .unwrap_or_else(|| root.display().to_string());
+        let (covered, total) = lines
+            .iter()
+            .filter(|(file, _)| file.starts_with(&prefix))
+            .fold((0, 0), |(c, t), (_, (covered, total))| {
+                (c + covered, t + total)
+            });
+        // Rounded as istanbul rounds its own percentages (two decimals).
+        #[allow(clippy::cast_precision_loss)]
+        let line_coverage =
+            (total > 0).then(|| (covered as f64 * 10_000.0 / total as f64).round() / 100.0);
         out.push(ProjectReport {
             name,
             root: root.display().to_string(),
             pass_rate: crate::pytest::pass_rate(&totals),
             totals: Some(totals),
             failures,
+            line_coverage,
         });
     }
     out
@@ -1396,6 +1414,7 @@ fn run_file_json(report: &TestRunReport, spec: &RunSpec, number: u32) -> serde_j
             "name": p.name, "root": p.root, "pass_rate": p.pass_rate, "failures": p.failures,
             "total": p.totals.unwrap_or_default().total, "passed": p.totals.unwrap_or_default().passed,
             "failed": p.totals.unwrap_or_default().failed, "skipped": p.totals.unwrap_or_default().skipped,
+            "line_coverage": p.line_coverage,
         })).collect::<Vec<_>>(),
         "test_timeout_seconds": report.test_timeout_seconds,
         "timeout_retried": report.timeout_retried,

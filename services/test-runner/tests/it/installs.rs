@@ -150,6 +150,13 @@ async fn workspace_installs_frozen_and_tests_the_task_commit(
         .map(|p| (p.name.as_str(), p.failures))
         .collect();
     assert_eq!(projects, [("@fx/a", 0), ("@fx/b", 1)]);
+    // Each project's own line coverage: package a holds the only covered source file, so its
+    // figure is that file's, as the framework reported it; package b has no source.
+    let coverage = report.coverage.clone().expect("coverage measured");
+    let file = coverage.files.get("packages/a/src/index.js").copied();
+    assert!(file.is_some(), "{:?}", coverage.files);
+    assert_eq!(report.projects[0].line_coverage, file);
+    assert_eq!(report.projects[1].line_coverage, None);
     // The second run reuses the install cached by lockfile hash.
     let again = run_tests(
         &service,
