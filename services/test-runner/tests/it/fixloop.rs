@@ -6,20 +6,8 @@ use std::path::{Path, PathBuf};
 use troupe_proto::v1::{FixOptions, FixScope, RunTestsRequest, TestOutcome};
 use troupe_testkit::git;
 
-use super::support::{fixture_repo, read_json, report_file};
+use super::support::{EDIT_AGENT, fixture_repo, read_json, report_file};
 use super::{run_tests, start};
-
-pub(crate) const EDIT_AGENT: &str = r#"import sys
-worktree, edits = sys.argv[1], sys.argv[2:]
-prompt = sys.stdin.read()
-assert "PURPOSE: Fix failing tests" in prompt, prompt
-for i in range(0, len(edits), 3):
-    path, old, new = edits[i:i + 3]
-    full = f"{worktree}/{path}"
-    text = open(full).read()
-    assert old in text, (path, old)
-    open(full, "w").write(text.replace(old, new))
-"#;
 
 fn agent(dir: &Path) -> PathBuf {
     let path = dir.join("edit.py");

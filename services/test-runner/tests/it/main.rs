@@ -19,7 +19,6 @@ mod js;
 mod pytest_fixture;
 mod source;
 mod support;
-mod testrun_task;
 mod versions;
 
 const REQUIREMENTS: &str = "pytest\npytest-cov\npytest-json-report\npytest-timeout\n";

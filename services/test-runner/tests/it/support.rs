@@ -5,12 +5,27 @@ use std::path::{Path, PathBuf};
 
 use troupe_testkit::git;
 
-/// `tests/fixtures/<name>`.
+/// `services/test-runner/tests/fixtures/<name>`. Named from the workspace root: tests/e2e
+/// (also two levels down) includes this module for its cross-service test-runner tests.
 pub(crate) fn fixture_dir(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
+        .join("../../services/test-runner/tests/fixtures")
         .join(name)
 }
+
+/// A fake fixing agent run by the `command` backend: applies `path old new` triples to the
+/// worktree after checking it was given a fix prompt.
+pub(crate) const EDIT_AGENT: &str = r#"import sys
+worktree, edits = sys.argv[1], sys.argv[2:]
+prompt = sys.stdin.read()
+assert "PURPOSE: Fix failing tests" in prompt, prompt
+for i in range(0, len(edits), 3):
+    path, old, new = edits[i:i + 3]
+    full = f"{worktree}/{path}"
+    text = open(full).read()
+    assert old in text, (path, old)
+    open(full, "w").write(text.replace(old, new))
+"#;
 
 fn copy_tree(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).expect("mkdir");

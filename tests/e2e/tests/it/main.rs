@@ -19,4 +19,9 @@ mod reconnect;
 mod remotes;
 mod shutdown;
 mod support;
+// The test-runner's fixture helpers, shared with its own tests rather than copied.
+#[path = "../../../../services/test-runner/tests/it/support.rs"]
+#[allow(dead_code)]
+mod test_runner_support;
+mod testrun_task;
 mod tour;

@@ -11,8 +11,12 @@ use troupe_proto::v1::{
 };
 use troupe_testkit::{TestService, eventually, git};
 
-use super::fixloop::EDIT_AGENT;
-use super::support::fixture_repo;
+use super::test_runner_support::{EDIT_AGENT, fixture_repo};
+
+/// The test-runner's data directory for these tests (its venv and node caches persist).
+fn data_dir() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("troupe-e2e-testrun")
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn testrun_tasks_fix_and_integrate_for_each_framework() {
@@ -28,7 +32,7 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
     .await;
     let runner_config = troupe_test_runner::Config {
         listen: "127.0.0.1:0".parse().expect("address"),
-        data_dir: super::data_dir(),
+        data_dir: data_dir(),
         coordinator_url: Some(coordinator.url()),
         python: "python3".to_owned(),
         worker_id: Some("test-runner-it".to_owned()),
@@ -210,7 +214,7 @@ async fn a_plan_tests_the_commit_it_names_with_its_env_setup_and_workdir() {
     .await;
     let runner_config = troupe_test_runner::Config {
         listen: "127.0.0.1:0".parse().expect("address"),
-        data_dir: super::data_dir(),
+        data_dir: data_dir(),
         coordinator_url: Some(coordinator.url()),
         python: "python3".to_owned(),
         worker_id: Some("test-runner-plan-it".to_owned()),
@@ -229,13 +233,15 @@ async fn a_plan_tests_the_commit_it_names_with_its_env_setup_and_workdir() {
 
     let repo = fixture_repo("pysrc-proj", &[], &[], None);
     let scratch = tempfile::tempdir().expect("tempdir");
-    let python = super::support::editable_interpreter(scratch.path(), repo.path());
-    super::support::commit_on_branch(
+    let python = super::test_runner_support::editable_interpreter(scratch.path(), repo.path());
+    super::test_runner_support::commit_on_branch(
         repo.path(),
         "task",
         &[("src/pricing/cart.py", "(100 - percent)", "(100 + percent)")],
     );
-    let tools = super::support::tools_python().display().to_string();
+    let tools = super::test_runner_support::tools_python()
+        .display()
+        .to_string();
     for (name, setup, expect) in [
         (
             "bug",
