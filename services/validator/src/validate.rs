@@ -2,7 +2,7 @@
 //! verification command, syntax and lint, criteria (typed, judged or manual review) and a
 //! review. Every check carries its evidence; nothing passes by default.
 
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
@@ -452,13 +452,9 @@ pub(crate) async fn first_parent(repo: &Repo, commit: &Oid) -> Result<Option<Oid
     }
 }
 
-/// A path that stays inside the repository: relative, no `..`, not empty.
+/// A path that stays inside the repository (the shared rule: relative, not climbing out).
 pub(crate) fn confined(path: &str) -> bool {
-    let path = Path::new(path);
-    !path.as_os_str().is_empty()
-        && path
-            .components()
-            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
+    troupe_backends::relative_inside(path).is_some()
 }
 
 fn short(oid: &Oid) -> &str {

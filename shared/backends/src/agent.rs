@@ -6,7 +6,8 @@
 //! path is resolved inside the worktree; a path that escapes it (`..`, an absolute path
 //! elsewhere, a symlink pointing out) is refused. Turn and token budgets end runaway loops.
 
-use std::path::{Component, Path, PathBuf};
+use crate::confine::confine;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -151,52 +152,6 @@ fn tools(read_only: bool, allow: &[String]) -> Vec<Value> {
         ));
     }
     tools
-}
-
-/// Resolves `path` inside `root` (canonical), refusing anything that escapes it (`..`, an
-/// absolute path elsewhere, a symlink leading out) and the `.git` entry.
-pub fn confine(root: &Path, path: &str) -> Result<PathBuf, String> {
-    let relative = match Path::new(path).strip_prefix(root) {
-        Ok(rest) => rest.to_path_buf(),
-        Err(_) if Path::new(path).is_absolute() => {
-            return Err(format!("path {path} is outside the worktree"));
-        }
-        Err(_) => PathBuf::from(path),
-    };
-    let mut clean = PathBuf::new();
-    for component in relative.components() {
-        match component {
-            Component::Normal(part) => clean.push(part),
-            Component::CurDir => {}
-            Component::ParentDir => {
-                if !clean.pop() {
-                    return Err(format!("path {path} escapes the worktree"));
-                }
-            }
-            Component::RootDir | Component::Prefix(_) => {
-                return Err(format!("path {path} is outside the worktree"));
-            }
-        }
-    }
-    let full = root.join(&clean);
-    // A symlink inside the worktree must not lead out of it: check the deepest existing part.
-    let mut existing = full.as_path();
-    while !existing.exists() {
-        match existing.parent() {
-            Some(parent) => existing = parent,
-            None => break,
-        }
-    }
-    let real = existing
-        .canonicalize()
-        .map_err(|err| format!("cannot resolve {path}: {err}"))?;
-    if !real.starts_with(root) {
-        return Err(format!("path {path} leads outside the worktree"));
-    }
-    if clean.components().next() == Some(Component::Normal(".git".as_ref())) {
-        return Err("the .git entry is off limits".to_owned());
-    }
-    Ok(full)
 }
 
 fn clip(text: &str) -> String {

@@ -16,6 +16,7 @@ pub mod chain;
 mod cli;
 mod command;
 mod config;
+mod confine;
 mod events;
 mod placeholder;
 
@@ -29,10 +30,11 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-pub use agent::{AgentLoopBackend, confine};
+pub use agent::AgentLoopBackend;
 pub use cli::CliBackend;
 pub use command::CommandBackend;
 pub use config::{BackendConfig, BackendsConfig, ConfigError};
+pub use confine::{confine, relative_inside};
 pub use events::{AgentEvent, CliKind, Transcript, classify_message, parse as parse_events};
 pub use placeholder::{PLACEHOLDERS, substitute};
 
