@@ -351,22 +351,11 @@ impl Runner {
         // caches are keyed by absolute path, so a fresh path per run would make every run cold.
         let slot = self.claim_slot(repo.path());
         let worktree = slot.path.clone();
-        if let Some(parent) = worktree.parent() {
-            tokio::fs::create_dir_all(parent)
-                .await
-                .map_err(|source| Error::Io {
-                    path: parent.to_owned(),
-                    source,
-                })?;
-        }
-        repo.remove_worktree(&worktree).await?;
-        repo.add_detached_worktree(&worktree, &commit).await?;
-        let result = self
-            .run_in(spec, &worktree, &out_dir, &commit, cancel)
-            .await;
-        if let Err(err) = repo.remove_worktree(&worktree).await {
-            tracing::warn!(worktree = %worktree.display(), error = %err, "cannot remove worktree");
-        }
+        let result = repo
+            .in_detached_worktree(&worktree, &commit, |_| {
+                self.run_in(spec, &worktree, &out_dir, &commit, cancel)
+            })
+            .await?;
         // The run's own venv (`project_venv`), when it made one.
         let own_venv = crate::project_venv::dir_for(&worktree);
         if let Err(err) = tokio::fs::remove_dir_all(&own_venv).await

@@ -250,14 +250,12 @@ impl Validator {
         if job.verification.is_none() && !job.syntax && !job.review && job.criteria.is_empty() {
             return Ok((checks, None));
         }
-        let worktree = self.checkout(repo, commit).await?;
-        let result = self
-            .in_worktree(&worktree, commit, job, &mut checks, cancel)
-            .await;
-        if let Err(err) = repo.remove_worktree(&worktree).await {
-            tracing::warn!(worktree = %worktree.display(), error = %err, "cannot remove worktree");
-        }
-        let review = result?;
+        let worktree = self.checkout_path(commit);
+        let review = repo
+            .in_detached_worktree(&worktree, commit, |_| {
+                self.in_worktree(&worktree, commit, job, &mut checks, cancel)
+            })
+            .await??;
         Ok((checks, review))
     }
 
@@ -327,27 +325,17 @@ impl Validator {
         }))
     }
 
-    /// A detached worktree at `commit` under `<data_dir>/worktrees/validate/`.
-    async fn checkout(&self, repo: &Repo, commit: &Oid) -> Result<PathBuf, Error> {
-        let worktree = self
-            .data_dir
+    /// Where a check of `commit` gets its detached worktree: `<data_dir>/worktrees/validate/`,
+    /// unique per call (parallel validations of one commit do not share it).
+    fn checkout_path(&self, commit: &Oid) -> PathBuf {
+        self.data_dir
             .join("worktrees")
             .join("validate")
             .join(format!(
                 "{}-{}",
                 &commit.as_str()[..12],
                 uuid::Uuid::new_v4().simple()
-            ));
-        if let Some(parent) = worktree.parent() {
-            tokio::fs::create_dir_all(parent)
-                .await
-                .map_err(|source| Error::Io {
-                    path: parent.to_owned(),
-                    source,
-                })?;
-        }
-        repo.add_detached_worktree(&worktree, commit).await?;
-        Ok(worktree)
+            ))
     }
 }
 

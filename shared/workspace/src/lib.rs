@@ -506,6 +506,37 @@ impl Repo {
         self.worktree_add(path, &args).await
     }
 
+    /// Runs `work` in a detached worktree of `oid` at `path` (replacing whatever a crashed
+    /// run left there), then removes it whatever `work` returned. A failed removal is logged,
+    /// not returned: the next run at that path replaces it. The one lifecycle of the
+    /// validator's and test-runner's checkouts.
+    pub async fn in_detached_worktree<T, F, Fut>(
+        &self,
+        path: &Path,
+        oid: &Oid,
+        work: F,
+    ) -> Result<T, Error>
+    where
+        F: FnOnce(Worktree) -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        if let Some(parent) = path.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|source| Error::Io {
+                    path: parent.to_owned(),
+                    source,
+                })?;
+        }
+        self.remove_worktree(path).await?;
+        let worktree = self.add_detached_worktree(path, oid).await?;
+        let output = work(worktree).await;
+        if let Err(err) = self.remove_worktree(path).await {
+            tracing::warn!(worktree = %path.display(), error = %err, "cannot remove worktree");
+        }
+        Ok(output)
+    }
+
     /// Runs `git worktree add`. Git's worktree bookkeeping is not safe against concurrent
     /// changes (an `add` reading another's half-written `.git/worktrees/<id>` fails), so adds,
     /// removes and prunes of one repository take turns in this process, and an add that still

@@ -436,3 +436,23 @@ async fn path_exists_sees_files_and_directories_but_read_file_only_files() {
     // A directory is not a file: read_file says None, path_exists says it is there.
     assert_eq!(repo.read_file(&head, "src").await.expect("read"), None);
 }
+
+#[tokio::test]
+async fn a_detached_worktree_is_there_for_the_work_and_gone_after() {
+    let (root, repo) = repo().await;
+    let head = repo.resolve("HEAD").await.expect("head");
+    let path = root.path().join("checkouts/run-0");
+    // What a crashed run left behind is replaced, not an error.
+    fs::create_dir_all(path.join("stale")).expect("mkdir");
+    let seen = repo
+        .in_detached_worktree(&path, &head, |wt| async move {
+            (
+                wt.path().join("a.txt").is_file(),
+                wt.path().join("stale").exists(),
+            )
+        })
+        .await
+        .expect("ran");
+    assert_eq!(seen, (true, false));
+    assert!(!path.exists(), "the worktree outlived its work");
+}
