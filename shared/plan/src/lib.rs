@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod ccw;
+pub mod spec;
 mod validate;
 
 use std::collections::HashMap;
@@ -17,6 +18,7 @@ use std::fmt;
 use serde_json::{Map, Value};
 use troupe_proto::v1 as pb;
 
+pub use spec::TaskBlocks;
 pub use validate::{Problem, ProblemKind};
 
 /// Default number of attempts per task when neither the plan nor the task sets one.
@@ -368,6 +370,8 @@ pub struct PlanTask {
     pub path_ms: u64,
     /// Index of the task in the plan's `tasks` array.
     pub plan_index: usize,
+    /// The typed blocks (`agent`, `convergence`, `test`, `judge`, ...).
+    pub blocks: TaskBlocks,
     /// The task object exactly as written in the plan.
     pub spec: Map<String, Value>,
 }
