@@ -491,7 +491,7 @@ impl Executor {
             .as_deref()
             .filter(|id| !id.is_empty())
             .or_else(|| job.spec.get("id").and_then(Value::as_str))?;
-        if !id.starts_with("EXEC-") {
+        if troupe_plan::TaskKind::from_id(id) != Some(troupe_plan::TaskKind::Exec) {
             return None;
         }
         crate::phase::phase_dir(&job.spec, job.plan_dir.as_deref())

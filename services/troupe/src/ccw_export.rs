@@ -344,14 +344,11 @@ fn roles_used(tasks: &[pb::Task]) -> Vec<(Role, String)> {
         else {
             continue;
         };
-        let prefix = task
-            .id
-            .split('-')
-            .next()
-            .unwrap_or_default()
-            .to_ascii_uppercase();
+        let prefix = troupe_plan::id_prefix(&task.id).to_ascii_uppercase();
         let counts = prefixes.entry(role).or_default();
-        if troupe_plan::ccw::role_for_prefix(&prefix) == Some(role) {
+        if troupe_plan::TaskKind::from_prefix(&prefix).map(troupe_plan::TaskKind::role)
+            == Some(role)
+        {
             *counts.entry(prefix).or_default() += 1;
         }
     }
@@ -369,11 +366,7 @@ fn roles_used(tasks: &[pb::Task]) -> Vec<(Role, String)> {
 }
 
 fn canonical_prefix(role: Role) -> &'static str {
-    match role {
-        Role::Executor => "IMPL",
-        Role::Validator => "VALIDATE",
-        Role::TestRunner => "TESTRUN",
-    }
+    troupe_plan::TaskKind::of("", role).prefix()
 }
 
 fn responsibility(role: Role) -> &'static str {

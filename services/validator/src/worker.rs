@@ -43,31 +43,12 @@ use crate::validate::{
     report,
 };
 use crate::verify;
+use troupe_plan::TaskKind;
 
 /// Runs VALIDATE-*, REVIEW-* and VERIFY-* tasks with a shared [`Validator`].
 #[derive(Debug, Clone)]
 pub struct ValidateHandler {
     validator: Arc<Validator>,
-}
-
-/// Which kind of validator task.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum TaskKind {
-    Validate,
-    Review,
-    Verify,
-}
-
-impl TaskKind {
-    fn of(task_id: &str) -> Self {
-        if task_id.starts_with("REVIEW-") {
-            Self::Review
-        } else if task_id.starts_with("VERIFY-") {
-            Self::Verify
-        } else {
-            Self::Validate
-        }
-    }
 }
 
 impl ValidateHandler {
@@ -87,7 +68,10 @@ impl ValidateHandler {
         cancel: &CancellationToken,
     ) -> Result<TaskResult, TaskFailure> {
         let started = Instant::now();
-        let kind = TaskKind::of(claimed.task.as_ref().map_or("", |t| t.id.as_str()));
+        let kind = TaskKind::of(
+            claimed.task.as_ref().map_or("", |t| t.id.as_str()),
+            troupe_plan::Role::Validator,
+        );
         let report = self
             .run(claimed, kind, progress, cancel)
             .await
@@ -569,8 +553,6 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
         })
         .collect();
     let failed_because = match kind {
-        TaskKind::Validate => matches!(report.verdict(), Verdict::Fail | Verdict::Unspecified)
-            .then(|| "validation failed".to_owned()),
         TaskKind::Review => {
             let review = report.review.clone().unwrap_or_default();
             let verdict = review.verdict();
@@ -631,6 +613,9 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
             (v.status != "passed" || matches!(report.verdict(), Verdict::Fail))
                 .then(|| "verification found gaps".to_owned())
         }
+        // VALIDATE: the validator's plain kind ([`TaskKind::of`] gives no other here).
+        _ => matches!(report.verdict(), Verdict::Fail | Verdict::Unspecified)
+            .then(|| "validation failed".to_owned()),
     };
     let result = TaskResult {
         summary: summary.clone(),

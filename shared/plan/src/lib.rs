@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod ccw;
+mod kind;
 pub mod spec;
 mod validate;
 
@@ -18,6 +19,7 @@ use std::fmt;
 use serde_json::{Map, Value};
 use troupe_proto::v1 as pb;
 
+pub use kind::{TaskKind, id_prefix};
 pub use spec::TaskBlocks;
 pub use validate::{Problem, ProblemKind};
 
@@ -63,26 +65,15 @@ impl PlanError {
 /// The kind of worker that handles a task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {
-    /// Implements code changes (IMPL-, EXEC-, FIX-).
+    /// Implements code changes (IMPL-, EXEC-, FIX-; see [`TaskKind`]).
     Executor,
     /// Checks results (VALIDATE-, REVIEW-, VERIFY-).
     Validator,
-    /// Runs test suites (TESTRUN-, QARUN-).
+    /// Runs test suites (TESTRUN-, TEST-, QARUN-).
     TestRunner,
 }
 
 impl Role {
-    /// Returns the role an id prefix (the part before the first `-`) implies, if any.
-    pub fn from_id_prefix(id: &str) -> Option<Self> {
-        let prefix = id.split('-').next().unwrap_or_default();
-        match prefix.to_ascii_uppercase().as_str() {
-            "IMPL" | "EXEC" | "FIX" => Some(Self::Executor),
-            "VALIDATE" | "REVIEW" | "VERIFY" => Some(Self::Validator),
-            "TESTRUN" | "QARUN" => Some(Self::TestRunner),
-            _ => None,
-        }
-    }
-
     /// Parses the plan spelling: `executor`, `validator` or `test-runner`.
     pub fn parse(text: &str) -> Option<Self> {
         match text {

@@ -643,13 +643,13 @@ fn task(
     }
     let role = match object.get("role") {
         None | Some(Value::Null) => {
-            let role = Role::from_id_prefix(&id);
+            let role = crate::TaskKind::from_id(&id).map(crate::TaskKind::role);
             if role.is_none() {
-                let prefix = id.split('-').next().unwrap_or_default();
+                let prefix = crate::id_prefix(&id);
                 problems.push(
                     ProblemKind::UnknownRole,
                     format!(
-                        "{owner}: unknown role: id prefix `{prefix}` names no role (use IMPL/EXEC/FIX, VALIDATE/REVIEW/VERIFY, TESTRUN/QARUN or set `role` to executor, validator or test-runner)"
+                        "{owner}: unknown role: id prefix `{prefix}` names no role (use IMPL/EXEC/FIX, VALIDATE/REVIEW/VERIFY, TESTRUN/TEST/QARUN or set `role` to executor, validator or test-runner)"
                     ),
                 );
             }
