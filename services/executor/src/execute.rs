@@ -997,9 +997,9 @@ impl Executor {
             }
         };
         let result = async {
-            let pre = if p.spec.pre_analysis.is_some() {
+            let pre = if !p.spec.pre_analysis.is_empty() {
                 progress("running pre_analysis".to_owned());
-                crate::pre_analysis::run(p.spec.pre_analysis.as_ref(), worktree.path(), cancel)
+                crate::pre_analysis::run(&p.spec.pre_analysis, worktree.path(), cancel)
                     .await
                     .map_err(|message| failure(ErrorKind::CheckFailed, message, false))?
             } else {

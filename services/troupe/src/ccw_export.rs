@@ -791,18 +791,19 @@ fn summary(task: &pb::Task, tasks: &[pb::Task]) -> String {
         _ => None,
     };
     let (met, checks) = convergence_met(task, tasks);
+    // Intake checked the block; a stored session holds nothing else.
     let criteria = spec
         .get("convergence")
-        .and_then(|c| c.get("criteria"))
-        .and_then(Value::as_array)
-        .map(|list| {
-            list.iter()
-                .filter_map(Value::as_str)
+        .and_then(|value| troupe_plan::spec::Convergence::from_value(value).ok())
+        .map(|convergence| {
+            convergence
+                .criteria
+                .into_iter()
                 .map(|criterion| {
                     let passed = checks.iter().any(|check| {
                         check.subject == criterion && check.status == CheckStatus::Pass as i32
                     });
-                    (criterion.to_owned(), passed)
+                    (criterion, passed)
                 })
                 .collect()
         })

@@ -251,6 +251,15 @@ impl FileAction {
         }
     }
 
+    /// Returns `create`, `modify` or `delete`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Create => "create",
+            Self::Modify => "modify",
+            Self::Delete => "delete",
+        }
+    }
+
     /// Returns the wire enum.
     pub fn to_proto(self) -> pb::FileAction {
         match self {
@@ -258,6 +267,22 @@ impl FileAction {
             Self::Modify => pb::FileAction::Modify,
             Self::Delete => pb::FileAction::Delete,
         }
+    }
+
+    /// Converts from the wire enum; `None` for unspecified.
+    pub fn from_proto(action: pb::FileAction) -> Option<Self> {
+        match action {
+            pb::FileAction::Create => Some(Self::Create),
+            pb::FileAction::Modify => Some(Self::Modify),
+            pb::FileAction::Delete => Some(Self::Delete),
+            pb::FileAction::Unspecified => None,
+        }
+    }
+}
+
+impl fmt::Display for FileAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

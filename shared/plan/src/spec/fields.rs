@@ -153,7 +153,19 @@ pub(crate) fn whole(
     problems: &mut Problems,
 ) -> Option<u64> {
     let value = present(value)?;
-    match value.as_u64() {
+    // `120.0` is a whole number too (JSON writers differ).
+    let number = value.as_u64().or_else(|| {
+        value
+            .as_f64()
+            .filter(|n| n.fract() == 0.0 && *n >= 0.0 && *n <= f64::from(u32::MAX))
+            .map(|n| {
+                // Checked above: a whole number in u32's range.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let n = n as u64;
+                n
+            })
+    });
+    match number {
         Some(number) if range.contains(&number) => Some(number),
         _ => {
             at.invalid(
