@@ -18,7 +18,7 @@ pub(crate) fn status_word(state: TaskState) -> &'static str {
         TaskState::Pending | TaskState::Unspecified => "pending",
         TaskState::Blocked => "blocked",
         TaskState::Failed => "failed",
-        TaskState::TimedOut => "timed_out",
+        TaskState::TimedOut => troupe_proto::names::task_state(state),
         TaskState::Skipped => "skipped",
         TaskState::Cancelled => "cancelled",
     }
@@ -187,8 +187,8 @@ pub(crate) fn capability_gaps(
         // CCW's redirect: another role whose id prefix covers these tasks and has workers.
         let covered_by = task_ids
             .iter()
-            .filter_map(|id| troupe_plan::ccw::role_for_prefix(id.split('-').next().unwrap_or("")))
-            .map(troupe_plan::Role::to_proto)
+            .filter_map(|id| troupe_plan::TaskKind::from_id(id))
+            .map(|kind| kind.role().to_proto())
             .find(|other| *other != role && served(*other));
         let name = role_name(role);
         let mut message = format!(

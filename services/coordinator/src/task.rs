@@ -252,30 +252,12 @@ pub(crate) fn stall(tasks: &[Task], session: SessionState, now_ms: i64) -> Optio
 
 /// Returns the lowercase name of a task state, for reasons and messages.
 pub(crate) fn state_name(state: TaskState) -> &'static str {
-    match state {
-        TaskState::Unspecified => "unspecified",
-        TaskState::Pending => "pending",
-        TaskState::Ready => "ready",
-        TaskState::Running => "running",
-        TaskState::Completed => "completed",
-        TaskState::Failed => "failed",
-        TaskState::Skipped => "skipped",
-        TaskState::Cancelled => "cancelled",
-        TaskState::TimedOut => "timed out",
-        TaskState::Blocked => "blocked",
-    }
+    troupe_proto::names::task_state(state)
 }
 
 /// Returns the lowercase name of a session state.
 pub(crate) fn session_state_name(state: SessionState) -> &'static str {
-    match state {
-        SessionState::Unspecified => "unspecified",
-        SessionState::Active => "active",
-        SessionState::Completed => "completed",
-        SessionState::Failed => "failed",
-        SessionState::Cancelled => "cancelled",
-        SessionState::Paused => "paused",
-    }
+    troupe_proto::names::session_state(state)
 }
 
 /// A ready task's place in claim order: the order of the `tasks_claim` index (and of

@@ -491,7 +491,7 @@ impl Executor {
             .as_deref()
             .filter(|id| !id.is_empty())
             .or_else(|| job.spec.get("id").and_then(Value::as_str))?;
-        if !id.starts_with("EXEC-") {
+        if troupe_plan::TaskKind::from_id(id) != Some(troupe_plan::TaskKind::Exec) {
             return None;
         }
         crate::phase::phase_dir(&job.spec, job.plan_dir.as_deref())
@@ -997,9 +997,9 @@ impl Executor {
             }
         };
         let result = async {
-            let pre = if p.spec.pre_analysis.is_some() {
+            let pre = if !p.spec.pre_analysis.is_empty() {
                 progress("running pre_analysis".to_owned());
-                crate::pre_analysis::run(p.spec.pre_analysis.as_ref(), worktree.path(), cancel)
+                crate::pre_analysis::run(&p.spec.pre_analysis, worktree.path(), cancel)
                     .await
                     .map_err(|message| failure(ErrorKind::CheckFailed, message, false))?
             } else {

@@ -121,7 +121,7 @@ pub fn load_phase(dir: &Path) -> Result<Vec<PhaseTask>, String> {
             .filter(|id| !id.trim().is_empty())
             .ok_or_else(|| format!("{} has no `id`", path.display()))?
             .to_owned();
-        if id.starts_with("EXEC-") {
+        if troupe_plan::TaskKind::from_id(&id) == Some(troupe_plan::TaskKind::Exec) {
             return Err(format!(
                 "{} is an EXEC task; a phase cannot hold another phase",
                 path.display()

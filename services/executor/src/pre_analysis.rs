@@ -16,17 +16,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
-
-/// What one step's failure does.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum OnError {
-    /// The task fails before the agent runs (default).
-    Fail,
-    /// The error text becomes the step's output; later steps run.
-    Continue,
-    /// The step contributes nothing (its placeholder becomes empty); later steps run.
-    Skip,
-}
+use troupe_plan::spec::{OnError, PreAnalysisStep};
 
 /// How a step ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,76 +40,6 @@ const OUTPUT_CHARS: usize = 8000;
 /// Matches kept by `Search` and `Glob`.
 const MAX_MATCHES: usize = 200;
 const DEFAULT_STEP_TIMEOUT: Duration = Duration::from_secs(120);
-
-struct Step {
-    name: String,
-    commands: Vec<Value>,
-    output_to: Option<String>,
-    on_error: OnError,
-    timeout: Duration,
-}
-
-fn parse_steps(value: Option<&Value>) -> Result<Vec<Step>, String> {
-    let Some(value) = value.filter(|v| !v.is_null()) else {
-        return Ok(Vec::new());
-    };
-    let items = value
-        .as_array()
-        .ok_or_else(|| "`pre_analysis` is not an array".to_owned())?;
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, item)| {
-            let object = item
-                .as_object()
-                .ok_or_else(|| format!("pre_analysis[{i}] is not an object"))?;
-            let name = object
-                .get("step")
-                .and_then(Value::as_str)
-                .map_or_else(|| format!("step {}", i + 1), str::to_owned);
-            let commands = match (object.get("commands"), object.get("command")) {
-                (Some(Value::Array(list)), _) => list.clone(),
-                (_, Some(command)) if !command.is_null() => vec![command.clone()],
-                _ => return Err(format!("pre_analysis step `{name}` has no command")),
-            };
-            let on_error = match object.get("on_error").and_then(Value::as_str) {
-                None | Some("fail") => OnError::Fail,
-                Some("continue") => OnError::Continue,
-                Some("skip" | "skip_optional") => OnError::Skip,
-                Some(other) => {
-                    return Err(format!(
-                        "pre_analysis step `{name}`: on_error `{other}` is not fail, continue or skip"
-                    ));
-                }
-            };
-            let timeout = match object.get("timeout_seconds").and_then(Value::as_f64) {
-                Some(secs) if secs > 0.0 && secs.is_finite() => Duration::from_secs_f64(secs),
-                Some(_) => {
-                    return Err(format!(
-                        "pre_analysis step `{name}`: timeout_seconds must be positive"
-                    ));
-                }
-                None => DEFAULT_STEP_TIMEOUT,
-            };
-            Ok(Step {
-                name,
-                commands,
-                output_to: object
-                    .get("output_to")
-                    .and_then(Value::as_str)
-                    .filter(|s| !s.trim().is_empty())
-                    .map(|s| s.trim().to_owned()),
-                on_error,
-                timeout,
-            })
-        })
-        .collect()
-}
-
-/// Checks the `pre_analysis` block without running it.
-pub(crate) fn validate(value: Option<&Value>) -> Result<(), String> {
-    parse_steps(value).map(|_| ())
-}
 
 /// Replaces `[name]` with the value of every known variable.
 pub(crate) fn fill(text: &str, vars: &BTreeMap<String, String>) -> String {
@@ -156,11 +76,10 @@ fn split_tool(command: &str) -> (&str, &str) {
 /// Runs the steps in order in `worktree`. `Err` is the message of a step whose `on_error` is
 /// `fail`.
 pub(crate) async fn run(
-    value: Option<&Value>,
+    steps: &[PreAnalysisStep],
     worktree: &Path,
     cancel: &CancellationToken,
 ) -> Result<PreAnalysis, String> {
-    let steps = parse_steps(value)?;
     let root = worktree
         .canonicalize()
         .map_err(|err| format!("cannot resolve the worktree: {err}"))?;
@@ -169,7 +88,8 @@ pub(crate) async fn run(
         let mut outputs = Vec::new();
         let mut error = None;
         for command in &step.commands {
-            match run_command(command, &root, &result.vars, step.timeout, cancel).await {
+            let timeout = step.timeout.unwrap_or(DEFAULT_STEP_TIMEOUT);
+            match run_command(command, &root, &result.vars, timeout, cancel).await {
                 Ok(output) => outputs.push(output),
                 Err(err) => {
                     error = Some(err);
@@ -196,8 +116,8 @@ pub(crate) async fn run(
             result.vars.insert(var.clone(), output.clone());
         }
         result.steps.push(StepReport {
-            step: step.name,
-            output_to: step.output_to,
+            step: step.name.clone(),
+            output_to: step.output_to.clone(),
             status,
             output,
         });
@@ -448,6 +368,16 @@ mod tests {
 
     use super::*;
 
+    /// The steps of a `pre_analysis` block, read as the executor reads a claimed task.
+    fn steps(value: serde_json::Value) -> Vec<PreAnalysisStep> {
+        troupe_plan::TaskBlocks::from_object(
+            json!({"pre_analysis": value}).as_object().expect("object"),
+            None,
+        )
+        .expect("valid steps")
+        .pre_analysis
+    }
+
     fn worktree() -> tempfile::TempDir {
         let dir = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir_all(dir.path().join("src/auth")).expect("mkdir");
@@ -467,7 +397,7 @@ mod tests {
     #[tokio::test]
     async fn steps_fill_placeholders_in_later_steps() {
         let dir = worktree();
-        let steps = json!([
+        let block = json!([
             {"step": "find", "commands": ["Glob(src/**/*.py)"], "output_to": "py_files"},
             {"step": "read", "command": "Read(src/auth/token.py)", "output_to": "token"},
             {"step": "grep", "commands": ["Search(class .*Repo,src)"], "output_to": "repos"},
@@ -475,7 +405,7 @@ mod tests {
             {"step": "echo", "command": ["echo", "seen: [first_line]"], "output_to": "echoed"},
             {"step": "shell", "command": "bash(ls src | wc -l)", "output_to": "count"},
         ]);
-        let out = run(Some(&steps), dir.path(), &CancellationToken::new())
+        let out = run(&steps(block), dir.path(), &CancellationToken::new())
             .await
             .expect("runs");
         assert_eq!(out.vars["py_files"], "src/auth/token.py\nsrc/users.py");
@@ -498,37 +428,40 @@ mod tests {
         let dir = worktree();
         let cancel = CancellationToken::new();
         let failing = |on_error: &str| json!([{"step": "missing", "command": "Read(nope.txt)", "output_to": "x", "on_error": on_error}]);
-        let err = run(Some(&failing("fail")), dir.path(), &cancel)
+        let err = run(&steps(failing("fail")), dir.path(), &cancel)
             .await
             .expect_err("fails");
         assert!(
             err.contains("step `missing` failed: cannot read nope.txt"),
             "{err}"
         );
-        let cont = run(Some(&failing("continue")), dir.path(), &cancel)
+        let cont = run(&steps(failing("continue")), dir.path(), &cancel)
             .await
             .expect("continues");
         assert!(cont.vars["x"].starts_with("[error] cannot read nope.txt"));
         assert_eq!(cont.steps[0].status, "continued after error");
-        let skip = run(Some(&failing("skip_optional")), dir.path(), &cancel)
+        let skip = run(&steps(failing("skip_optional")), dir.path(), &cancel)
             .await
             .expect("skips");
         assert_eq!(skip.vars["x"], "");
 
         let bad = json!([{"step": "s", "command": "bash(python3 -c 'raise SystemExit(4)')", "on_error": "fail"}]);
-        let err = run(Some(&bad), dir.path(), &cancel)
+        let err = run(&steps(bad), dir.path(), &cancel)
             .await
             .expect_err("exit 4");
         assert!(err.contains("exited with 4"), "{err}");
         let mcp = json!([{"step": "m", "command": "mcp__ace__search(x)"}]);
-        let err = run(Some(&mcp), dir.path(), &cancel).await.expect_err("mcp");
+        let err = run(&steps(mcp), dir.path(), &cancel)
+            .await
+            .expect_err("mcp");
         assert!(err.contains("not available"), "{err}");
-        assert!(
-            validate(Some(
-                &json!([{"step": "s", "command": "Read(a)", "on_error": "maybe"}])
-            ))
-            .is_err()
+        let refused = troupe_plan::TaskBlocks::from_object(
+            json!({"pre_analysis": [{"step": "s", "command": "Read(a)", "on_error": "maybe"}]})
+                .as_object()
+                .expect("object"),
+            None,
         );
+        assert!(refused.is_err());
     }
 
     #[tokio::test]
@@ -541,8 +474,8 @@ mod tests {
             "Glob(../*)",
             "Search(x,../)",
         ] {
-            let steps = json!([{"step": "s", "command": command}]);
-            let err = run(Some(&steps), dir.path(), &cancel)
+            let block = json!([{"step": "s", "command": command}]);
+            let err = run(&steps(block), dir.path(), &cancel)
                 .await
                 .expect_err(command);
             assert!(

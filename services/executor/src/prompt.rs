@@ -36,11 +36,10 @@ pub(crate) fn handoff_prompt(
     if !spec.files.is_empty() {
         let _ = writeln!(out, "\nTARGET FILES:");
         for file in &spec.files {
-            let action = if file.action.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", file.action)
-            };
+            let action = file
+                .action
+                .map(|action| format!(" ({action})"))
+                .unwrap_or_default();
             let change = if file.change.is_empty() {
                 String::new()
             } else {

@@ -1,39 +1,24 @@
 //! The parts of a plan task object (`Task.spec`) the executor reads.
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::{Map, Value};
+use troupe_plan::{FileAction, Role};
 
 /// A wall-clock limit when neither the agent nor the task sets one: CCW's executors give a
 /// CLI agent one hour.
 pub const DEFAULT_AGENT_TIMEOUT: Duration = Duration::from_secs(3600);
 
-/// What to do with changes outside a task's `files[]` and `focus_paths`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ScopePolicy {
-    /// Report them as warnings (default).
-    Warn,
-    /// Fail the attempt with OUT_OF_SCOPE.
-    Refuse,
-}
+pub use troupe_plan::spec::ScopePolicy;
+use troupe_plan::spec::{AgentSpec, PreAnalysisStep};
 
 /// One entry of `files[]`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct FileEntry {
     pub(crate) path: String,
-    pub(crate) action: String,
+    /// `None` when the plan names no action (a bare path).
+    pub(crate) action: Option<FileAction>,
     pub(crate) change: String,
-}
-
-/// The task's `agent` object.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct AgentSpec {
-    pub(crate) backend: Option<String>,
-    pub(crate) command: Option<Vec<String>>,
-    pub(crate) timeout: Option<Duration>,
-    pub(crate) idle_timeout: Option<Duration>,
-    pub(crate) env: BTreeMap<String, String>,
 }
 
 /// The task fields the executor uses, validated.
@@ -63,27 +48,15 @@ pub struct TaskSpec {
     pub(crate) depends_on: Vec<String>,
     /// CCW `phase` (number or string), for the summary frontmatter and EXEC phases.
     pub(crate) phase: Option<Value>,
-    /// The raw `pre_analysis[]` block (validated here, run in the worktree).
-    pub(crate) pre_analysis: Option<Value>,
+    /// `pre_analysis[]` steps, run in the worktree before the agent.
+    pub(crate) pre_analysis: Vec<PreAnalysisStep>,
 }
 
 impl TaskSpec {
-    /// A plan's `agent.env` reaches the `command` backend (the plan's own program) only: an
-    /// agent CLI's environment carries the executor's endpoint and key, and a variable such as
-    /// `ANTHROPIC_BASE_URL` or `NODE_OPTIONS` from a plan would send that key, or run code,
-    /// where the plan says. Refuses the task when any backend of `chain` is not `command`.
+    /// Refuses `agent.env` unless every backend of `chain` is `command` (see
+    /// [`AgentSpec::env_allowed_for`]).
     pub(crate) fn env_allowed_for(&self, chain: &[String]) -> Result<(), String> {
-        if self.agent.env.is_empty() {
-            return Ok(());
-        }
-        match chain.iter().find(|name| name.as_str() != "command") {
-            Some(name) => Err(format!(
-                "`agent.env` is given to the `command` backend only; backend `{name}` gets its \
-                 environment (endpoint, key, settings) from the executor's configuration \
-                 (--config), never from a plan"
-            )),
-            None => Ok(()),
-        }
+        self.agent.env_allowed_for(chain)
     }
 
     /// Parses a task object. Problems come back as one message listing all of them.
@@ -110,17 +83,24 @@ impl TaskSpec {
                 .filter_map(|(i, item)| match item {
                     Value::String(path) => Some(FileEntry {
                         path: path.clone(),
-                        action: String::new(),
+                        action: None,
                         change: String::new(),
                     }),
                     Value::Object(file) => match file.get("path").and_then(Value::as_str) {
                         Some(path) => Some(FileEntry {
                             path: path.to_owned(),
-                            action: file
-                                .get("action")
-                                .and_then(Value::as_str)
-                                .unwrap_or_default()
-                                .to_owned(),
+                            action: match file.get("action") {
+                                None | Some(Value::Null) => None,
+                                Some(action) => {
+                                    let parsed = action.as_str().and_then(FileAction::parse);
+                                    if parsed.is_none() {
+                                        problems.push(format!(
+                                            "files[{i}].action {action} is not create, modify or delete"
+                                        ));
+                                    }
+                                    parsed
+                                }
+                            },
                             change: file
                                 .get("change")
                                 .and_then(Value::as_str)
@@ -145,79 +125,25 @@ impl TaskSpec {
             }
         };
 
-        let (scope_policy, scope_paths) = match (object.get("scope_policy"), object.get("scope")) {
-            (Some(policy), _) => (
-                parse_policy(policy, "scope_policy", &mut problems),
-                scope_list(object.get("scope")),
-            ),
-            (None, Some(Value::String(s))) if s == "warn" || s == "refuse" => (
-                parse_policy(&Value::String(s.clone()), "scope", &mut problems),
-                Vec::new(),
-            ),
-            (None, scope) => (ScopePolicy::Warn, scope_list(scope)),
-        };
-
-        let convergence = object.get("convergence").and_then(Value::as_object);
-        let criteria = convergence
-            .map(|c| string_list(c.get("criteria")))
-            .unwrap_or_default();
-        let definition_of_done = convergence
-            .and_then(|c| c.get("definition_of_done"))
-            .and_then(Value::as_str)
-            .map(str::to_owned);
-
-        let verification = match convergence.and_then(|c| c.get("verification")) {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::String(line)) if line.trim().is_empty() => Vec::new(),
-            Some(Value::String(line)) => match troupe_process::command_line_to_argv(line) {
-                Ok(argv) => argv,
-                Err(err) => {
-                    problems.push(format!("`convergence.verification`: {err}"));
-                    Vec::new()
-                }
-            },
-            Some(Value::Array(items)) => {
-                let argv: Option<Vec<String>> = items
-                    .iter()
-                    .map(|v| v.as_str().map(str::to_owned))
-                    .collect();
-                argv.unwrap_or_else(|| {
-                    problems.push("`convergence.verification` must hold only strings".to_owned());
-                    Vec::new()
-                })
-            }
-            Some(_) => {
-                problems.push(
-                    "`convergence.verification` must be a command string or an argv array"
-                        .to_owned(),
-                );
-                Vec::new()
+        // The blocks every worker reads by the plan's rules (the same as at intake).
+        let blocks = match troupe_plan::TaskBlocks::from_object(object, Some(Role::Executor)) {
+            Ok(blocks) => blocks,
+            Err(err) => {
+                problems.extend(err.problems.into_iter().map(|problem| problem.message));
+                troupe_plan::TaskBlocks::default()
             }
         };
-        let pre_analysis = object.get("pre_analysis").filter(|v| !v.is_null()).cloned();
-        if let Err(problem) = crate::pre_analysis::validate(pre_analysis.as_ref()) {
-            problems.push(problem);
-        }
-
-        let agent = match object.get("agent") {
-            None | Some(Value::Null) => AgentSpec::default(),
-            Some(Value::Object(agent)) => parse_agent(agent, &mut problems),
-            Some(_) => {
-                problems.push("`agent` is not an object".to_owned());
-                AgentSpec::default()
-            }
-        };
-
+        let convergence = blocks.convergence;
         let spec = Self {
             title: text("title"),
             description: text("description"),
             files,
             focus_paths: string_list(object.get("focus_paths")),
-            scope_paths,
-            excludes: string_list(object.get("excludes")),
+            scope_paths: blocks.scope_paths,
+            excludes: blocks.excludes,
             implementation: implementation_steps(object.get("implementation")),
-            criteria,
-            definition_of_done,
+            criteria: convergence.criteria,
+            definition_of_done: convergence.definition_of_done,
             reference: reference_lines(object.get("reference")),
             approach: object
                 .get("rationale")
@@ -225,24 +151,21 @@ impl TaskSpec {
                 .and_then(Value::as_str)
                 .map(str::to_owned),
             risks: risk_lines(object.get("risks")),
-            agent,
+            agent: blocks.agent.unwrap_or_default(),
             timeout: seconds(
                 object.get("timeout_seconds"),
                 "timeout_seconds",
                 &mut problems,
             ),
-            scope_policy,
-            allow_empty: object
-                .get("allow_empty")
-                .and_then(Value::as_bool)
-                .unwrap_or(false),
-            verification,
+            scope_policy: blocks.scope_policy,
+            allow_empty: blocks.allow_empty,
+            verification: convergence.verification.unwrap_or_default(),
             depends_on: string_list(object.get("depends_on")),
             phase: object
                 .get("phase")
                 .filter(|v| v.is_number() || v.is_string())
                 .cloned(),
-            pre_analysis,
+            pre_analysis: blocks.pre_analysis,
             id,
         };
         if problems.is_empty() {
@@ -305,24 +228,6 @@ fn normalize(path: &str) -> String {
     path.trim_end_matches('/').to_owned()
 }
 
-fn parse_policy(value: &Value, key: &str, problems: &mut Vec<String>) -> ScopePolicy {
-    match value.as_str() {
-        Some("warn") => ScopePolicy::Warn,
-        Some("refuse") => ScopePolicy::Refuse,
-        _ => {
-            problems.push(format!("`{key}` must be \"warn\" or \"refuse\""));
-            ScopePolicy::Warn
-        }
-    }
-}
-
-fn scope_list(value: Option<&Value>) -> Vec<String> {
-    match value {
-        Some(Value::String(s)) => vec![s.clone()],
-        other => string_list(other),
-    }
-}
-
 fn string_list(value: Option<&Value>) -> Vec<String> {
     value
         .and_then(Value::as_array)
@@ -346,85 +251,6 @@ fn seconds(value: Option<&Value>, key: &str, problems: &mut Vec<String>) -> Opti
                 None
             }
         },
-    }
-}
-
-fn parse_agent(agent: &Map<String, Value>, problems: &mut Vec<String>) -> AgentSpec {
-    let command = match agent.get("command") {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(items)) => {
-            let argv: Option<Vec<String>> = items
-                .iter()
-                .map(|v| v.as_str().map(str::to_owned))
-                .collect();
-            match argv {
-                Some(argv) if !argv.is_empty() => Some(argv),
-                Some(_) => {
-                    problems.push("`agent.command` is empty".to_owned());
-                    None
-                }
-                None => {
-                    problems.push("`agent.command` must hold only strings".to_owned());
-                    None
-                }
-            }
-        }
-        Some(Value::String(line)) => match troupe_process::command_line_to_argv(line) {
-            // Placeholders are substituted into argv elements; substituting them into a shell
-            // script would be interpolation into a shell, which troupe never does.
-            Ok(argv)
-                if argv.first().map(String::as_str) == Some("sh") && argv.get(2) == Some(line) =>
-            {
-                problems.push(
-                    "`agent.command` uses shell syntax; write it as an argv array".to_owned(),
-                );
-                None
-            }
-            Ok(argv) => Some(argv),
-            Err(err) => {
-                problems.push(format!("`agent.command`: {err}"));
-                None
-            }
-        },
-        Some(_) => {
-            problems.push("`agent.command` must be an argv array".to_owned());
-            None
-        }
-    };
-    let env = match agent.get("env") {
-        None | Some(Value::Null) => BTreeMap::new(),
-        Some(Value::Object(vars)) => vars
-            .iter()
-            .filter_map(|(k, v)| match v {
-                Value::String(s) => Some((k.clone(), s.clone())),
-                _ => {
-                    problems.push(format!("`agent.env.{k}` must be a string"));
-                    None
-                }
-            })
-            .collect(),
-        Some(_) => {
-            problems.push("`agent.env` must be an object".to_owned());
-            BTreeMap::new()
-        }
-    };
-    AgentSpec {
-        backend: agent
-            .get("backend")
-            .and_then(Value::as_str)
-            .map(str::to_owned),
-        command,
-        timeout: seconds(
-            agent.get("timeout_seconds"),
-            "agent.timeout_seconds",
-            problems,
-        ),
-        idle_timeout: seconds(
-            agent.get("idle_timeout_seconds"),
-            "agent.idle_timeout_seconds",
-            problems,
-        ),
-        env,
     }
 }
 
@@ -604,7 +430,7 @@ mod tests {
         assert!(
             parse(json!({"id": "x", "pre_analysis": [{"step": "s"}]}))
                 .expect_err("no command")
-                .contains("pre_analysis step `s` has no command")
+                .contains("(step `s`) has no command")
         );
         assert_eq!(
             ok.agent.command.expect("argv"),

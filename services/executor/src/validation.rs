@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use troupe_proto::v1::validator_client::ValidatorClient;
-use troupe_proto::v1::{CheckStatus, FileAction, FileChange, ValidateRequest, ValidationReport};
+use troupe_proto::v1::{CheckStatus, FileChange, ValidateRequest, ValidationReport};
 
 use crate::spec::TaskSpec;
 
@@ -33,11 +33,7 @@ pub(crate) async fn validate(
         .iter()
         .map(|file| FileChange {
             path: file.path.clone(),
-            action: match file.action.to_ascii_lowercase().as_str() {
-                "create" => FileAction::Create,
-                "delete" => FileAction::Delete,
-                _ => FileAction::Modify,
-            } as i32,
+            action: file.action.unwrap_or_default().to_proto() as i32,
             change: file.change.clone(),
         })
         .collect();

@@ -54,12 +54,11 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
             .files
             .iter()
             .map(|file| {
-                let action = match FileAction::try_from(file.action) {
-                    Ok(FileAction::Create) => "create",
-                    Ok(FileAction::Delete) => "delete",
-                    _ => "modify",
-                };
-                serde_json::json!({"path": file.path, "action": action, "change": file.change})
+                let action = FileAction::try_from(file.action)
+                    .ok()
+                    .and_then(troupe_plan::FileAction::from_proto)
+                    .unwrap_or_default();
+                serde_json::json!({"path": file.path, "action": action.as_str(), "change": file.change})
             })
             .collect();
         spec.insert("files".to_owned(), Value::Array(files));

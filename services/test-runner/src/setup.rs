@@ -13,35 +13,12 @@ use troupe_proto::v1::SetupStep;
 
 use crate::Error;
 
-/// Names a run's `env` may set. Everything else is refused: the suite must not get a way to
-/// rewrite how troupe runs it (PATH, PYTHONPATH, NODE_PATH, HOME) or to leak credentials.
-const ALLOWED: &[&str] = &[
-    "TZ",
-    "LANG",
-    "LANGUAGE",
-    "NODE_OPTIONS",
-    "NODE_ENV",
-    "CI",
-    "PYTHONHASHSEED",
-    "PYTHONWARNINGS",
-    "PYTHONUTF8",
-    "PYTEST_ADDOPTS",
-    "DEBUG",
-    "FORCE_COLOR",
-    "NO_COLOR",
-    "COLUMNS",
-];
-/// Prefixes a run's `env` may set.
-const ALLOWED_PREFIXES: &[&str] = &["LC_", "JEST_", "VITEST_", "TEST_", "APP_"];
-
 /// Checks a run's `env` against the allow-list; every refused name is listed.
 pub(crate) fn check_env(env: &BTreeMap<String, String>) -> Result<(), Error> {
     let refused: Vec<&str> = env
         .keys()
         .map(String::as_str)
-        .filter(|name| {
-            !ALLOWED.contains(name) && !ALLOWED_PREFIXES.iter().any(|p| name.starts_with(p))
-        })
+        .filter(|name| !troupe_plan::spec::test_env_allowed(name))
         .collect();
     if refused.is_empty() {
         return Ok(());
@@ -49,8 +26,8 @@ pub(crate) fn check_env(env: &BTreeMap<String, String>) -> Result<(), Error> {
     Err(Error::InvalidArgument(format!(
         "env names not allowed: {} (allowed: {}, and names starting with {})",
         refused.join(", "),
-        ALLOWED.join(", "),
-        ALLOWED_PREFIXES.join(", ")
+        troupe_plan::spec::TEST_ENV_ALLOWED.join(", "),
+        troupe_plan::spec::TEST_ENV_ALLOWED_PREFIXES.join(", ")
     )))
 }
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 use serde_json::Value;
 use troupe_grpc::CoordinatorClient;
 use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
+use troupe_plan::spec as plan;
 use troupe_proto::v1::{
     ClaimedTask, ErrorKind, FixScope, LogMessageRequest, TaskResult, TestFramework, TestOutcome,
     TestRunReport, UpdateStateRequest, task_result,
@@ -336,277 +337,60 @@ struct TestSpec {
     python: String,
 }
 
-/// The task's `test.fix` object: `{agent: {backend, command, timeout_seconds}, max_iterations,
-/// scope}`.
-fn parse_fix(value: Option<&Value>) -> Result<Option<FixSpec>, Error> {
-    let object = match value {
-        None | Some(Value::Null) => return Ok(None),
-        Some(Value::Object(object)) => object,
-        Some(_) => {
-            return Err(Error::InvalidArgument(
-                "task field `test.fix` must be an object".to_owned(),
-            ));
-        }
-    };
-    let agent = object
-        .get("agent")
-        .and_then(Value::as_object)
-        .ok_or_else(|| Error::InvalidArgument("test.fix.agent must be an object".to_owned()))?;
-    let backend = agent
-        .get("backend")
-        .and_then(Value::as_str)
-        .unwrap_or("command")
-        .to_owned();
-    let command = match agent.get("command") {
-        None | Some(Value::Null) => Vec::new(),
-        Some(Value::Array(items)) => items
-            .iter()
-            .map(|v| {
-                v.as_str().map(str::to_owned).ok_or_else(|| {
-                    Error::InvalidArgument("test.fix.agent.command must be strings".to_owned())
-                })
-            })
-            .collect::<Result<_, _>>()?,
-        Some(_) => {
-            return Err(Error::InvalidArgument(
-                "test.fix.agent.command must be an argv array".to_owned(),
-            ));
-        }
-    };
-    let whole = |v: Option<&Value>, key: &str, default: u64| -> Result<u64, Error> {
-        match v {
-            None | Some(Value::Null) => Ok(default),
-            Some(v) => v
-                .as_f64()
-                .filter(|n| *n >= 1.0 && n.fract() == 0.0 && *n <= 1e6)
-                // Checked: a small positive whole number.
-                .map(|n| {
-                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                    let n = n as u64;
-                    n
-                })
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "test.fix.{key} must be a positive whole number"
-                    ))
-                }),
-        }
-    };
-    let fallback = match agent.get("fallback") {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(items)) => Some(
-            items
-                .iter()
-                .map(|v| {
-                    v.as_str().map(str::to_owned).ok_or_else(|| {
-                        Error::InvalidArgument(
-                            "test.fix.agent.fallback must be backend names".to_owned(),
-                        )
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-        ),
-        Some(_) => {
-            return Err(Error::InvalidArgument(
-                "test.fix.agent.fallback must be an array of backend names".to_owned(),
-            ));
-        }
-    };
-    let scope = match object.get("scope").and_then(Value::as_str) {
-        None | Some("tests") => FixScope::Tests,
-        Some("source") => FixScope::Source,
-        Some("both") => FixScope::Both,
-        Some(other) => {
-            return Err(Error::InvalidArgument(format!(
-                "test.fix.scope `{other}` is not one of tests, source, both"
-            )));
-        }
-    };
-    let spec = FixSpec {
-        backend,
-        command,
-        fallback,
-        scope,
-        timeout: Duration::from_secs(whole(
-            agent.get("timeout_seconds"),
-            "agent.timeout_seconds",
-            crate::fix::DEFAULT_AGENT_TIMEOUT.as_secs(),
-        )?),
-        max_iterations: u32::try_from(whole(
-            object.get("max_iterations"),
-            "max_iterations",
-            u64::from(crate::fix::DEFAULT_MAX_ITERATIONS),
-        )?)
-        .unwrap_or(u32::MAX),
-    };
-    spec.validate()?;
-    Ok(Some(spec))
-}
-
 impl TestSpec {
+    /// Reads the task's `test` object by the plan's rules ([`troupe_plan::spec::TestSpec`],
+    /// the same as at intake) and applies the test-runner's defaults.
     fn parse(value: Option<&Value>) -> Result<Self, Error> {
-        let empty = serde_json::Map::new();
-        let object = match value {
-            None | Some(Value::Null) => &empty,
-            Some(Value::Object(object)) => object,
-            Some(_) => {
-                return Err(Error::InvalidArgument(
-                    "task field `test` must be an object".to_owned(),
-                ));
-            }
+        let spec = match value {
+            None | Some(Value::Null) => plan::TestSpec::default(),
+            Some(value) => plan::TestSpec::from_value(value)
+                .map_err(|err| Error::InvalidArgument(err.to_string()))?,
         };
-        let framework = match object.get("framework").and_then(Value::as_str) {
-            None | Some("") | Some("auto") => TestFramework::Unspecified,
-            Some("pytest") => TestFramework::Pytest,
-            Some("jest") => TestFramework::Jest,
-            Some("vitest") => TestFramework::Vitest,
-            Some(other) => {
-                return Err(Error::InvalidArgument(format!(
-                    "test.framework `{other}` is not one of pytest, jest, vitest"
-                )));
-            }
-        };
-        let number = |key: &str| -> Result<Option<f64>, Error> {
-            match object.get(key) {
-                None | Some(Value::Null) => Ok(None),
-                Some(Value::Number(n)) => Ok(n.as_f64()),
-                Some(_) => Err(Error::InvalidArgument(format!(
-                    "test.{key} must be a number"
-                ))),
-            }
-        };
-        let seconds = |key: &str, zero: bool| -> Result<Option<u32>, Error> {
-            match number(key)? {
-                None => Ok(None),
-                Some(n)
-                    if n >= if zero { 0.0 } else { 1.0 }
-                        && n <= f64::from(u32::MAX)
-                        && n.fract() == 0.0 =>
-                {
-                    // Checked above: a whole number in u32's range.
-                    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                    let n = n as u32;
-                    Ok(Some(n))
-                }
-                Some(n) => Err(Error::InvalidArgument(format!(
-                    "test.{key} must be a positive whole number, got {n}"
-                ))),
-            }
-        };
-        let coverage_target = number("coverage_target")?.unwrap_or(0.0);
-        if !(0.0..=100.0).contains(&coverage_target) {
-            return Err(Error::InvalidArgument(format!(
-                "test.coverage_target must be between 0 and 100, got {coverage_target}"
-            )));
-        }
-        let install = match object.get("install") {
-            None | Some(Value::Null) => true,
-            Some(Value::Bool(b)) => *b,
-            Some(_) => {
-                return Err(Error::InvalidArgument(
-                    "test.install must be a boolean".to_owned(),
-                ));
-            }
-        };
-        let coverage_source = match object.get("coverage_source") {
-            None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s.clone(),
-            Some(_) => {
-                return Err(Error::InvalidArgument(
-                    "test.coverage_source must be a string".to_owned(),
-                ));
-            }
-        };
+        let fix = spec.fix.map(|fix| FixSpec {
+            backend: fix
+                .agent
+                .backend
+                .unwrap_or_else(|| plan::COMMAND_BACKEND.to_owned()),
+            command: fix.agent.command.unwrap_or_default(),
+            fallback: fix.agent.fallback,
+            scope: match fix.scope {
+                plan::FixScope::Tests => FixScope::Tests,
+                plan::FixScope::Source => FixScope::Source,
+                plan::FixScope::Both => FixScope::Both,
+            },
+            timeout: fix
+                .agent
+                .timeout
+                .unwrap_or(crate::fix::DEFAULT_AGENT_TIMEOUT),
+            max_iterations: fix
+                .max_iterations
+                .unwrap_or(crate::fix::DEFAULT_MAX_ITERATIONS),
+        });
         Ok(Self {
-            framework,
-            coverage_target,
-            install,
-            coverage_source,
-            timeout: seconds("timeout_seconds", false)?
-                .map_or(DEFAULT_TIMEOUT, |s| Duration::from_secs(u64::from(s))),
+            framework: match spec.framework {
+                plan::TestFramework::Auto => TestFramework::Unspecified,
+                plan::TestFramework::Pytest => TestFramework::Pytest,
+                plan::TestFramework::Jest => TestFramework::Jest,
+                plan::TestFramework::Vitest => TestFramework::Vitest,
+            },
+            coverage_target: spec.coverage_target.unwrap_or(0.0),
+            install: spec.install.unwrap_or(true),
+            coverage_source: spec.coverage_source.unwrap_or_default(),
+            timeout: spec
+                .timeout_seconds
+                .map_or(DEFAULT_TIMEOUT, |secs| Duration::from_secs(u64::from(secs))),
             // 0 turns the per-test timeout off.
-            test_timeout_seconds: seconds("test_timeout_seconds", true)?
+            test_timeout_seconds: spec
+                .test_timeout_seconds
                 .unwrap_or(DEFAULT_TEST_TIMEOUT_SECONDS),
-            layer: object
-                .get("layer")
-                .and_then(Value::as_str)
-                .unwrap_or("L1-unit")
-                .to_owned(),
-            fix: parse_fix(object.get("fix"))?,
-            env: parse_env(object.get("env"))?,
-            setup: parse_setup(object.get("setup"))?,
-            workdir: text_field(object, "workdir")?,
-            python: text_field(object, "python")?,
+            layer: spec.layer.unwrap_or_else(|| "L1-unit".to_owned()),
+            fix,
+            env: spec.env,
+            setup: spec.setup,
+            workdir: spec.workdir.unwrap_or_default(),
+            python: spec.python.unwrap_or_default(),
         })
     }
-}
-
-fn text_field(object: &serde_json::Map<String, Value>, key: &str) -> Result<String, Error> {
-    match object.get(key) {
-        None | Some(Value::Null) => Ok(String::new()),
-        Some(Value::String(s)) => Ok(s.clone()),
-        Some(_) => Err(Error::InvalidArgument(format!(
-            "test.{key} must be a string"
-        ))),
-    }
-}
-
-/// `test.env`: an object of strings, allow-listed names only.
-fn parse_env(value: Option<&Value>) -> Result<std::collections::BTreeMap<String, String>, Error> {
-    let object = match value {
-        None | Some(Value::Null) => return Ok(std::collections::BTreeMap::new()),
-        Some(Value::Object(object)) => object,
-        Some(_) => {
-            return Err(Error::InvalidArgument(
-                "test.env must be an object of strings".to_owned(),
-            ));
-        }
-    };
-    let env = object
-        .iter()
-        .map(|(k, v)| match v {
-            Value::String(s) => Ok((k.clone(), s.clone())),
-            Value::Number(n) => Ok((k.clone(), n.to_string())),
-            Value::Bool(b) => Ok((k.clone(), b.to_string())),
-            _ => Err(Error::InvalidArgument(format!(
-                "test.env.{k} must be a string"
-            ))),
-        })
-        .collect::<Result<_, _>>()?;
-    crate::setup::check_env(&env)?;
-    Ok(env)
-}
-
-/// `test.setup`: a list of argv arrays.
-fn parse_setup(value: Option<&Value>) -> Result<Vec<Vec<String>>, Error> {
-    let items = match value {
-        None | Some(Value::Null) => return Ok(Vec::new()),
-        Some(Value::Array(items)) => items,
-        Some(_) => {
-            return Err(Error::InvalidArgument(
-                "test.setup must be a list of argv arrays".to_owned(),
-            ));
-        }
-    };
-    let setup = items
-        .iter()
-        .map(|item| {
-            item.as_array()
-                .and_then(|argv| {
-                    argv.iter()
-                        .map(|a| a.as_str().map(str::to_owned))
-                        .collect::<Option<Vec<_>>>()
-                })
-                .ok_or_else(|| {
-                    Error::InvalidArgument(
-                        "each test.setup entry must be an argv array of strings (no shell)"
-                            .to_owned(),
-                    )
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    crate::setup::check_setup(&setup)?;
-    Ok(setup)
 }
 
 /// Completed when PASSED, or when a fix loop reached CCW's success criterion (pass rate ≥ 0.95

@@ -344,14 +344,11 @@ fn roles_used(tasks: &[pb::Task]) -> Vec<(Role, String)> {
         else {
             continue;
         };
-        let prefix = task
-            .id
-            .split('-')
-            .next()
-            .unwrap_or_default()
-            .to_ascii_uppercase();
+        let prefix = troupe_plan::id_prefix(&task.id).to_ascii_uppercase();
         let counts = prefixes.entry(role).or_default();
-        if troupe_plan::ccw::role_for_prefix(&prefix) == Some(role) {
+        if troupe_plan::TaskKind::from_prefix(&prefix).map(troupe_plan::TaskKind::role)
+            == Some(role)
+        {
             *counts.entry(prefix).or_default() += 1;
         }
     }
@@ -369,11 +366,7 @@ fn roles_used(tasks: &[pb::Task]) -> Vec<(Role, String)> {
 }
 
 fn canonical_prefix(role: Role) -> &'static str {
-    match role {
-        Role::Executor => "IMPL",
-        Role::Validator => "VALIDATE",
-        Role::TestRunner => "TESTRUN",
-    }
+    troupe_plan::TaskKind::of("", role).prefix()
 }
 
 fn responsibility(role: Role) -> &'static str {
@@ -798,18 +791,19 @@ fn summary(task: &pb::Task, tasks: &[pb::Task]) -> String {
         _ => None,
     };
     let (met, checks) = convergence_met(task, tasks);
+    // Intake checked the block; a stored session holds nothing else.
     let criteria = spec
         .get("convergence")
-        .and_then(|c| c.get("criteria"))
-        .and_then(Value::as_array)
-        .map(|list| {
-            list.iter()
-                .filter_map(Value::as_str)
+        .and_then(|value| troupe_plan::spec::Convergence::from_value(value).ok())
+        .map(|convergence| {
+            convergence
+                .criteria
+                .into_iter()
                 .map(|criterion| {
                     let passed = checks.iter().any(|check| {
                         check.subject == criterion && check.status == CheckStatus::Pass as i32
                     });
-                    (criterion.to_owned(), passed)
+                    (criterion, passed)
                 })
                 .collect()
         })

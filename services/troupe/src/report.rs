@@ -7,28 +7,21 @@ use troupe_proto::v1::{
     TaskResult, TaskState, TestOutcome, Verdict, session_event, task_result,
 };
 
-/// Returns a lowercase name for a task state (`completed`, `timed_out`, ...).
+/// Returns a lowercase name for a task state (`completed`, `timed_out`, ...; see
+/// [`troupe_proto::names`]).
 pub fn task_state_name(state: i32) -> String {
-    TaskState::try_from(state)
-        .map(|state| {
-            state
-                .as_str_name()
-                .trim_start_matches("TASK_STATE_")
-                .to_ascii_lowercase()
-        })
-        .unwrap_or_else(|_| format!("state#{state}"))
+    TaskState::try_from(state).map_or_else(
+        |_| format!("state#{state}"),
+        |state| troupe_proto::names::task_state(state).to_owned(),
+    )
 }
 
 /// Returns a lowercase name for a session state.
 pub fn session_state_name(state: i32) -> String {
-    SessionState::try_from(state)
-        .map(|state| {
-            state
-                .as_str_name()
-                .trim_start_matches("SESSION_STATE_")
-                .to_ascii_lowercase()
-        })
-        .unwrap_or_else(|_| format!("state#{state}"))
+    SessionState::try_from(state).map_or_else(
+        |_| format!("state#{state}"),
+        |state| troupe_proto::names::session_state(state).to_owned(),
+    )
 }
 
 /// Whether a session state is final.

@@ -43,31 +43,12 @@ use crate::validate::{
     report,
 };
 use crate::verify;
+use troupe_plan::TaskKind;
 
 /// Runs VALIDATE-*, REVIEW-* and VERIFY-* tasks with a shared [`Validator`].
 #[derive(Debug, Clone)]
 pub struct ValidateHandler {
     validator: Arc<Validator>,
-}
-
-/// Which kind of validator task.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum TaskKind {
-    Validate,
-    Review,
-    Verify,
-}
-
-impl TaskKind {
-    fn of(task_id: &str) -> Self {
-        if task_id.starts_with("REVIEW-") {
-            Self::Review
-        } else if task_id.starts_with("VERIFY-") {
-            Self::Verify
-        } else {
-            Self::Validate
-        }
-    }
 }
 
 impl ValidateHandler {
@@ -87,7 +68,10 @@ impl ValidateHandler {
         cancel: &CancellationToken,
     ) -> Result<TaskResult, TaskFailure> {
         let started = Instant::now();
-        let kind = TaskKind::of(claimed.task.as_ref().map_or("", |t| t.id.as_str()));
+        let kind = TaskKind::of(
+            claimed.task.as_ref().map_or("", |t| t.id.as_str()),
+            troupe_plan::Role::Validator,
+        );
         let report = self
             .run(claimed, kind, progress, cancel)
             .await
@@ -457,54 +441,14 @@ struct TaskConvergence {
 }
 
 impl TaskConvergence {
+    /// Reads the block by the plan's rules ([`troupe_plan::spec::Convergence`]).
     fn parse(spec: &Value) -> Result<Self, Error> {
-        let convergence = spec.get("convergence").unwrap_or(&Value::Null);
-        let verification = match convergence.get("verification") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(line)) if line.trim().is_empty() => None,
-            Some(Value::String(line)) => {
-                Some(troupe_process::command_line_to_argv(line).map_err(|err| {
-                    Error::InvalidArgument(format!(
-                        "convergence.verification cannot be parsed: {err}"
-                    ))
-                })?)
-            }
-            Some(Value::Array(items)) if !items.is_empty() => Some(
-                items
-                    .iter()
-                    .map(|item| item.as_str().map(str::to_owned))
-                    .collect::<Option<Vec<_>>>()
-                    .filter(|argv| !argv[0].is_empty())
-                    .ok_or_else(|| {
-                        Error::InvalidArgument(
-                            "convergence.verification must be an array of strings".to_owned(),
-                        )
-                    })?,
-            ),
-            Some(_) => {
-                return Err(Error::InvalidArgument(
-                    "convergence.verification must be a command string or a non-empty argv array"
-                        .to_owned(),
-                ));
-            }
+        let convergence = match spec.get("convergence") {
+            None | Some(Value::Null) => troupe_plan::spec::Convergence::default(),
+            Some(value) => troupe_plan::spec::Convergence::from_value(value)
+                .map_err(|err| Error::InvalidArgument(err.to_string()))?,
         };
-        let criteria = match convergence.get("criteria") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(items)) => items
-                .iter()
-                .map(|item| item.as_str().map(str::to_owned))
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| {
-                    Error::InvalidArgument(
-                        "convergence.criteria must be an array of strings".to_owned(),
-                    )
-                })?,
-            Some(_) => {
-                return Err(Error::InvalidArgument(
-                    "convergence.criteria must be an array of strings".to_owned(),
-                ));
-            }
-        };
+        let (verification, criteria) = (convergence.verification, convergence.criteria);
         let timeout = match spec.get("timeout_seconds").and_then(Value::as_u64) {
             Some(secs) if secs > 0 => Duration::from_secs(secs),
             _ => DEFAULT_VERIFICATION_TIMEOUT,
@@ -569,8 +513,6 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
         })
         .collect();
     let failed_because = match kind {
-        TaskKind::Validate => matches!(report.verdict(), Verdict::Fail | Verdict::Unspecified)
-            .then(|| "validation failed".to_owned()),
         TaskKind::Review => {
             let review = report.review.clone().unwrap_or_default();
             let verdict = review.verdict();
@@ -631,6 +573,9 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
             (v.status != "passed" || matches!(report.verdict(), Verdict::Fail))
                 .then(|| "verification found gaps".to_owned())
         }
+        // VALIDATE: the validator's plain kind ([`TaskKind::of`] gives no other here).
+        _ => matches!(report.verdict(), Verdict::Fail | Verdict::Unspecified)
+            .then(|| "validation failed".to_owned()),
     };
     let result = TaskResult {
         summary: summary.clone(),

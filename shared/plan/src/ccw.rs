@@ -28,7 +28,7 @@ use serde_json::{Map, Value, json};
 pub mod summary;
 
 use crate::validate::Problems;
-use crate::{Plan, PlanError, ProblemKind, Role};
+use crate::{Plan, PlanError, ProblemKind, Role, TaskKind, id_prefix};
 
 /// What to tell a user whose session folder is broken; CCW's team-executor never repairs a
 /// session either.
@@ -36,16 +36,6 @@ const RECOVERY: &str = "re-run team-coordinate to regenerate the session";
 
 /// Valid values of `team-session.json` `status`.
 const SESSION_STATUSES: [&str; 3] = ["active", "paused", "completed"];
-
-/// Returns the troupe role a CCW task prefix (`IMPL`, `TEST`, ...) maps to.
-pub fn role_for_prefix(prefix: &str) -> Option<Role> {
-    match prefix.to_ascii_uppercase().as_str() {
-        "IMPL" | "EXEC" | "FIX" => Some(Role::Executor),
-        "TEST" | "TESTRUN" | "QARUN" => Some(Role::TestRunner),
-        "REVIEW" | "VERIFY" | "VALIDATE" => Some(Role::Validator),
-        _ => None,
-    }
-}
 
 /// Returns the project a CCW session folder belongs to: CCW keeps sessions at
 /// `<project>/.workflow/.team/<session-id>/`. `None` for a folder elsewhere.
@@ -55,11 +45,6 @@ pub fn project_root(session_dir: &Path) -> Option<PathBuf> {
     (team.file_name()? == ".team" && workflow.file_name()? == ".workflow")
         .then(|| workflow.parent().map(Path::to_path_buf))
         .flatten()
-}
-
-/// Returns the id prefix (the part before the first `-`).
-fn id_prefix(id: &str) -> &str {
-    id.split('-').next().unwrap_or_default()
 }
 
 /// Reads a JSON object file; `None` (with a problem when `required`) if absent or broken.
@@ -518,7 +503,8 @@ fn map_role_name(name: &str, roles: &BTreeMap<String, CcwRole>) -> Option<Role> 
     roles
         .get(name)
         .and_then(|role| role.prefix.as_deref())
-        .and_then(role_for_prefix)
+        .and_then(TaskKind::from_prefix)
+        .map(TaskKind::role)
 }
 
 /// Replaces `skip_optional` with troupe's `skip` in `pre_analysis[].on_error`.
@@ -802,7 +788,7 @@ pub fn import_session(dir: &Path) -> Result<Value, PlanError> {
                     .as_deref()
                     .and_then(|name| map_role_name(name, &roles))
             })
-            .or_else(|| role_for_prefix(id_prefix(&id)));
+            .or_else(|| TaskKind::from_id(&id).map(TaskKind::role));
         let is_completed = completed.contains(&id);
         let Some(role) = role else {
             if is_completed {
@@ -834,7 +820,7 @@ pub fn import_session(dir: &Path) -> Result<Value, PlanError> {
         // The id prefix decides the role when the task names none; write it only when that
         // would be wrong, so specs stay as written.
         if written.as_deref() != Some(role.as_str())
-            && (written.is_some() || Role::from_id_prefix(&id) != Some(role))
+            && (written.is_some() || TaskKind::from_id(&id).map(TaskKind::role) != Some(role))
         {
             spec.insert("role".into(), json!(role.as_str()));
         }

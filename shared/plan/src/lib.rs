@@ -9,6 +9,8 @@
 #![warn(missing_docs)]
 
 pub mod ccw;
+mod kind;
+pub mod spec;
 mod validate;
 
 use std::collections::HashMap;
@@ -17,6 +19,8 @@ use std::fmt;
 use serde_json::{Map, Value};
 use troupe_proto::v1 as pb;
 
+pub use kind::{TaskKind, id_prefix};
+pub use spec::TaskBlocks;
 pub use validate::{Problem, ProblemKind};
 
 /// Default number of attempts per task when neither the plan nor the task sets one.
@@ -61,26 +65,15 @@ impl PlanError {
 /// The kind of worker that handles a task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {
-    /// Implements code changes (IMPL-, EXEC-, FIX-).
+    /// Implements code changes (IMPL-, EXEC-, FIX-; see [`TaskKind`]).
     Executor,
     /// Checks results (VALIDATE-, REVIEW-, VERIFY-).
     Validator,
-    /// Runs test suites (TESTRUN-, QARUN-).
+    /// Runs test suites (TESTRUN-, TEST-, QARUN-).
     TestRunner,
 }
 
 impl Role {
-    /// Returns the role an id prefix (the part before the first `-`) implies, if any.
-    pub fn from_id_prefix(id: &str) -> Option<Self> {
-        let prefix = id.split('-').next().unwrap_or_default();
-        match prefix.to_ascii_uppercase().as_str() {
-            "IMPL" | "EXEC" | "FIX" => Some(Self::Executor),
-            "VALIDATE" | "REVIEW" | "VERIFY" => Some(Self::Validator),
-            "TESTRUN" | "QARUN" => Some(Self::TestRunner),
-            _ => None,
-        }
-    }
-
     /// Parses the plan spelling: `executor`, `validator` or `test-runner`.
     pub fn parse(text: &str) -> Option<Self> {
         match text {
@@ -258,6 +251,15 @@ impl FileAction {
         }
     }
 
+    /// Returns `create`, `modify` or `delete`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Create => "create",
+            Self::Modify => "modify",
+            Self::Delete => "delete",
+        }
+    }
+
     /// Returns the wire enum.
     pub fn to_proto(self) -> pb::FileAction {
         match self {
@@ -265,6 +267,22 @@ impl FileAction {
             Self::Modify => pb::FileAction::Modify,
             Self::Delete => pb::FileAction::Delete,
         }
+    }
+
+    /// Converts from the wire enum; `None` for unspecified.
+    pub fn from_proto(action: pb::FileAction) -> Option<Self> {
+        match action {
+            pb::FileAction::Create => Some(Self::Create),
+            pb::FileAction::Modify => Some(Self::Modify),
+            pb::FileAction::Delete => Some(Self::Delete),
+            pb::FileAction::Unspecified => None,
+        }
+    }
+}
+
+impl fmt::Display for FileAction {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -368,6 +386,8 @@ pub struct PlanTask {
     pub path_ms: u64,
     /// Index of the task in the plan's `tasks` array.
     pub plan_index: usize,
+    /// The typed blocks (`agent`, `convergence`, `test`, `judge`, ...).
+    pub blocks: TaskBlocks,
     /// The task object exactly as written in the plan.
     pub spec: Map<String, Value>,
 }

@@ -87,9 +87,17 @@ fn role_mapping_by_prefix_and_override() {
         ("TESTRUN-1", Role::TestRunner),
         ("QARUN-1", Role::TestRunner),
     ] {
-        assert_eq!(Role::from_id_prefix(id), Some(role), "{id}");
+        assert_eq!(
+            TaskKind::from_id(id).map(TaskKind::role),
+            Some(role),
+            "{id}"
+        );
     }
-    assert_eq!(Role::from_id_prefix("DOC-1"), None);
+    assert_eq!(TaskKind::from_id("DOC-1"), None);
+    assert_eq!(TaskKind::from_id("test-2"), Some(TaskKind::TestRun));
+    assert_eq!(TaskKind::of("DOC-1", Role::Executor), TaskKind::Impl);
+    assert_eq!(TaskKind::of("REVIEW-1", Role::Validator), TaskKind::Review);
+    assert_eq!(TaskKind::of("REVIEW-1", Role::Executor), TaskKind::Impl);
     let plan = plan(json!({"name": "p", "tasks": [
         {"id": "IMPL-1", "title": "t", "role": "test-runner"}
     ]}))

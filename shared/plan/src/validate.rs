@@ -643,13 +643,13 @@ fn task(
     }
     let role = match object.get("role") {
         None | Some(Value::Null) => {
-            let role = Role::from_id_prefix(&id);
+            let role = crate::TaskKind::from_id(&id).map(crate::TaskKind::role);
             if role.is_none() {
-                let prefix = id.split('-').next().unwrap_or_default();
+                let prefix = crate::id_prefix(&id);
                 problems.push(
                     ProblemKind::UnknownRole,
                     format!(
-                        "{owner}: unknown role: id prefix `{prefix}` names no role (use IMPL/EXEC/FIX, VALIDATE/REVIEW/VERIFY, TESTRUN/QARUN or set `role` to executor, validator or test-runner)"
+                        "{owner}: unknown role: id prefix `{prefix}` names no role (use IMPL/EXEC/FIX, VALIDATE/REVIEW/VERIFY, TESTRUN/TEST/QARUN or set `role` to executor, validator or test-runner)"
                     ),
                 );
             }
@@ -727,9 +727,7 @@ fn task(
             );
         }
     }
-    if let Some(convergence) = object.get("convergence").filter(|value| !value.is_null()) {
-        check_convergence(convergence, owner, problems);
-    }
+    let blocks = crate::spec::parse(object, owner, role, problems);
     let max_attempts =
         attempts(object.get("max_attempts"), owner, problems).unwrap_or(plan_attempts);
     let timeout_seconds = match object
@@ -768,6 +766,7 @@ fn task(
         critical_path: 0,
         path_ms: 0,
         plan_index: index,
+        blocks,
         spec: object.clone(),
     }
 }
@@ -844,7 +843,11 @@ fn string_list(
     }
 }
 
-fn files(object: &Map<String, Value>, owner: &str, problems: &mut Problems) -> Vec<FileSpec> {
+pub(crate) fn files(
+    object: &Map<String, Value>,
+    owner: &str,
+    problems: &mut Problems,
+) -> Vec<FileSpec> {
     let items = match object.get("files") {
         None | Some(Value::Null) => return Vec::new(),
         Some(Value::Array(items)) => items,
@@ -906,26 +909,6 @@ fn files(object: &Map<String, Value>, owner: &str, problems: &mut Problems) -> V
         });
     }
     out
-}
-
-fn check_convergence(value: &Value, owner: &str, problems: &mut Problems) {
-    let Value::Object(convergence) = value else {
-        problems.push(
-            ProblemKind::InvalidValue,
-            format!("{owner}: `convergence` must be an object"),
-        );
-        return;
-    };
-    let where_ = format!("{owner}: convergence");
-    string_list(convergence, "criteria", &where_, problems);
-    match convergence.get("verification") {
-        None | Some(Value::Null) | Some(Value::String(_)) => {}
-        Some(Value::Array(argv)) if !argv.is_empty() && argv.iter().all(Value::is_string) => {}
-        Some(_) => problems.push(
-            ProblemKind::InvalidValue,
-            format!("{where_}: `verification` must be a command string or a non-empty argv array of strings"),
-        ),
-    }
 }
 
 /// Reports unknown dependencies, self-dependencies and cycles; true when the graph is a DAG.

@@ -296,61 +296,6 @@ fn decide(
     }))
 }
 
-/// Returns the problems of a plan task's loop configuration (`test.gc` on a test-runner task,
-/// `gap_closure` on a validator task), so a bad one is refused when the session is created
-/// rather than silently ignored when the check fails.
-pub(crate) fn config_problems(
-    task_id: &str,
-    role: pb::Role,
-    spec: &Map<String, Value>,
-) -> Vec<String> {
-    let mut problems = Vec::new();
-    let gc = spec
-        .get("test")
-        .and_then(Value::as_object)
-        .and_then(|test| test.get("gc"));
-    for (field, config, wanted) in [
-        ("test.gc", gc, pb::Role::TestRunner),
-        ("gap_closure", spec.get("gap_closure"), pb::Role::Validator),
-    ] {
-        let Some(config) = config else {
-            continue;
-        };
-        if role != wanted {
-            problems.push(format!(
-                "task {task_id}: `{field}` needs a {} task",
-                wanted
-                    .as_str_name()
-                    .trim_start_matches("ROLE_")
-                    .to_lowercase()
-                    .replace('_', "-")
-            ));
-        }
-        let Some(config) = config.as_object() else {
-            problems.push(format!("task {task_id}: `{field}` must be an object"));
-            continue;
-        };
-        if !config.get("agent").is_some_and(Value::is_object) {
-            problems.push(format!(
-                "task {task_id}: `{field}.agent` must be an executor agent object, such as {{\"backend\": \"command\", \"command\": [...]}}"
-            ));
-        }
-        if let Some(max) = config.get("max_rounds")
-            && !max.as_u64().is_some_and(|n| (1..=100).contains(&n))
-        {
-            problems.push(format!(
-                "task {task_id}: `{field}.max_rounds` must be a whole number from 1 to 100"
-            ));
-        }
-        for list in ["focus_paths", "files"] {
-            if config.get(list).is_some_and(|value| !value.is_array()) {
-                problems.push(format!("task {task_id}: `{field}.{list}` must be an array"));
-            }
-        }
-    }
-    problems
-}
-
 /// A pending copy of `failed` with nothing of its runs.
 fn fresh(failed: &Task, now_ms: i64) -> Task {
     Task {
@@ -682,34 +627,6 @@ mod tests {
                 ..self.rerun.clone()
             }
         }
-    }
-
-    #[test]
-    fn bad_configurations_are_named() {
-        let spec =
-            json!({"test": {"gc": {"agent": "codex", "max_rounds": 0, "focus_paths": "src"}}});
-        let problems = config_problems(
-            "TESTRUN-1",
-            pb::Role::TestRunner,
-            spec.as_object().expect("object"),
-        );
-        assert_eq!(problems.len(), 3, "{problems:#?}");
-        assert!(problems[0].contains("`test.gc.agent` must be an executor agent object"));
-        let spec = json!({"gap_closure": {"agent": {"backend": "command"}}});
-        let problems = config_problems(
-            "IMPL-1",
-            pb::Role::Executor,
-            spec.as_object().expect("object"),
-        );
-        assert_eq!(
-            problems,
-            vec!["task IMPL-1: `gap_closure` needs a validator task".to_owned()]
-        );
-        let spec = json!({"test": {"gc": {"agent": {"backend": "command"}, "max_rounds": 3}}});
-        assert!(
-            config_problems("T", pb::Role::TestRunner, spec.as_object().expect("object"))
-                .is_empty()
-        );
     }
 
     #[test]

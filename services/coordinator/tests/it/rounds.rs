@@ -447,7 +447,7 @@ async fn bad_loop_configurations_are_refused_at_creation(db: Db) {
     assert_code(
         result,
         Code::InvalidArgument,
-        "task TESTRUN-1: `test.gc.agent` must be an executor agent object",
+        "task TESTRUN-1: `test.gc.agent` is missing: it must be an executor agent object",
     );
     harness.stop().await;
 }

@@ -94,3 +94,42 @@ async fn troupe_run_prints_a_report_and_exits_zero() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `troupe run my-plan.json`: a plan file with any name runs, VERIFY included (the validator
+/// reads the upstream criteria from its claim, never a `plan.json` beside the plan).
+#[tokio::test]
+async fn troupe_run_a_plan_file_with_any_name_runs_its_verify_task() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    let plans = tempfile::tempdir()?;
+    let copy = std::process::Command::new("cp")
+        .arg("-R")
+        .arg(support::quickstart_dir())
+        .arg(plans.path().join("demo"))
+        .status()?;
+    anyhow::ensure!(copy.success(), "cp failed: {copy}");
+    let dir = plans.path().join("demo");
+    std::fs::rename(dir.join("plan.json"), dir.join("my-plan.json"))?;
+    let output = tokio::process::Command::new(support::binary("troupe"))
+        .arg("run")
+        .arg(dir.join("my-plan.json"))
+        .arg("--data-dir")
+        .arg(data.path())
+        .env_remove("RUST_LOG")
+        .output()
+        .await?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "troupe run failed: {}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+        output.status
+    );
+    assert!(!dir.join("plan.json").exists(), "no plan.json appeared");
+    for expected in ["VERIFY-001     completed", "session completed: 6 completed"] {
+        assert!(
+            stdout.contains(expected),
+            "missing {expected:?} in:\n{stdout}"
+        );
+    }
+    Ok(())
+}
