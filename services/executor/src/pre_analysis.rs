@@ -158,6 +158,7 @@ fn split_tool(command: &str) -> (&str, &str) {
 pub(crate) async fn run(
     value: Option<&Value>,
     worktree: &Path,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<PreAnalysis, String> {
     let steps = parse_steps(value)?;
@@ -169,7 +170,7 @@ pub(crate) async fn run(
         let mut outputs = Vec::new();
         let mut error = None;
         for command in &step.commands {
-            match run_command(command, &root, &result.vars, step.timeout, cancel).await {
+            match run_command(command, &root, &result.vars, step.timeout, sandbox, cancel).await {
                 Ok(output) => outputs.push(output),
                 Err(err) => {
                     error = Some(err);
@@ -210,6 +211,7 @@ async fn run_command(
     root: &Path,
     vars: &BTreeMap<String, String>,
     timeout: Duration,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<String, String> {
     match command {
@@ -219,7 +221,7 @@ async fn run_command(
                 .map(|v| v.as_str().map(|s| fill(s, vars)))
                 .collect();
             let argv = argv.ok_or("an argv command must hold only strings")?;
-            run_argv(&argv, root, timeout, cancel).await
+            run_argv(&argv, root, timeout, sandbox, cancel).await
         }
         Value::String(line) => {
             let (tool, args) = split_tool(line);
@@ -275,7 +277,7 @@ async fn run_command(
                 }
                 "bash" | "Bash" => {
                     let argv = bash_argv(args, vars)?;
-                    run_argv(&argv, root, timeout, cancel).await
+                    run_argv(&argv, root, timeout, sandbox, cancel).await
                 }
                 other if other.starts_with("mcp__") => Err(format!(
                     "MCP tool `{other}` is not available to troupe's executor"
@@ -332,10 +334,12 @@ async fn run_argv(
     argv: &[String],
     root: &Path,
     timeout: Duration,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<String, String> {
     let command = troupe_process::Command::from_argv(argv)
         .map_err(|err| err.to_string())?
+        .sandbox(sandbox.clone())
         .cwd(root)
         .timeout(timeout)
         .max_output_bytes(256 * 1024);
@@ -475,9 +479,14 @@ mod tests {
             {"step": "echo", "command": ["echo", "seen: [first_line]"], "output_to": "echoed"},
             {"step": "shell", "command": "bash(ls src | wc -l)", "output_to": "count"},
         ]);
-        let out = run(Some(&steps), dir.path(), &CancellationToken::new())
-            .await
-            .expect("runs");
+        let out = run(
+            Some(&steps),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("runs");
         assert_eq!(out.vars["py_files"], "src/auth/token.py\nsrc/users.py");
         assert!(out.vars["token"].starts_with("class TokenRepo:"));
         assert_eq!(
@@ -498,30 +507,57 @@ mod tests {
         let dir = worktree();
         let cancel = CancellationToken::new();
         let failing = |on_error: &str| json!([{"step": "missing", "command": "Read(nope.txt)", "output_to": "x", "on_error": on_error}]);
-        let err = run(Some(&failing("fail")), dir.path(), &cancel)
-            .await
-            .expect_err("fails");
+        let err = run(
+            Some(&failing("fail")),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect_err("fails");
         assert!(
             err.contains("step `missing` failed: cannot read nope.txt"),
             "{err}"
         );
-        let cont = run(Some(&failing("continue")), dir.path(), &cancel)
-            .await
-            .expect("continues");
+        let cont = run(
+            Some(&failing("continue")),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect("continues");
         assert!(cont.vars["x"].starts_with("[error] cannot read nope.txt"));
         assert_eq!(cont.steps[0].status, "continued after error");
-        let skip = run(Some(&failing("skip_optional")), dir.path(), &cancel)
-            .await
-            .expect("skips");
+        let skip = run(
+            Some(&failing("skip_optional")),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect("skips");
         assert_eq!(skip.vars["x"], "");
 
         let bad = json!([{"step": "s", "command": "bash(python3 -c 'raise SystemExit(4)')", "on_error": "fail"}]);
-        let err = run(Some(&bad), dir.path(), &cancel)
-            .await
-            .expect_err("exit 4");
+        let err = run(
+            Some(&bad),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect_err("exit 4");
         assert!(err.contains("exited with 4"), "{err}");
         let mcp = json!([{"step": "m", "command": "mcp__ace__search(x)"}]);
-        let err = run(Some(&mcp), dir.path(), &cancel).await.expect_err("mcp");
+        let err = run(
+            Some(&mcp),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect_err("mcp");
         assert!(err.contains("not available"), "{err}");
         assert!(
             validate(Some(
@@ -542,9 +578,14 @@ mod tests {
             "Search(x,../)",
         ] {
             let steps = json!([{"step": "s", "command": command}]);
-            let err = run(Some(&steps), dir.path(), &cancel)
-                .await
-                .expect_err(command);
+            let err = run(
+                Some(&steps),
+                dir.path(),
+                &troupe_process::Sandbox::off(),
+                &cancel,
+            )
+            .await
+            .expect_err(command);
             assert!(
                 err.contains("outside") || err.contains("escapes") || err.contains("leaves"),
                 "{command}: {err}"

@@ -379,11 +379,27 @@ impl Command {
     /// A child that exits non-zero is not an error: look at [`Output`]. Errors are only about
     /// starting and supervising the child.
     #[tracing::instrument(skip_all, fields(program = %self.program))]
-    pub async fn run(self, cancel: &CancellationToken) -> Result<Output, Error> {
+    pub async fn run(mut self, cancel: &CancellationToken) -> Result<Output, Error> {
         if let Some(dir) = &self.cwd
             && !dir.is_dir()
         {
             return Err(Error::WorkingDir { path: dir.clone() });
+        }
+        if let Some(home) = self
+            .sandbox
+            .as_ref()
+            .filter(|sandbox| sandbox.mode() != SandboxMode::Off)
+            .and_then(|sandbox| sandbox.home_dir())
+            .map(Path::to_path_buf)
+        {
+            let tmp = home.join("tmp");
+            tokio::fs::create_dir_all(&tmp).await?;
+            self.env
+                .entry("HOME".to_owned())
+                .or_insert_with(|| home.display().to_string());
+            self.env
+                .entry("TMPDIR".to_owned())
+                .or_insert_with(|| tmp.display().to_string());
         }
         let spawned = match &self.sandbox {
             Some(sandbox) => sandbox::spawn(sandbox, self.build(), self.child_path())?,

@@ -119,14 +119,22 @@ impl FromStr for Mode {
     }
 }
 
-/// The ruleset one child runs under.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// The ruleset one child runs under. The default is [`Sandbox::off`]: a service builds its
+/// base from [`SandboxArgs::base`].
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sandbox {
     mode: Mode,
     read: Vec<PathBuf>,
     write: Vec<PathBuf>,
     connect_ports: Option<BTreeSet<u16>>,
     protected: Vec<PathBuf>,
+    home: Option<PathBuf>,
+}
+
+impl Default for Sandbox {
+    fn default() -> Self {
+        Self::off()
+    }
 }
 
 impl Sandbox {
@@ -136,7 +144,7 @@ impl Sandbox {
     pub fn new(mode: Mode) -> Self {
         let mut sandbox = Self {
             mode,
-            ..Self::default()
+            ..Self::off()
         };
         if let Some(home) = std::env::var_os("HOME").filter(|home| !home.is_empty()) {
             sandbox = sandbox.protect(home);
@@ -148,7 +156,11 @@ impl Sandbox {
     pub fn off() -> Self {
         Self {
             mode: Mode::Off,
-            ..Self::default()
+            read: Vec::new(),
+            write: Vec::new(),
+            connect_ports: None,
+            protected: Vec::new(),
+            home: None,
         }
     }
 
@@ -179,6 +191,20 @@ impl Sandbox {
     pub fn write(mut self, path: impl Into<PathBuf>) -> Self {
         self.write.push(path.into());
         self
+    }
+
+    /// The child's own home: granted read and write, created with a `tmp/` inside, and given
+    /// as `HOME` and `TMPDIR` unless the command sets them itself (the service's `$HOME` is
+    /// out of a confined child's reach, and programs such as git fail on an unreadable one).
+    pub fn home(mut self, path: impl Into<PathBuf>) -> Self {
+        let path = path.into();
+        self.home = Some(path.clone());
+        self.write(path)
+    }
+
+    /// The home given with [`Sandbox::home`].
+    pub fn home_dir(&self) -> Option<&Path> {
+        self.home.as_deref()
     }
 
     /// Restricts TCP connections to these ports (`None`: not restricted).
@@ -349,17 +375,6 @@ impl Sandbox {
             if !(lower.contains("permission denied") || lower.contains("operation not permitted")) {
                 continue;
             }
-            let writing = [
-                "write",
-                "create",
-                "touch",
-                "mkdir",
-                "cannot open",
-                "redirect",
-            ]
-            .iter()
-            .any(|verb| lower.contains(verb))
-                || line.contains('>');
             for token in path_tokens(line) {
                 if let Some(port) = tcp_port(&token) {
                     let allowed = self
@@ -372,14 +387,110 @@ impl Sandbox {
                     continue;
                 }
                 let path = Path::new(&token);
+                // Beneath a read-only grant, only a write can have been refused by Landlock;
+                // when this process (same user, unconfined) may write there, file
+                // permissions did not refuse it.
                 if !self.grants_path(path, cwd, false)
-                    || (writing && !self.grants_path(path, cwd, true) && writable_by_us(path, cwd))
+                    || (!self.grants_path(path, cwd, true) && writable_by_us(path, cwd))
                 {
                     return Some(name_with_target(&token, cwd));
                 }
             }
         }
         None
+    }
+}
+
+/// A service's sandbox settings (flags and environment), the base every confined child's
+/// [`Sandbox`] starts from.
+#[derive(Debug, Clone, PartialEq, Eq, clap::Args)]
+pub struct SandboxArgs {
+    /// Confinement of agent-written and plan-supplied children: `enforce` (refuse to run them
+    /// where the kernel has no Landlock), `warn` (confine where possible, else log a warning)
+    /// or `off`.
+    #[arg(long = "sandbox", env = "TROUPE_SANDBOX", default_value = "enforce")]
+    pub mode: Mode,
+    /// Extra paths confined children may read and execute (`:`-separated in the variable):
+    /// tool prefixes outside `PATH`, shared read-only caches.
+    #[arg(
+        long = "sandbox-read-path",
+        env = "TROUPE_SANDBOX_READ_PATHS",
+        value_delimiter = ':'
+    )]
+    pub read_paths: Vec<PathBuf>,
+    /// Extra paths confined children may write (`:`-separated): package manager caches.
+    #[arg(
+        long = "sandbox-write-path",
+        env = "TROUPE_SANDBOX_WRITE_PATHS",
+        value_delimiter = ':'
+    )]
+    pub write_paths: Vec<PathBuf>,
+    /// TCP ports confined children may connect to (`,`-separated; the backend's model endpoint
+    /// port is added). Unset: TCP is not restricted.
+    #[arg(
+        long = "sandbox-connect-ports",
+        env = "TROUPE_SANDBOX_CONNECT_PORTS",
+        value_delimiter = ','
+    )]
+    pub connect_ports: Option<Vec<u16>>,
+}
+
+impl Default for SandboxArgs {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Enforce,
+            read_paths: Vec::new(),
+            write_paths: Vec::new(),
+            connect_ports: None,
+        }
+    }
+}
+
+impl SandboxArgs {
+    /// The settings the `TROUPE_SANDBOX*` variables give (for services started in-process,
+    /// without flags of their own); invalid values are errors.
+    pub fn from_env() -> Result<Self, String> {
+        let mut args = Self::default();
+        if let Ok(mode) = std::env::var("TROUPE_SANDBOX") {
+            args.mode = mode.parse()?;
+        }
+        let paths = |name: &str| -> Vec<PathBuf> {
+            std::env::var_os(name)
+                .map(|value| std::env::split_paths(&value).collect())
+                .unwrap_or_default()
+        };
+        args.read_paths = paths("TROUPE_SANDBOX_READ_PATHS");
+        args.write_paths = paths("TROUPE_SANDBOX_WRITE_PATHS");
+        if let Ok(ports) = std::env::var("TROUPE_SANDBOX_CONNECT_PORTS") {
+            args.connect_ports = Some(
+                ports
+                    .split(',')
+                    .filter(|p| !p.trim().is_empty())
+                    .map(|p| {
+                        p.trim()
+                            .parse()
+                            .map_err(|_| format!("TROUPE_SANDBOX_CONNECT_PORTS: bad port `{p}`"))
+                    })
+                    .collect::<Result<_, _>>()?,
+            );
+        }
+        Ok(args)
+    }
+
+    /// The base sandbox of a service whose data dir is `data_dir`: the data dir and the
+    /// service's `$HOME` are protected, the extra paths granted.
+    pub fn base(&self, data_dir: &Path) -> Sandbox {
+        let absolute = std::path::absolute(data_dir).unwrap_or_else(|_| data_dir.to_path_buf());
+        let mut sandbox = Sandbox::new(self.mode)
+            .protect(absolute)
+            .connect_ports(self.connect_ports.clone());
+        for path in &self.read_paths {
+            sandbox = sandbox.read(path);
+        }
+        for path in &self.write_paths {
+            sandbox = sandbox.write(path);
+        }
+        sandbox
     }
 }
 
@@ -609,7 +720,13 @@ mod tests {
             None
         );
         assert_eq!(denied("cat: /srv/data/work/t1/x: Permission denied"), None);
-        assert_eq!(denied("cat: /usr/share/x: Permission denied"), None);
+        // Beneath a read-only grant: Landlock's when we (same user, unconfined) may write there.
+        let we_may_write =
+            nix::unistd::access("/usr/share", nix::unistd::AccessFlags::W_OK).is_ok();
+        assert_eq!(
+            denied("touch: cannot touch '/usr/share/x': Permission denied").as_deref(),
+            we_may_write.then_some("/usr/share/x")
+        );
         assert_eq!(
             denied("/srv/data/store.db: No such file or directory"),
             None
