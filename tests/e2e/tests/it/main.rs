@@ -16,6 +16,7 @@ mod postgres;
 mod quickstart;
 mod reconnect;
 mod remotes;
+mod sandbox;
 mod shutdown;
 mod support;
 mod tour;
