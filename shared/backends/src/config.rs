@@ -173,6 +173,10 @@ impl BackendsConfig {
             message: err.to_string(),
         })?;
         for (name, backend) in &config.backends {
+            // The key reaches the backend's child only; anywhere troupe writes, it is masked.
+            if let Some(key) = backend.key() {
+                troupe_telemetry::register_secret(key);
+            }
             if let Some(mode) = &backend.sandbox
                 && let Err(message) = mode.parse::<troupe_process::SandboxMode>()
             {
