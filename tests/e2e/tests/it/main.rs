@@ -17,6 +17,7 @@ mod quickstart;
 mod reconnect;
 mod remotes;
 mod sandbox;
+mod secrets;
 mod shutdown;
 mod support;
 mod tour;
