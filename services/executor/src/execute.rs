@@ -135,6 +135,8 @@ pub struct Options {
     pub summary_dir: Option<String>,
     /// Credentials of the calls to the validator.
     pub connector: troupe_grpc::Connector,
+    /// Landlock confinement of agents and pre_analysis commands.
+    pub sandbox: troupe_process::sandbox::SandboxArgs,
 }
 
 /// Where summaries go by default: a directory of the repository, so they travel with the
@@ -148,6 +150,7 @@ impl Default for Options {
             phase_concurrency: 4,
             summary_dir: Some(DEFAULT_SUMMARY_DIR.to_owned()),
             connector: troupe_grpc::Connector::default(),
+            sandbox: troupe_process::sandbox::SandboxArgs::default(),
         }
     }
 }
@@ -241,6 +244,7 @@ fn backend_kind(kind: troupe_backends::ErrorKind) -> ErrorKind {
         B::Crash => ErrorKind::Crash,
         B::BadOutput => ErrorKind::BadOutput,
         B::InvalidTask => ErrorKind::InvalidTask,
+        B::SandboxDenied => ErrorKind::SandboxDenied,
         B::Internal | B::Cancelled => ErrorKind::Internal,
     }
 }
@@ -477,6 +481,20 @@ impl Executor {
     /// (the validator and test-runner keep theirs beside it when they share the data dir).
     fn worktrees(&self) -> PathBuf {
         self.data_dir.join("worktrees").join("tasks")
+    }
+
+    /// The sandbox of `p`'s children before the worktree and home are added: the service's
+    /// settings (or `backend`'s own mode), with read access to the session's read-only
+    /// context repositories.
+    fn base_sandbox(&self, p: &Prepared, backend: Option<&str>) -> troupe_process::Sandbox {
+        let mut sandbox = self.options.sandbox.base(&self.data_dir);
+        if let Some(mode) = backend.and_then(|name| self.config.backend(name).sandbox_mode()) {
+            sandbox = sandbox.with_mode(mode);
+        }
+        for (_, path) in &p.context {
+            sandbox = sandbox.read(path);
+        }
+        sandbox
     }
 
     /// The executor's options.
@@ -999,9 +1017,31 @@ impl Executor {
         let result = async {
             let pre = if !p.spec.pre_analysis.is_empty() {
                 progress("running pre_analysis".to_owned());
-                crate::pre_analysis::run(&p.spec.pre_analysis, worktree.path(), cancel)
-                    .await
-                    .map_err(|message| failure(ErrorKind::CheckFailed, message, false))?
+                let mut sandbox = self
+                    .base_sandbox(p, None)
+                    .write(worktree.path())
+                    .git_worktree(worktree.path())
+                    .home(attempt_dir.join("home-pre-analysis"));
+                if let Some(plan_dir) = p.placeholders.get("plan_dir") {
+                    sandbox = sandbox.read(plan_dir);
+                }
+                crate::pre_analysis::run(
+                    &p.spec.pre_analysis,
+                    worktree.path(),
+                    &sandbox,
+                    cancel,
+                )
+                .await
+                .map_err(|message| {
+                    match sandbox.denied(&message, Some(worktree.path())) {
+                        Some(denied) => failure(
+                            ErrorKind::SandboxDenied,
+                            format!("pre_analysis was denied by the sandbox: {denied} ({message})"),
+                            false,
+                        ),
+                        None => failure(ErrorKind::CheckFailed, message, false),
+                    }
+                })?
             } else {
                 PreAnalysis::default()
             };
@@ -1295,6 +1335,7 @@ impl Executor {
                     home: Some(home.clone()),
                     read_only: p.read_only,
                     resume: resume.clone(),
+                    sandbox: self.base_sandbox(p, Some(name)),
                 };
                 progress(format!("running backend {name}"));
                 match backend.run(run, cancel).await {

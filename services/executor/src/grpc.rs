@@ -32,6 +32,7 @@ impl From<Error> for Status {
                     ErrorKind::NotInstalled
                     | ErrorKind::Auth
                     | ErrorKind::OutOfScope
+                    | ErrorKind::SandboxDenied
                     | ErrorKind::Superseded => Code::FailedPrecondition,
                     ErrorKind::Repository => Code::Unavailable,
                     ErrorKind::RateLimited | ErrorKind::Quota => Code::ResourceExhausted,

@@ -81,6 +81,9 @@ pub struct Config {
     /// and the credentials of its own calls.
     #[command(flatten)]
     pub security: troupe_grpc::auth::Security,
+    /// Landlock confinement of agents and pre_analysis commands.
+    #[command(flatten)]
+    pub sandbox: troupe_process::sandbox::SandboxArgs,
 }
 
 /// Errors of the executor.
@@ -163,6 +166,7 @@ impl App {
             phase_concurrency: config.phase_concurrency,
             summary_dir: Some(config.summary_dir.trim().to_owned()).filter(|d| !d.is_empty()),
             connector,
+            sandbox: config.sandbox.clone(),
         };
         let lock = troupe_grpc::lock_data_dir(&config.data_dir, "executor").map_err(|source| {
             Error::Io {

@@ -78,6 +78,7 @@ fn split_tool(command: &str) -> (&str, &str) {
 pub(crate) async fn run(
     steps: &[PreAnalysisStep],
     worktree: &Path,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<PreAnalysis, String> {
     let root = worktree
@@ -89,7 +90,7 @@ pub(crate) async fn run(
         let mut error = None;
         for command in &step.commands {
             let timeout = step.timeout.unwrap_or(DEFAULT_STEP_TIMEOUT);
-            match run_command(command, &root, &result.vars, timeout, cancel).await {
+            match run_command(command, &root, &result.vars, timeout, sandbox, cancel).await {
                 Ok(output) => outputs.push(output),
                 Err(err) => {
                     error = Some(err);
@@ -130,6 +131,7 @@ async fn run_command(
     root: &Path,
     vars: &BTreeMap<String, String>,
     timeout: Duration,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<String, String> {
     match command {
@@ -139,7 +141,7 @@ async fn run_command(
                 .map(|v| v.as_str().map(|s| fill(s, vars)))
                 .collect();
             let argv = argv.ok_or("an argv command must hold only strings")?;
-            run_argv(&argv, root, timeout, cancel).await
+            run_argv(&argv, root, timeout, sandbox, cancel).await
         }
         Value::String(line) => {
             let (tool, args) = split_tool(line);
@@ -195,7 +197,7 @@ async fn run_command(
                 }
                 "bash" | "Bash" => {
                     let argv = bash_argv(args, vars)?;
-                    run_argv(&argv, root, timeout, cancel).await
+                    run_argv(&argv, root, timeout, sandbox, cancel).await
                 }
                 other if other.starts_with("mcp__") => Err(format!(
                     "MCP tool `{other}` is not available to troupe's executor"
@@ -252,10 +254,12 @@ async fn run_argv(
     argv: &[String],
     root: &Path,
     timeout: Duration,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<String, String> {
     let command = troupe_process::Command::from_argv(argv)
         .map_err(|err| err.to_string())?
+        .sandbox(sandbox.clone())
         .cwd(root)
         .timeout(timeout)
         .max_output_bytes(256 * 1024);
@@ -405,9 +409,14 @@ mod tests {
             {"step": "echo", "command": ["echo", "seen: [first_line]"], "output_to": "echoed"},
             {"step": "shell", "command": "bash(ls src | wc -l)", "output_to": "count"},
         ]);
-        let out = run(&steps(block), dir.path(), &CancellationToken::new())
-            .await
-            .expect("runs");
+        let out = run(
+            &steps(block),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &CancellationToken::new(),
+        )
+        .await
+        .expect("runs");
         assert_eq!(out.vars["py_files"], "src/auth/token.py\nsrc/users.py");
         assert!(out.vars["token"].starts_with("class TokenRepo:"));
         assert_eq!(
@@ -428,32 +437,57 @@ mod tests {
         let dir = worktree();
         let cancel = CancellationToken::new();
         let failing = |on_error: &str| json!([{"step": "missing", "command": "Read(nope.txt)", "output_to": "x", "on_error": on_error}]);
-        let err = run(&steps(failing("fail")), dir.path(), &cancel)
-            .await
-            .expect_err("fails");
+        let err = run(
+            &steps(failing("fail")),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect_err("fails");
         assert!(
             err.contains("step `missing` failed: cannot read nope.txt"),
             "{err}"
         );
-        let cont = run(&steps(failing("continue")), dir.path(), &cancel)
-            .await
-            .expect("continues");
+        let cont = run(
+            &steps(failing("continue")),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect("continues");
         assert!(cont.vars["x"].starts_with("[error] cannot read nope.txt"));
         assert_eq!(cont.steps[0].status, "continued after error");
-        let skip = run(&steps(failing("skip_optional")), dir.path(), &cancel)
-            .await
-            .expect("skips");
+        let skip = run(
+            &steps(failing("skip_optional")),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect("skips");
         assert_eq!(skip.vars["x"], "");
 
         let bad = json!([{"step": "s", "command": "bash(python3 -c 'raise SystemExit(4)')", "on_error": "fail"}]);
-        let err = run(&steps(bad), dir.path(), &cancel)
-            .await
-            .expect_err("exit 4");
+        let err = run(
+            &steps(bad),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect_err("exit 4");
         assert!(err.contains("exited with 4"), "{err}");
         let mcp = json!([{"step": "m", "command": "mcp__ace__search(x)"}]);
-        let err = run(&steps(mcp), dir.path(), &cancel)
-            .await
-            .expect_err("mcp");
+        let err = run(
+            &steps(mcp),
+            dir.path(),
+            &troupe_process::Sandbox::off(),
+            &cancel,
+        )
+        .await
+        .expect_err("mcp");
         assert!(err.contains("not available"), "{err}");
         let refused = troupe_plan::TaskBlocks::from_object(
             json!({"pre_analysis": [{"step": "s", "command": "Read(a)", "on_error": "maybe"}]})
@@ -475,9 +509,14 @@ mod tests {
             "Search(x,../)",
         ] {
             let block = json!([{"step": "s", "command": command}]);
-            let err = run(&steps(block), dir.path(), &cancel)
-                .await
-                .expect_err(command);
+            let err = run(
+                &steps(block),
+                dir.path(),
+                &troupe_process::Sandbox::off(),
+                &cancel,
+            )
+            .await
+            .expect_err(command);
             assert!(
                 err.contains("outside") || err.contains("escapes") || err.contains("leaves"),
                 "{command}: {err}"

@@ -91,6 +91,7 @@ fn kind_name(kind: troupe_backends::ErrorKind) -> &'static str {
         K::InvalidTask => "invalid_task",
         K::Internal => "internal",
         K::Cancelled => "cancelled",
+        K::SandboxDenied => "sandbox_denied",
     }
 }
 

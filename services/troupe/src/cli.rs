@@ -641,6 +641,8 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
                 phase_concurrency: 1,
                 summary_dir: String::new(),
                 security: Default::default(),
+                sandbox: troupe_process::sandbox::SandboxArgs::from_env()
+                    .map_err(anyhow::Error::msg)?,
             };
             let url = troupe_grpc::url_for(config.listen);
             let stop = shutdown.clone();

@@ -56,6 +56,9 @@ impl Embedded {
         std::fs::create_dir_all(&config.data_dir)
             .with_context(|| format!("creating data dir {}", config.data_dir.display()))?;
         let data_dir = std::path::absolute(&config.data_dir).context("resolving the data dir")?;
+        // The in-process services read the same `TROUPE_SANDBOX*` variables their binaries do.
+        let sandbox =
+            troupe_process::sandbox::SandboxArgs::from_env().map_err(anyhow::Error::msg)?;
 
         let coordinator = troupe_coordinator::App::open(troupe_coordinator::Config {
             listen: addr,
@@ -83,6 +86,7 @@ impl Embedded {
                 summary_dir: std::env::var("TROUPE_EXECUTOR_SUMMARY_DIR")
                     .unwrap_or_else(|_| troupe_executor::DEFAULT_SUMMARY_DIR.to_owned()),
                 security: Default::default(),
+                sandbox: sandbox.clone(),
             },
             connector.clone(),
         )

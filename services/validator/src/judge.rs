@@ -126,6 +126,10 @@ impl JudgeConfig {
         rest.remove("backend");
         let settings: BackendConfig = serde_json::from_value(Value::Object(rest))
             .map_err(|err| format!("judge backend `{backend}`: {err}"))?;
+        // The judge's key reaches its CLI only; anywhere troupe writes, it is masked.
+        if let Some(key) = settings.key() {
+            troupe_telemetry::register_secret(key);
+        }
         Ok(Some(Self {
             backend: backend.to_owned(),
             command: Vec::new(),

@@ -101,6 +101,9 @@ pub struct CheckConfig {
         default_value_t = 300
     )]
     pub judge_timeout_seconds: u64,
+    /// Landlock confinement of verification commands.
+    #[command(flatten)]
+    pub sandbox: troupe_process::sandbox::SandboxArgs,
 }
 
 impl CheckConfig {
@@ -216,6 +219,7 @@ impl App {
                     None => troupe_workspace::Credentials::none(),
                 }))
                 .with_tools(Tools::new(checks.tool_dirs.clone()))
+                .with_sandbox(checks.sandbox.clone())
                 .with_judge(checks.judge()?),
         );
         validator.recover().await?;

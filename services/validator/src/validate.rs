@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
-use troupe_process::{Command, Termination};
+use troupe_process::{Command, Sandbox, Termination};
 use troupe_proto::v1::{
     CheckResult, CheckStatus, FileAction, FileChange, ReviewReport, TestRunReport, ValidateRequest,
     ValidationReport, Verdict,
@@ -135,6 +135,7 @@ pub struct Validator {
     mirrors: Mirrors,
     tools: Tools,
     judge: Option<JudgeConfig>,
+    sandbox: troupe_process::sandbox::SandboxArgs,
 }
 
 impl Validator {
@@ -145,7 +146,14 @@ impl Validator {
             data_dir,
             tools: Tools::default(),
             judge: None,
+            sandbox: troupe_process::sandbox::SandboxArgs::default(),
         }
+    }
+
+    /// Confines verification commands with these settings (default: `enforce`).
+    pub fn with_sandbox(mut self, sandbox: troupe_process::sandbox::SandboxArgs) -> Self {
+        self.sandbox = sandbox;
+        self
     }
 
     /// Looks tools up in these directories first (and puts them first on children's `PATH`).
@@ -268,7 +276,25 @@ impl Validator {
         cancel: &CancellationToken,
     ) -> Result<Option<ReviewReport>, Error> {
         if let Some(argv) = job.verification {
-            checks.push(verify_in(worktree, argv, job.timeout, cancel).await?);
+            // A private home beside the worktrees, removed after the run.
+            let home = self.data_dir.join("homes").join(
+                worktree
+                    .file_name()
+                    .map_or_else(|| "verification".into(), |name| name.to_os_string()),
+            );
+            let sandbox = self
+                .sandbox
+                .base(&self.data_dir)
+                .write(worktree)
+                .git_worktree(worktree)
+                .home(&home);
+            let checked = verify_in(worktree, argv, job.timeout, &sandbox, cancel).await;
+            if let Err(err) = tokio::fs::remove_dir_all(&home).await
+                && err.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(home = %home.display(), error = %err, "cannot remove a verification home");
+            }
+            checks.push(checked?);
         }
         let changed = match job.changed {
             Some(changed) => changed,
@@ -346,10 +372,11 @@ async fn verify_in(
     worktree: &Path,
     argv: &[String],
     timeout: Duration,
+    sandbox: &Sandbox,
     cancel: &CancellationToken,
 ) -> Result<CheckResult, Error> {
     let started = Instant::now();
-    let (status, evidence) = run_verification(worktree, argv, timeout, cancel).await?;
+    let (status, evidence) = run_verification(worktree, argv, timeout, sandbox, cancel).await?;
     Ok(CheckResult {
         name: "verification".to_owned(),
         kind: "verification".to_owned(),
@@ -360,10 +387,15 @@ async fn verify_in(
     })
 }
 
+/// How a check's evidence starts when the sandbox denied its command something; the worker
+/// fails the task with `SANDBOX_DENIED` then.
+pub(crate) const SANDBOX_DENIED: &str = "denied by the sandbox: ";
+
 async fn run_verification(
     worktree: &Path,
     argv: &[String],
     timeout: Duration,
+    sandbox: &Sandbox,
     cancel: &CancellationToken,
 ) -> Result<(CheckStatus, String), Error> {
     let command = match Command::from_argv(argv) {
@@ -376,6 +408,7 @@ async fn run_verification(
         }
     };
     let output = match command
+        .sandbox(sandbox.clone())
         .cwd(worktree)
         .env("CI", "true")
         .env("NO_COLOR", "1")
@@ -386,6 +419,12 @@ async fn run_verification(
         .await
     {
         Ok(output) => output,
+        Err(troupe_process::Error::SandboxUnavailable { reason }) => {
+            return Ok((
+                CheckStatus::Error,
+                format!("{SANDBOX_DENIED}the command could not be confined: {reason}"),
+            ));
+        }
         Err(
             err @ (troupe_process::Error::NotFound { .. }
             | troupe_process::Error::Spawn { .. }
@@ -404,6 +443,18 @@ async fn run_verification(
         4000,
     );
     let seconds = output.duration.as_secs_f64();
+    if output.termination == Termination::Exited
+        && output.exit_code != Some(0)
+        && let Some(denied) = sandbox.denied(
+            &format!("{}\n{}", output.stderr_text(), output.stdout_text()),
+            Some(worktree),
+        )
+    {
+        return Ok((
+            CheckStatus::Fail,
+            format!("{SANDBOX_DENIED}{denied}\n{tail}"),
+        ));
+    }
     Ok(match (output.termination, output.exit_code) {
         (Termination::Cancelled, _) => return Err(Error::Cancelled),
         (Termination::TimedOut | Termination::IdleTimedOut, _) => (

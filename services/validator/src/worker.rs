@@ -584,9 +584,27 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
         detail: Some(task_result::Detail::Validation(report)),
         ..TaskResult::default()
     };
-    match failed_because {
-        None => Ok(result),
-        Some(why) => {
+    // A check whose command the sandbox refused something fails the task as SANDBOX_DENIED,
+    // naming what was denied.
+    let denied = result.detail.as_ref().and_then(|detail| match detail {
+        task_result::Detail::Validation(report) => report.checks.iter().find_map(|check| {
+            check
+                .evidence
+                .strip_prefix(crate::validate::SANDBOX_DENIED)
+                .map(|rest| rest.lines().next().unwrap_or_default().to_owned())
+        }),
+        _ => None,
+    });
+    match (failed_because, denied) {
+        (None, _) => Ok(result),
+        (Some(why), Some(denied)) => Err(TaskFailure::new(
+            ErrorKind::SandboxDenied,
+            format!("{why}: the sandbox denied {denied}: {summary}"),
+            false,
+        )
+        .with_details(details)
+        .with_partial(result)),
+        (Some(why), None) => {
             Err(
                 TaskFailure::new(ErrorKind::CheckFailed, format!("{why}: {summary}"), false)
                     .with_details(details)

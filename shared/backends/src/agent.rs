@@ -204,6 +204,8 @@ struct Tools<'a> {
     allow: &'a [String],
     read_only: bool,
     cancel: &'a CancellationToken,
+    /// What the `run` tool's children run under.
+    sandbox: troupe_process::Sandbox,
 }
 
 impl Tools<'_> {
@@ -341,14 +343,21 @@ impl Tools<'_> {
                 }
                 let output = Command::from_argv(&argv)
                     .map_err(|err| err.to_string())?
+                    .sandbox(self.sandbox.clone())
                     .cwd(&self.root)
                     .timeout(RUN_TIMEOUT)
                     .max_output_bytes(64 * 1024)
                     .run(self.cancel)
                     .await
                     .map_err(|err| err.to_string())?;
+                // The model learns what the sandbox refused, so it can stay in bounds.
+                let denied = (output.exit_code != Some(0))
+                    .then(|| self.sandbox.denied(&output.stderr_text(), Some(&self.root)))
+                    .flatten()
+                    .map(|denied| format!("\ndenied by the sandbox: {denied}"))
+                    .unwrap_or_default();
                 Ok(clip(&format!(
-                    "exit code: {:?}\nstdout:\n{}\nstderr:\n{}",
+                    "exit code: {:?}\nstdout:\n{}\nstderr:\n{}{denied}",
                     output.exit_code,
                     output.stdout_text(),
                     output.stderr_text()
@@ -407,6 +416,7 @@ impl AgentLoopBackend {
             allow: &allow,
             read_only: spec.read_only,
             cancel,
+            sandbox: spec.child_sandbox(),
         };
         let max_turns = self.config.max_turns.unwrap_or(DEFAULT_MAX_TURNS);
         let max_tokens = self.config.max_tokens.unwrap_or(DEFAULT_MAX_TOKENS);
@@ -595,6 +605,7 @@ mod tests {
             allow: &allow,
             read_only: false,
             cancel: &cancel,
+            sandbox: troupe_process::Sandbox::new(troupe_process::SandboxMode::Warn).write(&root),
         };
         let err = tools
             .call("run", &json!({"argv": ["rm", "-rf", "/"]}))
@@ -636,6 +647,7 @@ mod tests {
             allow: &allow,
             read_only: true,
             cancel: &cancel,
+            sandbox: troupe_process::Sandbox::off(),
         };
         assert!(
             ro.call("write_file", &json!({"path": "b", "content": ""}))

@@ -260,13 +260,18 @@ impl CliBackend {
                 if let Some(model) = &model {
                     toml.push_str(&format!("model = {}\n", json!(model)));
                 }
+                // Codex's own sandbox (bubblewrap) mounts, which Landlock refuses to a confined
+                // process: under troupe's sandbox, which already limits it to the worktree
+                // (read-only in analysis mode), codex runs without its own.
+                let codex_sandbox = if spec.sandbox.mode() != troupe_process::SandboxMode::Off {
+                    "danger-full-access"
+                } else if spec.read_only {
+                    "read-only"
+                } else {
+                    "workspace-write"
+                };
                 toml.push_str(&format!(
-                    "sandbox_mode = \"{}\"\napproval_policy = \"never\"\n",
-                    if spec.read_only {
-                        "read-only"
-                    } else {
-                        "workspace-write"
-                    }
+                    "sandbox_mode = \"{codex_sandbox}\"\napproval_policy = \"never\"\n"
                 ));
                 if let Some(endpoint) = &endpoint {
                     toml.push_str("model_provider = \"troupe\"\n\n[model_providers.troupe]\nname = \"troupe\"\n");
@@ -284,15 +289,7 @@ impl CliBackend {
                 if let Some(id) = &resume {
                     args.extend(["resume".to_owned(), id.clone()]);
                 } else {
-                    args.extend([
-                        "-s".to_owned(),
-                        if spec.read_only {
-                            "read-only"
-                        } else {
-                            "workspace-write"
-                        }
-                        .to_owned(),
-                    ]);
+                    args.extend(["-s".to_owned(), codex_sandbox.to_owned()]);
                 }
                 args.extend([
                     "--json".to_owned(),
@@ -509,8 +506,18 @@ impl CliBackend {
         let (args, env) = self.prepare(&spec, &home).await?;
         // The caller's variables first: the endpoint, key and homes set from our own
         // configuration always win over them.
+        let mut sandbox = spec.child_sandbox().write(&home);
+        if let Some(port) = self
+            .config
+            .endpoint
+            .as_deref()
+            .and_then(crate::endpoint_port)
+        {
+            sandbox = sandbox.allow_port(port);
+        }
         let mut cmd = Command::new(&program)
             .args(args)
+            .sandbox(sandbox)
             .cwd(&spec.worktree)
             .stdin(spec.prompt.clone().into_bytes())
             .envs(spec.env.clone())
@@ -534,12 +541,27 @@ impl CliBackend {
                 backend: name.to_owned(),
                 program,
             },
+            troupe_process::Error::SandboxUnavailable { reason } => BackendError::SandboxDenied {
+                backend: name.to_owned(),
+                denied: format!("the child could not be confined: {reason}"),
+                output_tail: String::new(),
+            },
             other => BackendError::Internal {
                 message: format!("running `{program}`: {other}"),
             },
         })?;
         let stdout = output.stdout_text();
         let stderr = output.stderr_text();
+        if output.exit_code != Some(0)
+            && output.termination == Termination::Exited
+            && let Some(denied) = spec.sandbox_denied(&stderr)
+        {
+            return Err(BackendError::SandboxDenied {
+                backend: name.to_owned(),
+                denied,
+                output_tail: troupe_process::tail(&stderr, TAIL_LINES, TAIL_CHARS),
+            });
+        }
         let transcript = events::parse(self.kind, &stdout);
         let stdout_tail = troupe_process::tail(&stdout, TAIL_LINES, TAIL_CHARS);
         let stderr_tail = troupe_process::tail(&stderr, TAIL_LINES, TAIL_CHARS);

@@ -65,12 +65,14 @@ async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, Ba
         argv[0] = Path::new(plan_dir).join(&argv[0]).display().to_string();
     }
 
+    let sandbox = spec.child_sandbox();
     let mut cmd = Command::from_argv(&argv)
         .map_err(|err| BackendError::InvalidTask {
             message: format!("agent command: {err}"),
         })?
+        .sandbox(sandbox)
         .cwd(&spec.worktree)
-        .stdin(spec.prompt.into_bytes())
+        .stdin(spec.prompt.clone().into_bytes())
         .env("TROUPE_WORKTREE", values["worktree"].clone())
         .env("TROUPE_PROMPT_FILE", values["prompt_file"].clone());
     for (placeholder, var) in [
@@ -83,7 +85,7 @@ async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, Ba
             cmd = cmd.env(var, value.clone());
         }
     }
-    cmd = cmd.envs(spec.env);
+    cmd = cmd.envs(spec.env.clone());
     if let Some(limit) = spec.timeout {
         cmd = cmd.timeout(limit);
     }
@@ -102,6 +104,11 @@ async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, Ba
             exit_code: None,
             signal: None,
             stderr_tail: format!("cannot start `{program}`: {source}"),
+        },
+        troupe_process::Error::SandboxUnavailable { reason } => BackendError::SandboxDenied {
+            backend: NAME.to_owned(),
+            denied: format!("the child could not be confined: {reason}"),
+            output_tail: String::new(),
         },
         other => BackendError::Internal {
             message: format!("running agent command: {other}"),
@@ -132,6 +139,23 @@ async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, Ba
             });
         }
         Termination::Exited => {}
+    }
+    if output.exit_code != Some(0)
+        && let Some(denied) = spec.sandbox_denied(&format!(
+            "{}\n{}",
+            output.stderr_text(),
+            output.stdout_text()
+        ))
+    {
+        return Err(BackendError::SandboxDenied {
+            backend: NAME.to_owned(),
+            denied,
+            output_tail: if stderr_tail.is_empty() {
+                stdout_tail
+            } else {
+                stderr_tail
+            },
+        });
     }
     match output.exit_code {
         Some(0) => Ok(RunOutcome {

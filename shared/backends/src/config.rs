@@ -15,6 +15,7 @@
 //! timeout_seconds = 1800
 //! idle_timeout_seconds = 300
 //! fast_fail = true                         # switch the CLI's own retries off
+//! sandbox = "enforce"                      # this backend's children: enforce | warn | off
 //! ```
 
 use std::collections::BTreeMap;
@@ -62,6 +63,9 @@ pub struct BackendConfig {
     pub max_tokens: Option<u64>,
     /// `agent` loop: programs the `run` tool may start (argv\[0\]).
     pub allow_commands: Option<Vec<String>>,
+    /// This backend's Landlock confinement (`enforce`, `warn`, `off`), instead of the
+    /// service's `--sandbox`.
+    pub sandbox: Option<String>,
 }
 
 impl BackendConfig {
@@ -72,6 +76,11 @@ impl BackendConfig {
                 .as_deref()
                 .and_then(|name| std::env::var(name).ok())
         })
+    }
+
+    /// The sandbox mode this backend's settings ask for (validated when the file is read).
+    pub fn sandbox_mode(&self) -> Option<troupe_process::SandboxMode> {
+        self.sandbox.as_deref().and_then(|mode| mode.parse().ok())
     }
 
     /// The wall-clock limit, when set.
@@ -163,6 +172,20 @@ impl BackendsConfig {
             path: origin.to_owned(),
             message: err.to_string(),
         })?;
+        for (name, backend) in &config.backends {
+            // The key reaches the backend's child only; anywhere troupe writes, it is masked.
+            if let Some(key) = backend.key() {
+                troupe_telemetry::register_secret(key);
+            }
+            if let Some(mode) = &backend.sandbox
+                && let Err(message) = mode.parse::<troupe_process::SandboxMode>()
+            {
+                return Err(ConfigError::Parse {
+                    path: origin.to_owned(),
+                    message: format!("backends.{name}.sandbox: {message}"),
+                });
+            }
+        }
         for name in config.backends.keys().chain(config.fallback.iter()) {
             if !crate::BACKEND_NAMES.contains(&name.as_str()) {
                 return Err(ConfigError::Parse {
@@ -216,5 +239,17 @@ mod tests {
         let err =
             BackendsConfig::from_toml("[backends.codex]\nmodle = 1\n", "t.toml").expect_err("typo");
         assert!(err.to_string().contains("modle"), "{err}");
+        let warn = BackendsConfig::from_toml("[backends.codex]\nsandbox = \"warn\"\n", "t.toml")
+            .expect("valid");
+        assert_eq!(
+            warn.backend("codex").sandbox_mode(),
+            Some(troupe_process::SandboxMode::Warn)
+        );
+        let err = BackendsConfig::from_toml("[backends.codex]\nsandbox = \"loose\"\n", "t.toml")
+            .expect_err("bad mode");
+        assert!(
+            err.to_string().contains("unknown sandbox mode `loose`"),
+            "{err}"
+        );
     }
 }

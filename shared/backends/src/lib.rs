@@ -38,6 +38,12 @@ pub use confine::{confine, relative_inside};
 pub use events::{AgentEvent, CliKind, Transcript, classify_message, parse as parse_events};
 pub use placeholder::{PLACEHOLDERS, substitute};
 
+/// The TCP port of a model endpoint URL (explicit, or the scheme's default), which a
+/// sandbox restricting connections must allow.
+pub fn endpoint_port(endpoint: &str) -> Option<u16> {
+    reqwest::Url::parse(endpoint).ok()?.port_or_known_default()
+}
+
 /// A boxed future, so [`Backend`] stays object-safe.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -86,6 +92,38 @@ pub struct RunSpec {
     pub read_only: bool,
     /// Continue an earlier run's native session.
     pub resume: Option<ResumeFrom>,
+    /// The service's base sandbox; the backend adds the worktree, home and prompt file
+    /// ([`RunSpec::child_sandbox`]). Default: off.
+    pub sandbox: troupe_process::Sandbox,
+}
+
+impl RunSpec {
+    /// The sandbox this run's child runs under: the base, plus write access to the worktree
+    /// (and its git admin dir) and the run's home, and read access to the prompt file and the
+    /// plan's directory (where a `command` agent's script lives).
+    pub fn child_sandbox(&self) -> troupe_process::Sandbox {
+        let mut sandbox = self.sandbox.clone();
+        // Analysis mode: the kernel, not only the prompt, keeps the worktree unchanged.
+        sandbox = if self.read_only {
+            sandbox.read(&self.worktree).git_worktree(&self.worktree)
+        } else {
+            sandbox.write(&self.worktree).git_worktree(&self.worktree)
+        };
+        sandbox = sandbox.read(&self.prompt_file);
+        if let Some(home) = &self.home {
+            sandbox = sandbox.home(home);
+        }
+        if let Some(plan_dir) = self.placeholders.get("plan_dir") {
+            sandbox = sandbox.read(plan_dir);
+        }
+        sandbox
+    }
+
+    /// The sandbox denial the output of a failed child reports (see
+    /// [`troupe_process::Sandbox::denied`]).
+    pub fn sandbox_denied(&self, output: &str) -> Option<String> {
+        self.child_sandbox().denied(output, Some(&self.worktree))
+    }
 }
 
 /// The native session a run continues.
@@ -170,6 +208,8 @@ pub enum ErrorKind {
     Internal,
     /// Stopped by a cancel (not a failure of the backend).
     Cancelled,
+    /// The child's sandbox denied it a path or port.
+    SandboxDenied,
 }
 
 /// Why a run failed.
@@ -244,6 +284,17 @@ pub enum BackendError {
     /// The run was cancelled.
     #[error("run cancelled")]
     Cancelled,
+    /// The sandbox denied the child a path or port (or could not confine it).
+    #[error("backend `{backend}` was denied by its sandbox: {denied}")]
+    SandboxDenied {
+        /// Backend name.
+        backend: String,
+        /// The path (`/srv/x`, `link -> /srv/x`) or `tcp port N` denied, or why the child
+        /// could not be confined.
+        denied: String,
+        /// The child's last output.
+        output_tail: String,
+    },
     /// The task asks for something this backend cannot do (bad template, not implemented).
     #[error("{message}")]
     InvalidTask {
@@ -278,6 +329,7 @@ impl BackendError {
             Self::Crash { .. } => ErrorKind::Crash,
             Self::BadOutput { .. } => ErrorKind::BadOutput,
             Self::Cancelled => ErrorKind::Cancelled,
+            Self::SandboxDenied { .. } => ErrorKind::SandboxDenied,
             Self::InvalidTask { .. } => ErrorKind::InvalidTask,
             Self::Internal { .. } => ErrorKind::Internal,
         }
@@ -296,7 +348,8 @@ impl BackendError {
             | ErrorKind::Auth
             | ErrorKind::Quota
             | ErrorKind::InvalidTask
-            | ErrorKind::Cancelled => false,
+            | ErrorKind::Cancelled
+            | ErrorKind::SandboxDenied => false,
         }
     }
 
@@ -308,6 +361,9 @@ impl BackendError {
             }
             | Self::Crash {
                 stderr_tail: tail, ..
+            }
+            | Self::SandboxDenied {
+                output_tail: tail, ..
             } if !tail.is_empty() => {
                 vec![tail.clone()]
             }

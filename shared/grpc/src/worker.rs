@@ -636,6 +636,7 @@ async fn run_leased<H: TaskHandler>(
 
     match outcome {
         Ok(result) => {
+            let result = without_secrets(result);
             // The slot's next task comes with the completion, unless the worker is stopping.
             let claim_next = (!shutdown.is_cancelled()).then(|| claim_request(config, 1, None));
             let mut request = CompleteTaskRequest {
@@ -661,6 +662,8 @@ async fn run_leased<H: TaskHandler>(
             Some((answer.next, sent))
         }
         Err(mut failure) => {
+            failure.error = without_secrets(failure.error);
+            failure.partial = failure.partial.map(without_secrets);
             if shutdown.is_cancelled() {
                 // Stopped by our own shutdown, not by the task: let another worker retry it.
                 failure.error.retryable = true;
@@ -810,6 +813,16 @@ impl Backoff {
         let jitter = rand::random_range(0.8..1.2);
         base.mul_f64(jitter)
     }
+}
+
+/// `message` with every known secret masked (same length, so the encoding stays valid): an
+/// agent that printed its API key does not put it in the store, a summary or an export.
+fn without_secrets<M: prost::Message + Default>(message: M) -> M {
+    let mut bytes = message.encode_to_vec();
+    if !troupe_telemetry::redact_bytes(&mut bytes) {
+        return message;
+    }
+    M::decode(bytes.as_slice()).unwrap_or(message)
 }
 
 #[cfg(test)]

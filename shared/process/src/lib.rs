@@ -26,6 +26,7 @@ mod argv;
 mod children;
 mod proc;
 mod reaper;
+pub mod sandbox;
 
 use std::collections::BTreeMap;
 use std::io;
@@ -46,6 +47,7 @@ use tracing::{debug, warn};
 
 pub use argv::command_line_to_argv;
 pub use children::{KilledGroup, supervise_children};
+pub use sandbox::{Mode as SandboxMode, Sandbox};
 
 /// Variables a child inherits from our environment by default; everything else must be given
 /// explicitly (so API keys and tokens reach only the children that need them).
@@ -105,6 +107,15 @@ pub enum Error {
     /// The reaper that kills children when this process dies cannot be started.
     #[error("cannot start the child reaper (/bin/sh): {0}")]
     Reaper(#[source] io::Error),
+    /// `sandbox = "enforce"` and the kernel cannot confine the child (no Landlock, or no TCP
+    /// rules when ports are restricted): the child was not started.
+    #[error(
+        "cannot confine the child (sandbox = \"enforce\"): {reason}; set sandbox = \"warn\" or \"off\" to run unconfined"
+    )]
+    SandboxUnavailable {
+        /// What the kernel or the ruleset refused.
+        reason: String,
+    },
 }
 
 /// How a run ended.
@@ -189,6 +200,7 @@ pub struct Command {
     idle_timeout: Option<Duration>,
     max_output_bytes: usize,
     kill_grace: Duration,
+    sandbox: Option<Sandbox>,
 }
 
 impl Command {
@@ -206,6 +218,7 @@ impl Command {
             idle_timeout: None,
             max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
             kill_grace: DEFAULT_KILL_GRACE,
+            sandbox: None,
         }
     }
 
@@ -302,6 +315,21 @@ impl Command {
         self
     }
 
+    /// Confines the child with Landlock (see [`sandbox`]).
+    pub fn sandbox(mut self, sandbox: Sandbox) -> Self {
+        self.sandbox = Some(sandbox);
+        self
+    }
+
+    /// The PATH the child will see.
+    fn child_path(&self) -> Option<String> {
+        // PATH is always allow-listed.
+        self.env
+            .get("PATH")
+            .cloned()
+            .or_else(|| std::env::var("PATH").ok())
+    }
+
     /// The program this command runs.
     pub fn program(&self) -> &str {
         &self.program
@@ -351,13 +379,33 @@ impl Command {
     /// A child that exits non-zero is not an error: look at [`Output`]. Errors are only about
     /// starting and supervising the child.
     #[tracing::instrument(skip_all, fields(program = %self.program))]
-    pub async fn run(self, cancel: &CancellationToken) -> Result<Output, Error> {
+    pub async fn run(mut self, cancel: &CancellationToken) -> Result<Output, Error> {
         if let Some(dir) = &self.cwd
             && !dir.is_dir()
         {
             return Err(Error::WorkingDir { path: dir.clone() });
         }
-        let mut child = self.build().spawn().map_err(|source| match source.kind() {
+        if let Some(home) = self
+            .sandbox
+            .as_ref()
+            .filter(|sandbox| sandbox.mode() != SandboxMode::Off)
+            .and_then(|sandbox| sandbox.home_dir())
+            .map(Path::to_path_buf)
+        {
+            let tmp = home.join("tmp");
+            tokio::fs::create_dir_all(&tmp).await?;
+            self.env
+                .entry("HOME".to_owned())
+                .or_insert_with(|| home.display().to_string());
+            self.env
+                .entry("TMPDIR".to_owned())
+                .or_insert_with(|| tmp.display().to_string());
+        }
+        let spawned = match &self.sandbox {
+            Some(sandbox) => sandbox::spawn(sandbox, self.build(), self.child_path())?,
+            None => self.build().spawn(),
+        };
+        let mut child = spawned.map_err(|source| match source.kind() {
             io::ErrorKind::NotFound => Error::NotFound {
                 program: self.program.clone(),
             },

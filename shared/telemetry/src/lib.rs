@@ -7,8 +7,17 @@
 //! Await [`TelemetryGuard::shutdown`] before exiting, or the last spans are lost.
 //!
 //! [`inject_context`] and [`extract_context`] carry the current trace across gRPC metadata.
+//!
+//! Log lines and exported spans pass through [`redact`]: known secret values never leave the
+//! process in them.
 
 use std::io::IsTerminal;
+
+mod redact;
+
+pub use redact::{
+    MIN_SECRET_LEN, REDACTED, redact, redact_bytes, register_secret, register_secrets_from_env,
+};
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
 use opentelemetry::trace::TracerProvider as _;
@@ -64,6 +73,7 @@ pub fn init(service_name: &str) -> Result<TelemetryGuard, Error> {
 /// Like [`init`], with `default_filter` used when `RUST_LOG` is unset (commands that print
 /// their own progress want `warn`).
 pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<TelemetryGuard, Error> {
+    register_secrets_from_env();
     let provider = tracer_provider(service_name)?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     opentelemetry::global::set_tracer_provider(provider.clone());
@@ -85,7 +95,7 @@ pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<Tele
                     .json()
                     .with_current_span(true)
                     .with_span_list(false)
-                    .with_writer(std::io::stderr),
+                    .with_writer(redact::RedactingStderr),
             )
             .try_init()
     } else {
@@ -93,7 +103,7 @@ pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<Tele
             .with(
                 tracing_subscriber::fmt::layer()
                     .compact()
-                    .with_writer(std::io::stderr),
+                    .with_writer(redact::RedactingStderr),
             )
             .try_init()
     };
@@ -117,7 +127,9 @@ fn tracer_provider(service_name: &str) -> Result<SdkTracerProvider, Error> {
         .with_tonic()
         .build()
         .map_err(|err| Error::Exporter(err.to_string()))?;
-    Ok(builder.with_batch_exporter(exporter).build())
+    Ok(builder
+        .with_batch_exporter(redact::RedactingExporter(exporter))
+        .build())
 }
 
 /// Writes the current span's trace context (`traceparent`, `tracestate`) into gRPC metadata.

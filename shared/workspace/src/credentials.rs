@@ -67,7 +67,12 @@ impl Credentials {
             why,
         };
         let text = std::fs::read_to_string(path).map_err(|err| invalid(err.to_string()))?;
-        Self::parse(&text).map_err(invalid)
+        let credentials = Self::parse(&text).map_err(invalid)?;
+        // Tokens reach git's environment only; anywhere else troupe writes, they are masked.
+        for secret in credentials.secrets() {
+            troupe_telemetry::register_secret(secret);
+        }
+        Ok(credentials)
     }
 
     fn parse(text: &str) -> Result<Self, String> {

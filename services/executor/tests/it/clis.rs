@@ -90,6 +90,7 @@ pub(crate) async fn fixture(config: BackendsConfig) -> Fixture {
         phase_concurrency: 4,
         summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
         security: Default::default(),
+        sandbox: Default::default(),
     };
     let data = data_dir.path().join("data");
     let service =

@@ -43,6 +43,7 @@ async fn fixture() -> Fixture {
         phase_concurrency: 4,
         summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
         security: Default::default(),
+        sandbox: Default::default(),
     };
     let service =
         TestService::spawn(|listener, shutdown| troupe_executor::run(config, listener, shutdown))

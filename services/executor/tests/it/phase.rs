@@ -138,6 +138,11 @@ async fn fixture_with(with_validator: bool, backends: Option<BackendsConfig>) ->
         phase_concurrency: 4,
         summary_dir: troupe_executor::DEFAULT_SUMMARY_DIR.to_owned(),
         security: Default::default(),
+        // The test agents count their runs in the log dir.
+        sandbox: troupe_process::sandbox::SandboxArgs {
+            write_paths: vec![log.clone()],
+            ..Default::default()
+        },
     };
     let executor =
         TestService::spawn(|listener, shutdown| troupe_executor::run(config, listener, shutdown))
@@ -652,12 +657,24 @@ fn session_job(f: &Fixture, spec: Value, attempt: u32) -> troupe_executor::Job {
     }
 }
 
+/// An executor whose agents may write their run counts to `log`.
+fn executor_logging_to(data: PathBuf, log: &Path) -> troupe_executor::Executor {
+    let options = troupe_executor::Options {
+        sandbox: troupe_process::sandbox::SandboxArgs {
+            write_paths: vec![log.to_path_buf()],
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    troupe_executor::Executor::with_options(data, Default::default(), options)
+}
+
 #[tokio::test]
 async fn phase_progress_names_the_wave_and_retries_redo_only_what_failed() {
     let f = fixture(false).await;
     git(&f.repo, &["branch", "troupe/s1", "main"]).expect("session branch");
     let data = f.log.parent().expect("root").join("direct-executor");
-    let executor = troupe_executor::Executor::new(data);
+    let executor = executor_logging_to(data, &f.log);
     f.phase_task("IMPL-801", &[], &[], "a.txt");
     f.phase_task("IMPL-802", &[], &["--fail"], "b.txt");
     f.phase_task("IMPL-803", &["IMPL-801", "IMPL-802"], &[], "c.txt");
@@ -766,8 +783,9 @@ async fn a_claimed_exec_task_reports_wave_progress_to_the_coordinator() {
     let mut worker = WorkerConfig::new(coordinator.url(), "executor-it", vec![Role::Executor]);
     worker.lease = Duration::from_millis(1500);
     worker.poll_wait = Duration::from_millis(200);
-    let executor = Arc::new(troupe_executor::Executor::new(
+    let executor = Arc::new(executor_logging_to(
         f.log.parent().expect("root").join("worker"),
+        &f.log,
     ));
     let stop = tokio_util::sync::CancellationToken::new();
     let worker_task = tokio::spawn(run_worker(

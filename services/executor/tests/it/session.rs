@@ -20,14 +20,30 @@ struct Session {
 }
 
 fn session() -> Session {
+    session_with(troupe_process::SandboxMode::Enforce)
+}
+
+/// A session whose executor confines agents with `mode`; the test agent's barrier files go to
+/// the plan directory, which it may write.
+fn session_with(mode: troupe_process::SandboxMode) -> Session {
     let repo_dir = tempfile::tempdir().expect("tempdir");
     let data = tempfile::tempdir().expect("tempdir");
     let plan = plan_dir();
     let repo = repo_dir.path().join("app");
     git_repo(&repo, &[("shared.txt", "base\n")]).expect("repo");
     git(&repo, &["branch", "troupe/s1", "main"]).expect("session branch");
-    let executor = Arc::new(Executor::new(
+    let options = troupe_executor::Options {
+        sandbox: troupe_process::sandbox::SandboxArgs {
+            mode,
+            write_paths: vec![plan.path().to_path_buf()],
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let executor = Arc::new(Executor::with_options(
         data.path().canonicalize().expect("canonical"),
+        Default::default(),
+        options,
     ));
     Session {
         repo,
@@ -237,8 +253,30 @@ async fn read_only_context_is_checked_out_beside_and_a_change_to_it_fails_the_ta
         "IMPL-2",
         &["b.txt=fine", "{context:contract}/API.md=patched"],
     );
+    job.context = context.clone();
+    // Confined, the kernel refuses the write itself.
+    let err = s.run(job.clone()).await.expect_err("refused");
+    assert_eq!(
+        err.error.kind(),
+        ErrorKind::SandboxDenied,
+        "{:?}",
+        err.error
+    );
+    assert!(
+        err.error.message.contains(".context/contract/API.md"),
+        "{}",
+        err.error.message
+    );
+    assert_eq!(s.head(), head, "nothing landed");
+    // Unconfined, the write happens and the scope check refuses the result.
+    let free = session_with(troupe_process::SandboxMode::Off);
+    let head = free.head();
+    let mut job = free.job(
+        "IMPL-2",
+        &["b.txt=fine", "{context:contract}/API.md=patched"],
+    );
     job.context = context;
-    let err = s.run(job).await.expect_err("refused");
+    let err = free.run(job).await.expect_err("refused");
     assert_eq!(err.error.kind(), ErrorKind::OutOfScope, "{:?}", err.error);
     assert!(
         err.error
@@ -247,7 +285,7 @@ async fn read_only_context_is_checked_out_beside_and_a_change_to_it_fails_the_ta
         "{}",
         err.error.message
     );
-    assert_eq!(s.head(), head, "nothing landed");
+    assert_eq!(free.head(), head, "nothing landed");
     assert_eq!(
         std::fs::read_to_string(contract.join("API.md")).expect("read"),
         "contract v1\n"

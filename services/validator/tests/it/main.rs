@@ -109,6 +109,7 @@ async fn start_with(
         judge,
         judge_config,
         judge_timeout_seconds: 30,
+        sandbox: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_validator::run_with(config, checks, listener, shutdown)

@@ -50,13 +50,17 @@ impl Token {
                 }
             ));
         }
+        // Whoever holds it has its scopes: it is masked wherever troupe writes.
+        troupe_telemetry::register_secret(text);
         Ok(Self(text.to_owned()))
     }
 
     /// A fresh random token (256 bits, hex).
     pub fn generate() -> Self {
         let bytes: [u8; 32] = rand::random();
-        Self(bytes.iter().map(|b| format!("{b:02x}")).collect())
+        let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        troupe_telemetry::register_secret(&token);
+        Self(token)
     }
 
     /// The token itself, for writing it where a client reads it. Never log it.

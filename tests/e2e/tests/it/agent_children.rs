@@ -108,10 +108,16 @@ fn setup() -> anyhow::Result<Setup> {
     })
 }
 
-async fn start_executor(data: &Path) -> anyhow::Result<ChildService> {
+/// The executor on `data`; its (confined) agents may write to `out`, where they report.
+async fn start_executor(data: &Path, out: &Path) -> anyhow::Result<ChildService> {
     ChildService::start(
         "troupe-executor",
-        &["--data-dir", &data.display().to_string()],
+        &[
+            "--data-dir",
+            &data.display().to_string(),
+            "--sandbox-write-path",
+            &out.display().to_string(),
+        ],
         &[],
     )
     .await
@@ -174,7 +180,7 @@ async fn an_agent_dies_with_its_killed_executor_or_at_the_next_start() -> anyhow
     let mut groups = KillGroups(Vec::new());
 
     // kill -9 of the executor mid-run: the reaper takes the agent's whole group down.
-    let mut executor = start_executor(&setup.data).await?;
+    let mut executor = start_executor(&setup.data, &setup.out).await?;
     let executor_pid = i32::try_from(executor.child.id().context("executor pid")?)?;
     let (pgid, grandchild, log) = start_agent(&executor, &setup, "IMPL-001").await?;
     groups.0.push(pgid);
@@ -200,7 +206,7 @@ async fn an_agent_dies_with_its_killed_executor_or_at_the_next_start() -> anyhow
 
     // Now the reaper cannot act: stop the executor (so it cannot start another reaper), kill
     // the reaper, then the executor. The agent survives, recorded; the next start kills it.
-    let mut executor = start_executor(&setup.data).await?;
+    let mut executor = start_executor(&setup.data, &setup.out).await?;
     let executor_pid = i32::try_from(executor.child.id().context("executor pid")?)?;
     let (pgid, grandchild, log) = start_agent(&executor, &setup, "IMPL-002").await?;
     groups.0.push(pgid);
@@ -224,7 +230,7 @@ async fn an_agent_dies_with_its_killed_executor_or_at_the_next_start() -> anyhow
     assert!(record.is_file(), "and its record with it");
 
     // The executor kills it before it serves anything.
-    let executor = start_executor(&setup.data).await?;
+    let executor = start_executor(&setup.data, &setup.out).await?;
     let left = group_members(pgid);
     assert!(
         left.is_empty(),

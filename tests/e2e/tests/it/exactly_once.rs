@@ -183,10 +183,14 @@ async fn executor(scene: &Scene, name: &str, url: &str, concurrency: usize) -> C
     let data = scene.path(name).display().to_string();
     let log = scene.path(&format!("{name}.log"));
     let concurrency = concurrency.to_string();
+    // The (confined) agents record their runs in the scene's control dir.
+    let control = scene.plan_dir().join("control").display().to_string();
     ChildService::start_at(
         "troupe-executor",
         free_addr(),
         &[
+            "--sandbox-write-path",
+            &control,
             "--data-dir",
             &data,
             "--coordinator-url",
@@ -523,6 +527,8 @@ async fn a_partitioned_worker_abandons_and_the_task_lands_once() -> anyhow::Resu
         .start_executor(
             "troupe-executor",
             &[
+                "--sandbox-write-path",
+                &scene.plan_dir().join("control").display().to_string(),
                 "--data-dir",
                 &scene.path("executor-ns").display().to_string(),
                 "--coordinator-url",

@@ -153,10 +153,14 @@ pub(crate) async fn executor(
     rpc_timeout: &str,
     log: &Path,
 ) -> ChildService {
+    // The (confined) agents record their runs in the control dir of the scene `data` is in.
+    let control = data.with_file_name("plan").join("control");
     ChildService::start_at(
         "troupe-executor",
         free_addr(),
         &[
+            "--sandbox-write-path",
+            &control.display().to_string(),
             "--data-dir",
             &data.display().to_string(),
             "--coordinator-url",

@@ -17,6 +17,8 @@ mod postgres;
 mod quickstart;
 mod reconnect;
 mod remotes;
+mod sandbox;
+mod secrets;
 mod shutdown;
 mod support;
 // The test-runner's fixture helpers, shared with its own tests rather than copied.

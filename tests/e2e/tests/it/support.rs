@@ -42,6 +42,21 @@ pub(crate) fn free_addr() -> SocketAddr {
         .expect("bound listener has an address")
 }
 
+/// The path of an agent CLI: on `PATH`, or where scripts/setup/50-agent-clis.sh installs it.
+pub(crate) fn installed_cli(name: &str) -> String {
+    if let Some(path) = troupe_process::which(name) {
+        return path.display().to_string();
+    }
+    let installed = troupe_testkit::workspace_root()
+        .join("target/tools/npm/bin")
+        .join(name);
+    assert!(
+        installed.is_file(),
+        "`{name}` is not installed: run scripts/setup/50-agent-clis.sh (scripts/test does)"
+    );
+    installed.display().to_string()
+}
+
 /// The quickstart example directory.
 pub(crate) fn quickstart_dir() -> PathBuf {
     troupe_testkit::workspace_root().join("examples/quickstart")
