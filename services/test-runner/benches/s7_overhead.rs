@@ -107,6 +107,7 @@ async fn main() {
         concurrency: 1,
         backends_config: None,
         security: Default::default(),
+        sandbox: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

@@ -85,6 +85,9 @@ pub struct Config {
     /// and the credentials of its own calls.
     #[command(flatten)]
     pub security: troupe_grpc::auth::Security,
+    /// Confinement of the plan's `test.setup` commands (Landlock; see docs/sandbox.md).
+    #[command(flatten)]
+    pub sandbox: troupe_process::sandbox::SandboxArgs,
 }
 
 /// Errors of the test-runner.
@@ -192,7 +195,8 @@ impl App {
         let runner = Arc::new(
             Runner::new(config.data_dir.clone(), config.python.clone())
                 .with_backends(backends)
-                .with_credentials(Arc::new(credentials)),
+                .with_credentials(Arc::new(credentials))
+                .with_sandbox(config.sandbox.clone()),
         );
         let connector = troupe_grpc::Connector::new(&config.security.credentials).await?;
         Ok(Self {

@@ -193,6 +193,8 @@ pub struct Runner {
     versions: Arc<crate::python::VersionCache>,
     /// How to reach private remotes.
     credentials: Arc<troupe_workspace::Credentials>,
+    /// How setup commands are confined.
+    sandbox: troupe_process::sandbox::SandboxArgs,
 }
 
 type FlagCache = std::collections::HashMap<(PathBuf, Option<String>), js::Capabilities>;
@@ -241,7 +243,15 @@ impl Runner {
             backends: Arc::default(),
             versions: Arc::default(),
             credentials: Arc::default(),
+            sandbox: troupe_process::sandbox::SandboxArgs::default(),
         }
+    }
+
+    /// Confines the plan's setup commands as `sandbox` says.
+    #[must_use]
+    pub fn with_sandbox(mut self, sandbox: troupe_process::sandbox::SandboxArgs) -> Self {
+        self.sandbox = sandbox;
+        self
     }
 
     /// Builds fix agents from `config` (the executor's backend configuration).
@@ -436,12 +446,27 @@ impl Runner {
             framework_version: tool.version().unwrap_or_default(),
             ..TestRunReport::default()
         };
-        // The project's build steps, with the run's environment (and its venv first on PATH).
+        // The project's build steps, with the run's environment (and its venv first on PATH),
+        // confined: the worktree, the run's own venv and a home of their own are writable; the
+        // cached installs they build on are readable.
+        let mut sandbox = self
+            .sandbox
+            .base(&self.data_dir)
+            .write(worktree)
+            .git_worktree(worktree)
+            .write(crate::project_venv::dir_for(worktree))
+            .home(out_dir.join("setup-home"))
+            .read(self.data_dir.join("venvs"))
+            .read(self.data_dir.join("node"));
+        if let Some(env) = Path::new(&python).parent().and_then(Path::parent) {
+            sandbox = sandbox.read(env);
+        }
         let (steps, setup_ok) = crate::setup::run_setup(
             &spec.setup,
             &worktree.join(workdir),
             &run_env,
             spec.timeout,
+            &sandbox,
             cancel,
         )
         .await?;

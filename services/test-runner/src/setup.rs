@@ -66,6 +66,7 @@ pub(crate) async fn run_setup(
     cwd: &Path,
     env: &BTreeMap<String, String>,
     limit: Duration,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<(Vec<SetupStep>, bool), Error> {
     let mut steps = Vec::new();
@@ -77,6 +78,7 @@ pub(crate) async fn run_setup(
             .env("CI", "true")
             .timeout(limit)
             .max_output_bytes(256 * 1024)
+            .sandbox(sandbox.clone())
             .run(cancel)
             .await;
         let output = match output {
@@ -107,6 +109,8 @@ pub(crate) async fn run_setup(
             Termination::TimedOut | Termination::IdleTimedOut
         ) {
             tail = format!("timed out after {}s\n{tail}", limit.as_secs());
+        } else if !ok && let Some(denied) = sandbox.denied(&tail, Some(cwd)) {
+            tail = format!("denied by the sandbox: {denied}\n{tail}");
         }
         steps.push(SetupStep {
             argv: argv.clone(),

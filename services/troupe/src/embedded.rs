@@ -102,6 +102,7 @@ impl Embedded {
             concurrency: 1,
             backends_config: std::env::var_os("TROUPE_EXECUTOR_CONFIG").map(Into::into),
             security: Default::default(),
+            sandbox: sandbox.clone(),
         })
         .await
         .context("opening the test-runner")?

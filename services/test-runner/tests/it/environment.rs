@@ -8,7 +8,7 @@ use tonic::Code;
 use troupe_proto::v1::{RunTestsRequest, SetupCommand, TestFramework, TestOutcome, TestTotals};
 use troupe_testkit::git_repo;
 
-use super::support::{fixture_dir, tools_python};
+use super::support::{fixture_dir, fixture_repo, tools_python};
 use super::{run_tests, start};
 
 const VERSION_PACKAGE: &[(&str, &str)] = &[
@@ -359,6 +359,61 @@ async fn the_projects_own_coverage_threshold_is_its_own_outcome() {
         report.stderr_tail.contains("threshold (95%)"),
         "{}",
         report.stderr_tail
+    );
+    service.stop().await;
+}
+
+/// A `test.setup` command runs confined: it builds inside its worktree, but a write outside
+/// it is refused by the kernel, the run ends as SETUP_FAILED, and the step names the path.
+#[tokio::test]
+async fn setup_commands_are_confined_to_their_worktree() {
+    let outside = tempfile::tempdir().expect("tempdir");
+    let target = outside.path().join("escaped.txt");
+    let repo = fixture_repo("pytest-proj", &[], &[], None);
+    let config = troupe_test_runner::Config {
+        listen: "127.0.0.1:0".parse().expect("address"),
+        data_dir: super::data_dir(),
+        coordinator_url: None,
+        python: "python3".to_owned(),
+        worker_id: None,
+        worker: Default::default(),
+        concurrency: 1,
+        backends_config: None,
+        security: Default::default(),
+        sandbox: Default::default(),
+    };
+    let service = troupe_testkit::TestService::spawn(move |listener, shutdown| {
+        troupe_test_runner::run(config, listener, shutdown)
+    })
+    .await;
+    let inside = vec![
+        "python3".to_owned(),
+        "-c".to_owned(),
+        "open('built.txt', 'w').write('ok')".to_owned(),
+    ];
+    let escape = vec!["touch".to_owned(), target.display().to_string()];
+    let report = run_tests(
+        &service,
+        RunTestsRequest {
+            repo_path: repo.path().display().to_string(),
+            install: true,
+            setup: vec![SetupCommand { argv: inside }, SetupCommand { argv: escape }],
+            ..RunTestsRequest::default()
+        },
+    )
+    .await
+    .expect("run");
+    assert_eq!(report.outcome(), TestOutcome::SetupFailed, "{report:#?}");
+    assert_eq!(report.setup_steps.len(), 2);
+    assert_eq!(report.setup_steps[0].exit_code, 0, "{report:#?}");
+    let denied = &report.setup_steps[1].output_tail;
+    assert!(
+        denied.starts_with(&format!("denied by the sandbox: {}", target.display())),
+        "{denied}"
+    );
+    assert!(
+        !target.exists(),
+        "the setup step wrote outside its worktree"
     );
     service.stop().await;
 }

@@ -325,6 +325,7 @@ async fn start_with_backends(toml: &str, dir: &Path) -> troupe_testkit::TestServ
         backends_config: Some(file),
         worker: troupe_grpc::worker::WorkerTuning::default(),
         security: Default::default(),
+        sandbox: Default::default(),
     };
     troupe_testkit::TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

@@ -53,6 +53,7 @@ async fn start() -> TestService {
         concurrency: 1,
         backends_config: None,
         security: Default::default(),
+        sandbox: Default::default(),
     };
     TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)
@@ -481,6 +482,7 @@ async fn without_plugins_results_come_from_junit_and_coverage_is_not_claimed() {
         concurrency: 1,
         backends_config: None,
         security: Default::default(),
+        sandbox: Default::default(),
     };
     let service = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)

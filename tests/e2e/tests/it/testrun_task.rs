@@ -40,6 +40,7 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
         concurrency: 1,
         backends_config: None,
         security: Default::default(),
+        sandbox: Default::default(),
     };
     let runner = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(runner_config, listener, shutdown)
@@ -222,6 +223,7 @@ async fn a_plan_tests_the_commit_it_names_with_its_env_setup_and_workdir() {
         backends_config: None,
         worker: troupe_grpc::worker::WorkerTuning::default(),
         security: Default::default(),
+        sandbox: Default::default(),
     };
     let runner = TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(runner_config, listener, shutdown)
