@@ -3,6 +3,7 @@
 mod agent_children;
 mod auth;
 mod bad_plan;
+mod deploy;
 mod distributed;
 mod docs;
 mod exactly_once;
@@ -20,3 +21,4 @@ mod remotes;
 mod shutdown;
 mod support;
 mod tour;
+mod worker_health;
