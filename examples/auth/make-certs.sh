@@ -5,6 +5,9 @@
 # tokens with the tokens file the servers read. Needs openssl. Keys never leave DIR.
 #
 #   examples/auth/make-certs.sh /tmp/troupe-auth
+#
+# TROUPE_CERT_SANS replaces the server certificate's names (default DNS:localhost,IP:127.0.0.1),
+# for a cluster: docs/kubernetes.md.
 set -euo pipefail
 DIR=${1:?usage: make-certs.sh DIR}
 mkdir -p "$DIR"
@@ -24,7 +27,7 @@ issue() {
   rm "$1.csr"
 }
 issue server "/CN=troupe/O=worker" \
-  "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth"
+  "subjectAltName=${TROUPE_CERT_SANS:-DNS:localhost,IP:127.0.0.1}\nextendedKeyUsage=serverAuth,clientAuth"
 issue client "/CN=alice/O=client" "extendedKeyUsage=clientAuth"
 issue admin "/CN=root/O=admin" "extendedKeyUsage=clientAuth"
 

@@ -132,6 +132,8 @@ pub struct App {
     config: Config,
     executor: Arc<Executor>,
     _lock: Arc<troupe_grpc::DataDirLock>,
+    /// Its health entry once mounted, flipped by the worker loop.
+    health: Option<troupe_grpc::ServiceHealth>,
 }
 
 impl App {
@@ -197,6 +199,7 @@ impl App {
             config,
             executor,
             _lock: Arc::new(lock),
+            health: None,
         })
     }
 
@@ -206,7 +209,10 @@ impl App {
     }
 
     /// Adds `troupe.v1.Executor` to a shared server.
-    pub fn mount(&self, services: &mut Services) {
+    pub fn mount(&mut self, services: &mut Services) {
+        self.health = Some(services.health_of(
+            <ExecutorServer<grpc::ExecutorService> as tonic::server::NamedService>::NAME,
+        ));
         services.add(ExecutorServer::new(grpc::ExecutorService::new(
             self.executor(),
         )));
@@ -222,6 +228,7 @@ impl App {
             tuning: &self.config.worker,
             connector: &self.executor.options().connector,
             data_dir: &self.config.data_dir,
+            health: self.health.clone(),
         };
         run_worker_if_configured(
             settings,
@@ -240,7 +247,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
-    let app = App::open(config).await?;
+    let mut app = App::open(config).await?;
     let mut services = Services::new();
     app.mount(&mut services);
     troupe_grpc::serve_with_background(

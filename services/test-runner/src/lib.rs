@@ -165,6 +165,8 @@ pub struct App {
     config: Config,
     runner: Arc<Runner>,
     connector: troupe_grpc::Connector,
+    /// Its health entry once mounted, flipped by the worker loop.
+    health: Option<troupe_grpc::ServiceHealth>,
 }
 
 impl App {
@@ -203,6 +205,7 @@ impl App {
             config,
             runner,
             connector,
+            health: None,
         })
     }
 
@@ -218,7 +221,10 @@ impl App {
     }
 
     /// Adds `troupe.v1.TestRunner` to a shared server.
-    pub fn mount(&self, services: &mut Services) {
+    pub fn mount(&mut self, services: &mut Services) {
+        self.health = Some(services.health_of(
+            <TestRunnerServer<grpc::TestRunnerService> as tonic::server::NamedService>::NAME,
+        ));
         services.add(TestRunnerServer::new(grpc::TestRunnerService::new(
             self.runner(),
         )));
@@ -242,6 +248,7 @@ impl App {
             tuning: &self.config.worker,
             connector: &self.connector,
             data_dir: &self.config.data_dir,
+            health: self.health.clone(),
         };
         run_worker_if_configured(settings, Arc::new(handler), shutdown).await?;
         Ok(())
@@ -255,7 +262,7 @@ pub async fn run(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
-    let app = App::open(config).await?;
+    let mut app = App::open(config).await?;
     let mut services = Services::new();
     app.mount(&mut services);
     troupe_grpc::serve_with_background(

@@ -68,7 +68,7 @@ impl Embedded {
         })
         .await
         .context("opening the coordinator")?;
-        let executor = troupe_executor::App::open_connected(
+        let mut executor = troupe_executor::App::open_connected(
             troupe_executor::Config {
                 listen: addr,
                 data_dir: data_dir.clone(),
@@ -92,7 +92,7 @@ impl Embedded {
         )
         .await
         .context("opening the executor")?;
-        let test_runner = troupe_test_runner::App::open(troupe_test_runner::Config {
+        let mut test_runner = troupe_test_runner::App::open(troupe_test_runner::Config {
             listen: addr,
             data_dir: data_dir.clone(),
             coordinator_url: Some(url.clone()),
@@ -107,7 +107,7 @@ impl Embedded {
         .await
         .context("opening the test-runner")?
         .with_connector(connector.clone());
-        let validator = troupe_validator::App::open(troupe_validator::Config {
+        let mut validator = troupe_validator::App::open(troupe_validator::Config {
             listen: addr,
             data_dir,
             coordinator_url: Some(url),

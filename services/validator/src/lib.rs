@@ -183,6 +183,8 @@ pub struct App {
     validator: Arc<Validator>,
     connector: troupe_grpc::Connector,
     _lock: Arc<troupe_grpc::DataDirLock>,
+    /// Its health entry once mounted, flipped by the worker loop.
+    health: Option<troupe_grpc::ServiceHealth>,
 }
 
 impl App {
@@ -229,6 +231,7 @@ impl App {
             validator,
             connector,
             _lock: Arc::new(lock),
+            health: None,
         })
     }
 
@@ -244,7 +247,10 @@ impl App {
     }
 
     /// Adds `troupe.v1.Validator` to a shared server.
-    pub fn mount(&self, services: &mut Services) {
+    pub fn mount(&mut self, services: &mut Services) {
+        self.health = Some(services.health_of(
+            <ValidatorServer<grpc::ValidatorService> as tonic::server::NamedService>::NAME,
+        ));
         services.add(ValidatorServer::new(grpc::ValidatorService::new(
             self.validator(),
         )));
@@ -260,6 +266,7 @@ impl App {
             tuning: &self.config.worker,
             connector: &self.connector,
             data_dir: &self.config.data_dir,
+            health: self.health.clone(),
         };
         run_worker_if_configured(
             settings,
@@ -289,7 +296,7 @@ pub async fn run_with(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
-    let app = App::open_with(config, checks).await?;
+    let mut app = App::open_with(config, checks).await?;
     let mut services = Services::new();
     app.mount(&mut services);
     troupe_grpc::serve_with_background(

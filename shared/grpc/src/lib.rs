@@ -71,6 +71,32 @@ pub enum Error {
 pub struct Services {
     routes: tonic::service::RoutesBuilder,
     names: Vec<&'static str>,
+    health: tonic_health::server::HealthReporter,
+}
+
+/// One service's entry in its server's `grpc.health.v1` answers, for a part that knows better
+/// than the server whether the service can do its work (a worker cut off from its coordinator).
+#[derive(Clone, Debug)]
+pub struct ServiceHealth {
+    reporter: tonic_health::server::HealthReporter,
+    name: &'static str,
+}
+
+impl ServiceHealth {
+    /// Reports the service SERVING or NOT_SERVING.
+    pub async fn set(&self, serving: bool) {
+        let status = if serving {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        self.reporter.set_service_status(self.name, status).await;
+    }
+
+    /// The service's fully qualified name.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
 }
 
 impl Services {
@@ -99,6 +125,15 @@ impl Services {
     /// Returns the fully qualified names of the services added so far.
     pub fn names(&self) -> &[&'static str] {
         &self.names
+    }
+
+    /// The health entry of `name` (a service's `NamedService::NAME`), which [`serve`] reports
+    /// SERVING when it starts.
+    pub fn health_of(&self, name: &'static str) -> ServiceHealth {
+        ServiceHealth {
+            reporter: self.health.clone(),
+            name,
+        }
     }
 }
 
@@ -227,7 +262,10 @@ pub async fn serve(
 ) -> Result<(), Error> {
     let local_addr = listener.local_addr().map_err(Error::Listener)?;
     options.auth.check_listen(local_addr)?;
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    let health_reporter = services.health.clone();
+    let health_service = tonic_health::pb::health_server::HealthServer::new(
+        tonic_health::server::HealthService::from_health_reporter(health_reporter.clone()),
+    );
     for name in &services.names {
         health_reporter
             .set_service_status(*name, ServingStatus::Serving)

@@ -35,7 +35,7 @@ use troupe_proto::v1::{
     Task, TaskError, TaskResult,
 };
 
-use crate::{Connector, CoordinatorClient, Error, is_transient, timed, within};
+use crate::{Connector, CoordinatorClient, Error, ServiceHealth, is_transient, timed, within};
 
 mod lease;
 
@@ -219,7 +219,16 @@ pub struct WorkerConfig {
     /// `plan_dir` becomes its bundle's directory there. `None` leaves `plan_dir` as the claim
     /// gives it (the submitting machine's directory).
     pub assets_dir: Option<std::path::PathBuf>,
+    /// The service's health entry: NOT_SERVING after [`UNREACHABLE_AFTER`] claims in a row
+    /// fail, SERVING again at the next that succeeds, so a probe sees a worker that cannot
+    /// reach its coordinator.
+    pub health: Option<ServiceHealth>,
 }
+
+/// Failed claims in a row after which a worker reports its service NOT_SERVING: one failure
+/// may be a blip; three in a row, backing off between them, are an outage. Only claims count:
+/// a worker whose slots are all busy makes none until a task ends.
+pub const UNREACHABLE_AFTER: u32 = 3;
 
 impl WorkerConfig {
     /// Defaults for `roles` against `coordinator_url`: one task at a time, 30 s leases, 10 s
@@ -241,6 +250,7 @@ impl WorkerConfig {
             rpc_timeout: Duration::from_secs_f64(tuning.rpc_timeout_seconds),
             connector: Connector::default(),
             assets_dir: None,
+            health: None,
         }
     }
 
@@ -364,6 +374,8 @@ pub struct WorkerSettings<'a> {
     pub connector: &'a Connector,
     /// The service's data directory: the files plans bring along go to `<dir>/assets`.
     pub data_dir: &'a std::path::Path,
+    /// The service's health entry, flipped while the coordinator cannot be reached.
+    pub health: Option<ServiceHealth>,
 }
 
 /// Runs the worker loop when a coordinator URL is configured; otherwise the service only
@@ -391,6 +403,7 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
     config.concurrency = settings.concurrency.max(1);
     config.connector = settings.connector.clone();
     config.assets_dir = Some(settings.data_dir.join("assets"));
+    config.health = settings.health;
     run_worker(config, handler, shutdown).await.map(drop)
 }
 
@@ -447,6 +460,7 @@ pub async fn run_worker<H: TaskHandler>(
     let config = &slot.config;
     let mut running: JoinSet<()> = JoinSet::new();
     let mut backoff = Backoff::new();
+    let mut failed_claims = 0u32;
     tracing::info!(worker_id = %config.worker_id, roles = ?config.roles, coordinator = %config.coordinator_url, lease = ?config.lease, rpc_timeout = ?config.rpc_timeout, "worker started");
 
     while !shutdown.is_cancelled() {
@@ -478,6 +492,14 @@ pub async fn run_worker<H: TaskHandler>(
         match response {
             Ok(response) => {
                 backoff.reset();
+                if failed_claims >= UNREACHABLE_AFTER {
+                    tracing::info!(
+                        after = failed_claims,
+                        "coordinator reachable again, reporting SERVING"
+                    );
+                    set_health(config, true, &shutdown).await;
+                }
+                failed_claims = 0;
                 let tasks = response.tasks;
                 Counters::add(&slot.counters.claimed, tasks.len());
                 for task in tasks {
@@ -487,6 +509,14 @@ pub async fn run_worker<H: TaskHandler>(
             Err(status) => {
                 let delay = backoff.next();
                 tracing::warn!(code = ?status.code(), error = %status.message(), retry_in = ?delay, "claim failed");
+                failed_claims = failed_claims.saturating_add(1);
+                if failed_claims == UNREACHABLE_AFTER {
+                    tracing::warn!(
+                        failed_claims,
+                        "coordinator unreachable, reporting NOT_SERVING until a claim succeeds"
+                    );
+                    set_health(config, false, &shutdown).await;
+                }
                 tokio::select! {
                     () = tokio::time::sleep(delay) => {}
                     () = shutdown.cancelled() => break,
@@ -507,6 +537,14 @@ pub async fn run_worker<H: TaskHandler>(
     let stats = slot.counters.stats();
     tracing::info!(worker_id = %config.worker_id, claimed = stats.claimed, claimed_next = stats.claimed_next, completed = stats.completed, failed = stats.failed, abandoned = stats.abandoned, "worker stopped");
     Ok(stats)
+}
+
+/// Reports the worker's service SERVING or not, unless shutdown has begun: the server says
+/// NOT_SERVING then, and a claim answered late must not undo it.
+async fn set_health(config: &WorkerConfig, serving: bool, shutdown: &CancellationToken) {
+    if let (Some(health), false) = (&config.health, shutdown.is_cancelled()) {
+        health.set(serving).await;
+    }
 }
 
 /// What a worker loop's slots share.

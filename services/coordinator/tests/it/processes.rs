@@ -413,6 +413,7 @@ async fn worker_process() {
         rpc_timeout: Duration::from_secs(1),
         connector: troupe_grpc::Connector::default(),
         assets_dir: None,
+        health: None,
     };
     troupe_grpc::worker::run_worker(config, Arc::new(Forever), CancellationToken::new())
         .await

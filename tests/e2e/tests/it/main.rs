@@ -3,6 +3,7 @@
 mod agent_children;
 mod auth;
 mod bad_plan;
+mod deploy;
 mod distributed;
 mod docs;
 mod exactly_once;
@@ -27,3 +28,4 @@ mod support;
 mod test_runner_support;
 mod testrun_task;
 mod tour;
+mod worker_health;
