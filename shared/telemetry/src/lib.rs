@@ -8,6 +8,8 @@
 //!
 //! [`inject_context`] and [`extract_context`] carry the current trace across gRPC metadata.
 
+pub mod metrics;
+
 use std::io::IsTerminal;
 
 use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
