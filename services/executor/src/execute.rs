@@ -1367,6 +1367,7 @@ impl Executor {
             if !mode::falls_back(err.kind()) {
                 break;
             }
+            crate::metrics::fell_back(name, err.kind());
             fallbacks.push(name.clone());
         }
         let err = last.unwrap_or_else(|| BackendError::Internal {

@@ -66,6 +66,8 @@ fn registry() -> &'static Mutex<Registry> {
 }
 
 fn register<M: Metric + Clone>(name: &str, help: &str, unit: Option<Unit>, metric: M) -> M {
+    // The encoder ends the help with a full stop of its own.
+    let help = help.trim_end_matches('.');
     let mut registry = registry()
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
