@@ -221,38 +221,63 @@ async fn scrape(State(refresh): State<Arc<Vec<Refresh>>>) -> Response {
 
 #[cfg(test)]
 mod tests {
+    use prometheus_parse::{Scrape, Value};
+
     use super::*;
 
     #[test]
-    fn families_encode_as_prometheus_text() {
+    fn families_encode_as_prometheus_text_a_parser_reads() {
         let tasks = counter("troupe_test_encoded", "Tasks counted by the test.");
         tasks.get_or_create(&labels([("role", "executor")])).inc();
+        tasks.get_or_create(&labels([("role", "executor")])).inc();
+        let depth = gauge("troupe_test_depth", "Depth seen by the test.");
+        depth
+            .get_or_create(&labels([("role", "test-runner")]))
+            .set(3);
         let took = seconds_histogram("troupe_test_took", "Time the test took.", latency_buckets);
-        took.get_or_create(&labels([("role", "executor")]))
-            .observe(0.003);
+        let series = took.get_or_create(&labels([("role", "executor")]));
+        series.observe(0.003);
+        series.observe(100.0);
         let text = encode();
         assert!(
-            text.contains("# TYPE troupe_test_encoded_total counter\n"),
-            "{text}"
-        );
-        assert!(
-            text.contains("troupe_test_encoded_total{role=\"executor\"} 1\n"),
+            text.contains("# HELP troupe_test_encoded_total Tasks counted by the test.\n"),
             "{text}"
         );
         assert!(
             text.contains("# TYPE troupe_test_took_seconds histogram\n"),
             "{text}"
         );
-        assert!(
-            text.contains("troupe_test_took_seconds_bucket{le=\"0.004\",role=\"executor\"} 1\n")
-                || text.contains(
-                    "troupe_test_took_seconds_bucket{role=\"executor\",le=\"0.004\"} 1\n"
-                ),
-            "{text}"
-        );
-        assert!(
-            text.contains("troupe_test_took_seconds_count{role=\"executor\"} 1\n"),
-            "{text}"
+
+        let scrape = Scrape::parse(text.lines().map(|line| Ok(line.to_owned()))).expect("parses");
+        let sample = |name: &str| {
+            scrape
+                .samples
+                .iter()
+                .find(|sample| sample.metric == name)
+                .unwrap_or_else(|| panic!("no {name} in {text}"))
+        };
+        let encoded = sample("troupe_test_encoded_total");
+        assert_eq!(encoded.value, Value::Counter(2.0));
+        assert_eq!(encoded.labels.get("role"), Some("executor"));
+        let depth = sample("troupe_test_depth");
+        assert_eq!(depth.value, Value::Gauge(3.0));
+        assert_eq!(depth.labels.get("role"), Some("test-runner"));
+        let Value::Histogram(buckets) = &sample("troupe_test_took_seconds").value else {
+            panic!("not a histogram: {text}");
+        };
+        let at = |le: f64| {
+            buckets
+                .iter()
+                .find(|bucket| bucket.less_than == le)
+                .map(|bucket| bucket.count)
+        };
+        assert_eq!(at(0.002), Some(0.0));
+        assert_eq!(at(0.004), Some(1.0));
+        assert_eq!(at(65.536), Some(1.0));
+        assert_eq!(at(f64::INFINITY), Some(2.0));
+        assert_eq!(
+            sample("troupe_test_took_seconds_count").value,
+            Value::Untyped(2.0)
         );
     }
 }

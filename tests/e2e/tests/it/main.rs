@@ -10,6 +10,7 @@ mod exec_phase;
 mod grpcurl;
 mod hosts;
 mod lease;
+mod metrics;
 mod netns;
 mod otlp;
 mod pause;
