@@ -272,3 +272,49 @@ async fn metrics_count_exactly_the_tasks_a_plan_ran() -> anyhow::Result<()> {
     restarted.terminate(Duration::from_secs(20)).await?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn troupe_up_serves_every_service_metrics_on_one_endpoint() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    let data_dir = data.path().display().to_string();
+    let metrics = support::free_addr();
+    let metrics_arg = metrics.to_string();
+    let up = ChildService::start(
+        "troupe",
+        &[
+            "up",
+            "--data-dir",
+            &data_dir,
+            "--metrics-listen",
+            &metrics_arg,
+        ],
+        &[],
+    )
+    .await?;
+    let done = support::run_quickstart(&up.url()).await?;
+    support::assert_quickstart_completed(&done)?;
+    let after = scrape(metrics).await?;
+    for (role, name) in ROLES {
+        let tasks: Vec<_> = done
+            .tasks
+            .iter()
+            .filter(|task| task.role() == role)
+            .collect();
+        let attempts: f64 = tasks.iter().map(|task| f64::from(task.attempt)).sum();
+        assert_eq!(
+            value(
+                &after,
+                "troupe_tasks",
+                &[("role", name), ("state", "completed")]
+            ),
+            tasks.len() as f64
+        );
+        assert_eq!(value(&after, "troupe_tasks_ready", &[("role", name)]), 0.0);
+        assert_eq!(
+            value(&after, "troupe_task_duration_seconds", &[("role", name)]),
+            attempts
+        );
+    }
+    up.terminate(Duration::from_secs(20)).await?;
+    Ok(())
+}
