@@ -699,11 +699,10 @@ impl Store {
     pub(crate) async fn task_counts(&self) -> Result<Vec<(pb::Role, TaskState, bool, u64)>, Error> {
         let mut conn = self.reader.acquire().await?;
         let rows = sqlx::query(
-            "SELECT t.role AS role, t.state AS state, CASE WHEN s.state = $1 THEN 1 ELSE 0 END AS active, \
-             COUNT(*) AS n FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             GROUP BY t.role, t.state, CASE WHEN s.state = $1 THEN 1 ELSE 0 END",
+            "SELECT t.role AS role, t.state AS state, s.state AS session_state, COUNT(*) AS n \
+             FROM tasks t JOIN sessions s ON s.id = t.session_id \
+             GROUP BY t.role, t.state, s.state",
         )
-        .bind(SessionState::Active as i32)
         .fetch_all(&mut *conn)
         .await?;
         drop(conn);
@@ -712,7 +711,7 @@ impl Store {
                 Ok((
                     pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
                     TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?,
-                    row.try_get::<i32, _>("active")? == 1,
+                    row.try_get::<i32, _>("session_state")? == SessionState::Active as i32,
                     u64::try_from(row.try_get::<i64, _>("n")?).map_err(corrupt)?,
                 ))
             })
