@@ -37,6 +37,7 @@ mod error;
 mod group_commit;
 mod grpc;
 mod lifecycle;
+mod metrics;
 mod repos;
 mod service;
 mod store;
@@ -155,6 +156,8 @@ impl App {
             None => Store::open_file(&data_dir.join("troupe.db")).await?,
         };
         tracing::info!(data_dir = %data_dir.display(), "coordinator store open");
+        // Registered now, so a scrape shows every family before the first task.
+        metrics::metrics();
         let credentials = match &tuning.git_credentials {
             Some(path) => troupe_workspace::Credentials::load(path)?,
             None => troupe_workspace::Credentials::none(),
@@ -173,6 +176,12 @@ impl App {
     /// Adds the Coordinator gRPC service to a shared server.
     pub fn mount(&self, services: &mut troupe_grpc::Services) {
         services.add(grpc::server(Arc::clone(&self.inner)));
+    }
+
+    /// What a scrape of the metrics endpoint reads first: the tasks by state and the ready
+    /// depth per role, from the store.
+    pub fn metrics_refresh(&self) -> troupe_telemetry::metrics::Refresh {
+        metrics::refresh(self.inner.store().clone())
     }
 
     /// Runs the lease reaper until `shutdown`, then ends open event streams.
@@ -203,8 +212,27 @@ pub async fn run_tuned(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    let metrics = troupe_telemetry::metrics::MetricsArgs::default();
+    run_with_metrics(config, tuning, &metrics, listener, shutdown).await
+}
+
+/// [`run_tuned`], serving metrics as `metrics` says.
+pub async fn run_with_metrics(
+    config: Config,
+    tuning: Tuning,
+    metrics: &troupe_telemetry::metrics::MetricsArgs,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
     let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
     let app = App::open_tuned(config, tuning).await?;
+    troupe_telemetry::metrics::spawn(
+        metrics,
+        vec![app.metrics_refresh()],
+        shutdown.clone().cancelled_owned(),
+    )
+    .await
+    .map_err(|err| Error::InvalidArgument(err.to_string()))?;
     let mut services = troupe_grpc::Services::new();
     app.mount(&mut services);
     troupe_grpc::serve_with_background(

@@ -11,13 +11,15 @@ struct Cli {
     config: troupe_coordinator::Config,
     #[command(flatten)]
     tuning: troupe_coordinator::Tuning,
+    #[command(flatten)]
+    metrics: troupe_telemetry::metrics::MetricsArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = troupe_telemetry::init("troupe-coordinator").context("telemetry init")?;
-    let result = serve(cli.config, cli.tuning).await;
+    let result = serve(cli.config, cli.tuning, cli.metrics).await;
     if let Err(err) = &result {
         tracing::error!(error = %format!("{err:#}"), "coordinator stopped");
     }
@@ -28,11 +30,12 @@ async fn main() -> anyhow::Result<()> {
 async fn serve(
     config: troupe_coordinator::Config,
     tuning: troupe_coordinator::Tuning,
+    metrics: troupe_telemetry::metrics::MetricsArgs,
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
     let shutdown = troupe_grpc::shutdown_token();
-    troupe_coordinator::run_tuned(config, tuning, listener, shutdown).await?;
+    troupe_coordinator::run_with_metrics(config, tuning, &metrics, listener, shutdown).await?;
     Ok(())
 }

@@ -1408,6 +1408,7 @@ impl Executor {
             if !mode::falls_back(err.kind()) {
                 break;
             }
+            crate::metrics::fell_back(name, err.kind());
             fallbacks.push(name.clone());
         }
         let err = last.unwrap_or_else(|| BackendError::Internal {

@@ -11,6 +11,7 @@
 
 mod execute;
 mod grpc;
+mod metrics;
 mod mode;
 mod phase;
 mod pre_analysis;
@@ -148,6 +149,7 @@ impl App {
         mut config: Config,
         connector: troupe_grpc::Connector,
     ) -> Result<Self, Error> {
+        metrics::register();
         config.data_dir = troupe_grpc::prepare_data_dir(&config.data_dir)
             .await
             .map_err(|source| Error::Io {

@@ -12,6 +12,8 @@ use clap::Parser;
 struct Cli {
     #[command(flatten)]
     config: troupe_executor::Config,
+    #[command(flatten)]
+    metrics: troupe_telemetry::metrics::MetricsArgs,
 }
 
 #[tokio::main]
@@ -23,6 +25,12 @@ async fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(cli.config.listen)
             .await
             .with_context(|| format!("binding {}", cli.config.listen))?;
+        troupe_telemetry::metrics::spawn(
+            &cli.metrics,
+            Vec::new(),
+            shutdown.clone().cancelled_owned(),
+        )
+        .await?;
         troupe_executor::run(cli.config, listener, shutdown)
             .await
             .context("executor failed")

@@ -12,6 +12,8 @@ use clap::Parser;
 struct Cli {
     #[command(flatten)]
     config: troupe_test_runner::Config,
+    #[command(flatten)]
+    metrics: troupe_telemetry::metrics::MetricsArgs,
 }
 
 #[tokio::main]
@@ -24,6 +26,12 @@ async fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(cli.config.listen)
             .await
             .with_context(|| format!("binding {}", cli.config.listen))?;
+        troupe_telemetry::metrics::spawn(
+            &cli.metrics,
+            Vec::new(),
+            shutdown.clone().cancelled_owned(),
+        )
+        .await?;
         troupe_test_runner::run(cli.config, listener, shutdown)
             .await
             .context("test-runner failed")

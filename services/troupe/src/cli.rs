@@ -102,6 +102,8 @@ struct UpArgs {
     /// What the server accepts (tokens, client certificates) and its own certificate.
     #[command(flatten)]
     security: Security,
+    #[command(flatten)]
+    metrics: troupe_telemetry::metrics::MetricsArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -280,7 +282,18 @@ async fn up(args: UpArgs) -> anyhow::Result<ExitCode> {
         .await
         .with_context(|| format!("binding {}", args.listen))?;
     let shutdown = troupe_grpc::shutdown_token();
-    let embedded = Embedded::start(args.embedded.config(args.security), listener, shutdown).await?;
+    let embedded = Embedded::start(
+        args.embedded.config(args.security),
+        listener,
+        shutdown.clone(),
+    )
+    .await?;
+    troupe_telemetry::metrics::spawn(
+        &args.metrics,
+        embedded.metrics_refresh(),
+        shutdown.cancelled_owned(),
+    )
+    .await?;
     eprintln!(
         "troupe is up on {}: coordinator, executor, test-runner and validator (data in {})",
         troupe_grpc::url_for(embedded.addr()),

@@ -37,6 +37,8 @@ pub struct Embedded {
     addr: SocketAddr,
     tasks: JoinSet<anyhow::Result<()>>,
     shutdown: CancellationToken,
+    /// For the metrics: a scrape first reads the coordinator's task gauges.
+    coordinator: troupe_coordinator::App,
 }
 
 impl Embedded {
@@ -120,6 +122,7 @@ impl Embedded {
         .context("opening the validator")?
         .with_connector(connector);
 
+        let metrics_app = coordinator.clone();
         let mut services = troupe_grpc::Services::new();
         coordinator.mount(&mut services);
         executor.mount(&mut services);
@@ -162,7 +165,13 @@ impl Embedded {
             addr,
             tasks,
             shutdown,
+            coordinator: metrics_app,
         })
+    }
+
+    /// What a metrics endpoint for this process runs before each scrape.
+    pub fn metrics_refresh(&self) -> Vec<troupe_telemetry::metrics::Refresh> {
+        vec![self.coordinator.metrics_refresh()]
     }
 
     /// The address everything is served on.

@@ -14,6 +14,8 @@ struct Cli {
     config: troupe_validator::Config,
     #[command(flatten)]
     checks: troupe_validator::CheckConfig,
+    #[command(flatten)]
+    metrics: troupe_telemetry::metrics::MetricsArgs,
 }
 
 #[tokio::main]
@@ -25,6 +27,12 @@ async fn main() -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(cli.config.listen)
             .await
             .with_context(|| format!("binding {}", cli.config.listen))?;
+        troupe_telemetry::metrics::spawn(
+            &cli.metrics,
+            Vec::new(),
+            shutdown.clone().cancelled_owned(),
+        )
+        .await?;
         troupe_validator::run_with(cli.config, cli.checks, listener, shutdown)
             .await
             .context("validator failed")

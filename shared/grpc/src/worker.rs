@@ -38,6 +38,7 @@ use troupe_proto::v1::{
 use crate::{Connector, CoordinatorClient, Error, ServiceHealth, is_transient, timed, within};
 
 mod lease;
+mod metrics;
 
 pub use lease::LeaseLost;
 use lease::{Beat, LeaseSpec, LeaseState};
@@ -389,12 +390,7 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
         shutdown.cancelled().await;
         return Ok(());
     };
-    let role_name = match settings.role {
-        Role::Executor => "executor",
-        Role::Validator => "validator",
-        Role::TestRunner => "test-runner",
-        Role::Unspecified => "worker",
-    };
+    let role_name = metrics::role_name(settings.role);
     let worker_id = settings
         .worker_id
         .unwrap_or_else(|| default_worker_id(role_name));
@@ -448,6 +444,7 @@ pub async fn run_worker<H: TaskHandler>(
             "the worker's lease and call deadline must be positive".to_owned(),
         ));
     }
+    metrics::register();
     let slot = Arc::new(Slot {
         client: config
             .connector
@@ -640,6 +637,7 @@ async fn run_leased<H: TaskHandler>(
         Arc::clone(&held),
     );
     let mut claimed = claimed;
+    let began = Instant::now();
     let assets = with_assets(config, client, &mut claimed).await;
     let outcome = {
         let handle = async {
@@ -669,12 +667,18 @@ async fn run_leased<H: TaskHandler>(
         let reason = lost.unwrap_or(LeaseLost::Expired);
         tracing::warn!(reason = %reason, "attempt abandoned: its lease is lost, the result is dropped");
         Counters::add(&counters.abandoned, 1);
+        metrics::attempt(&task, began.elapsed(), &metrics::Outcome::Abandoned);
         return None;
     };
 
     match outcome {
         Ok(result) => {
             let result = without_secrets(result);
+            metrics::attempt(
+                &task,
+                began.elapsed(),
+                &metrics::Outcome::Completed(&result),
+            );
             // The slot's next task comes with the completion, unless the worker is stopping.
             let claim_next = (!shutdown.is_cancelled()).then(|| claim_request(config, 1, None));
             let mut request = CompleteTaskRequest {
@@ -707,6 +711,11 @@ async fn run_leased<H: TaskHandler>(
                 failure.error.retryable = true;
             }
             tracing::warn!(kind = ?failure.error.kind(), error = %failure.error.message, "task failed");
+            metrics::attempt(
+                &task,
+                began.elapsed(),
+                &metrics::Outcome::Failed(failure.error.kind(), failure.partial.as_ref()),
+            );
             let request = FailTaskRequest {
                 session_id: task.session_id.clone(),
                 task_id: task.id.clone(),

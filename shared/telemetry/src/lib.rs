@@ -11,6 +11,8 @@
 //! Log lines and exported spans pass through [`redact`]: known secret values never leave the
 //! process in them.
 
+pub mod metrics;
+
 use std::io::IsTerminal;
 
 mod redact;

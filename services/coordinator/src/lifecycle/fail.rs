@@ -47,7 +47,8 @@ pub(crate) async fn fail(
         return Err(stale(task, token));
     }
     let reason = error.message.clone();
-    let timed_out = error.kind() == pb::ErrorKind::Timeout;
+    let kind = error.kind();
+    let timed_out = kind == pb::ErrorKind::Timeout;
     let retry = error.retryable && task.attempt < task.max_attempts;
     let loop_inputs = (!retry && !timed_out).then(|| (error.clone(), partial.clone()));
     task.last_error = Some(error);
@@ -95,5 +96,8 @@ pub(crate) async fn fail(
     save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
     let task = load_task(&mut tx, session_id, task_id).await?;
     tx.commit().await?;
+    if retry_at.is_some() {
+        crate::metrics::retried(task.role, kind);
+    }
     Ok((task, retry_at))
 }

@@ -22,6 +22,7 @@ pub(crate) async fn reap(store: &Store, now: i64) -> Result<usize, Error> {
         let mut session = load_session(&mut tx, &session_id).await?;
         let mut tasks = before.clone();
         let mut transitions = Vec::new();
+        let mut expired_roles = Vec::new();
         for task in tasks.iter_mut() {
             let expired = task.state == TaskState::Running
                 && task.lease_expires_at.is_some_and(|at| at < now);
@@ -29,6 +30,7 @@ pub(crate) async fn reap(store: &Store, now: i64) -> Result<usize, Error> {
                 continue;
             }
             tracing::warn!(session_id = %session_id, task_id = %task.id, worker_id = %task.worker_id, attempt = task.attempt, "lease expired");
+            expired_roles.push(task.role);
             if task.attempt < task.max_attempts {
                 transitions.push(task::transition(
                     task,
@@ -58,6 +60,9 @@ pub(crate) async fn reap(store: &Store, now: i64) -> Result<usize, Error> {
         let before_len = transitions.len();
         let total = save(&mut tx, &mut session, &before, &mut tasks, transitions, now).await?;
         tx.commit().await?;
+        for role in expired_roles {
+            crate::metrics::lease_expired(role);
+        }
         if total > 0 || before_len > 0 {
             changed += 1;
         }

@@ -122,6 +122,11 @@ fn require(value: &str, field: &str) -> Result<(), Error> {
 }
 
 impl Coordinator {
+    /// The store, for reads outside the RPCs (the metrics).
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
     pub(crate) fn new(
         store: Store,
         data_dir: PathBuf,

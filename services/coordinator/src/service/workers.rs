@@ -24,6 +24,7 @@ impl Coordinator {
         &self,
         request: pb::ClaimTasksRequest,
     ) -> Result<Vec<Claimed>, Error> {
+        let started = tokio::time::Instant::now();
         let claim = self.claim_request(&request).await?;
         let wait = duration(request.wait, "wait", Duration::ZERO)?.min(MAX_WAIT);
         let deadline = tokio::time::Instant::now() + wait;
@@ -57,6 +58,7 @@ impl Coordinator {
         if !claimed.is_empty() {
             self.notify_watchers();
         }
+        crate::metrics::claimed(Some(started.elapsed()), &claimed);
         log_claimed(&claimed);
         Ok(claimed)
     }
@@ -116,6 +118,7 @@ impl Coordinator {
             .await?;
         self.notify();
         tracing::info!(attempt = task.attempt, "task completed");
+        crate::metrics::claimed(None, &next);
         log_claimed(&next);
         Ok((task, next))
     }

@@ -694,6 +694,30 @@ impl Store {
             .collect())
     }
 
+    /// How many tasks there are of each role and state, and whether their session is active
+    /// (for the metrics): one grouped read of every session.
+    pub(crate) async fn task_counts(&self) -> Result<Vec<(pb::Role, TaskState, bool, u64)>, Error> {
+        let mut conn = self.reader.acquire().await?;
+        let rows = sqlx::query(
+            "SELECT t.role AS role, t.state AS state, s.state AS session_state, COUNT(*) AS n \
+             FROM tasks t JOIN sessions s ON s.id = t.session_id \
+             GROUP BY t.role, t.state, s.state",
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        drop(conn);
+        rows.iter()
+            .map(|row| {
+                Ok((
+                    pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
+                    TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?,
+                    row.try_get::<i32, _>("session_state")? == SessionState::Active as i32,
+                    u64::try_from(row.try_get::<i64, _>("n")?).map_err(corrupt)?,
+                ))
+            })
+            .collect()
+    }
+
     /// The sessions with a lease that expired before `now` or a retry due by then (for the
     /// reaper).
     pub(crate) async fn sessions_due(&self, now: i64) -> Result<Vec<String>, Error> {

@@ -331,7 +331,18 @@ async fn heartbeats_extend_leases_and_record_progress(db: Db) {
     harness.stop().await;
 }
 
+/// The value of the sample `series` (`name{labels}`) in this process's metrics, 0 when absent.
+/// Each test runs in a process of its own (nextest), so a counter holds that test's counts.
+fn metric(series: &str) -> f64 {
+    troupe_telemetry::metrics::encode()
+        .lines()
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 async fn expired_leases_are_redispatched_then_time_out(db: Db) {
+    let expiries = r#"troupe_lease_expiries_total{role="executor"}"#;
+    let expired_before = metric(expiries);
     let harness = Harness::start(db).await;
     let created = harness.create(json!({"name": "lease", "max_attempts": 2, "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"])]})).await;
     let session = session_id(&created);
@@ -372,10 +383,27 @@ async fn expired_leases_are_redispatched_then_time_out(db: Db) {
         .expect("error");
     assert_eq!(last_error.kind(), pb::ErrorKind::Timeout);
     assert_eq!(view.session.expect("session").state(), SessionState::Failed);
+    // Both attempts' leases expired, and the metrics counted each once.
+    assert_eq!(metric(expiries) - expired_before, 2.0);
+    // The task gauges come from the store: another coordinator on the database reads them.
+    let mut config = troupe_coordinator::Config::new(harness.dir.path().join("data"));
+    config.database_url.clone_from(&harness.database_url);
+    let other = troupe_coordinator::App::open(config).await.expect("open");
+    other.metrics_refresh()().await.expect("refresh");
+    let count = |state: &str| {
+        metric(&format!(
+            r#"troupe_tasks{{role="executor",state="{state}"}}"#
+        ))
+    };
+    // Other tests' sessions may share the PostgreSQL database: at least this one's tasks.
+    assert!(count("timed_out") >= 1.0);
+    assert!(count("skipped") >= 1.0);
     harness.stop().await;
 }
 
 async fn retryable_failure_backs_off_then_succeeds(db: Db) {
+    let retries = r#"troupe_task_retries_total{role="executor",kind="check_failed"}"#;
+    let retried_before = metric(retries);
     let harness = Harness::start(db).await;
     let created = harness.create(json!({"name": "retry", "tasks": [{"id": "IMPL-1", "title": "flaky", "max_attempts": 3}]})).await;
     let session = session_id(&created);
@@ -421,6 +449,8 @@ async fn retryable_failure_backs_off_then_succeeds(db: Db) {
         SessionState::Completed
     );
     assert_eq!(task(&view.tasks, "IMPL-1").attempt, 2);
+    // One retry, counted by its error kind.
+    assert_eq!(metric(retries) - retried_before, 1.0);
     harness.stop().await;
 }
 

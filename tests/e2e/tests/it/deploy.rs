@@ -17,11 +17,6 @@ use tonic_health::pb::health_check_response::ServingStatus;
 
 use crate::support::{ChildService, binary, free_addr, health};
 
-/// Flags the manifests pass that another branch adds: `--metrics-listen` (Prometheus text on
-/// `/metrics`) comes with the metrics work of issue 20 (branch `issue20-metrics`). Accepted
-/// here while the binaries do not list it; empty this once they do.
-const PENDING_FLAGS: &[&str] = &["--metrics-listen"];
-
 /// The lease a worker asks for unless `--lease-seconds` says otherwise (WorkerTuning).
 const DEFAULT_LEASE_SECONDS: f64 = 30.0;
 
@@ -200,7 +195,7 @@ fn check_workload(
         let args = strings(&container["args"]);
         for arg in args.iter().filter(|arg| arg.starts_with("--")) {
             ensure!(
-                known.contains(arg.as_str()) || PENDING_FLAGS.contains(&arg.as_str()),
+                known.contains(arg.as_str()),
                 "{what}: {bin} --help lists no {arg} (it lists {known:?})"
             );
         }

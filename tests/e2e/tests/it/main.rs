@@ -11,6 +11,7 @@ mod exec_phase;
 mod grpcurl;
 mod hosts;
 mod lease;
+mod metrics;
 mod netns;
 mod otlp;
 mod pause;

@@ -1,0 +1,150 @@
+//! The worker side's metric families, for every worker service (see `docs/operating.md`,
+//! "Metrics"): what each attempt took and how it ended, by role and backend, with the tokens
+//! its backend reported and, for test runs, the last pass rate and coverage. Counted from the
+//! handler's result, so every worker service reports them the same way.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use troupe_proto::v1::{ErrorKind, Role, Task, TaskResult, task_result::Detail};
+use troupe_telemetry::metrics::{
+    self, Counter, Family, FloatGauge, HistogramFamily, Labels, labels,
+};
+
+struct Metrics {
+    duration: HistogramFamily,
+    attempts: Family<Labels, Counter>,
+    failures: Family<Labels, Counter>,
+    tokens: Family<Labels, Counter>,
+    pass_rate: Family<Labels, FloatGauge>,
+    coverage: Family<Labels, FloatGauge>,
+}
+
+fn metrics() -> &'static Metrics {
+    static METRICS: OnceLock<Metrics> = OnceLock::new();
+    METRICS.get_or_init(|| Metrics {
+        duration: metrics::seconds_histogram(
+            "troupe_task_duration",
+            "Wall time of a task attempt in a worker, by role, backend and outcome.",
+            metrics::duration_buckets,
+        ),
+        attempts: metrics::counter(
+            "troupe_task_attempts",
+            "Task attempts a worker finished, by role and outcome (completed, failed, abandoned).",
+        ),
+        failures: metrics::counter(
+            "troupe_task_failures",
+            "Failed task attempts, by role and error kind.",
+        ),
+        tokens: metrics::counter(
+            "troupe_tokens",
+            "Model tokens the backends reported, by backend and kind (input, output, cached_input).",
+        ),
+        pass_rate: metrics::float_gauge(
+            "troupe_test_pass_rate",
+            "Pass rate (0..1) of this test-runner's last test run, by framework.",
+        ),
+        coverage: metrics::float_gauge(
+            "troupe_test_coverage_percent",
+            "Overall coverage in percent of this test-runner's last test run that measured it, by framework.",
+        ),
+    })
+}
+
+/// Registers the families, so a scrape shows them before the first task.
+pub(crate) fn register() {
+    metrics();
+}
+
+/// The label of a role.
+pub(crate) fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Executor => "executor",
+        Role::Validator => "validator",
+        Role::TestRunner => "test-runner",
+        Role::Unspecified => "worker",
+    }
+}
+
+/// A metric label for an error kind: `timeout`, `rate_limited`, ...
+pub(crate) fn kind_label(kind: ErrorKind) -> String {
+    kind.as_str_name()
+        .trim_start_matches("ERROR_KIND_")
+        .to_ascii_lowercase()
+}
+
+/// How an attempt ended.
+pub(crate) enum Outcome<'a> {
+    Completed(&'a TaskResult),
+    Failed(ErrorKind, Option<&'a TaskResult>),
+    /// Its lease was lost: nothing was reported.
+    Abandoned,
+}
+
+/// Records one finished attempt of `task` that ran for `took`.
+pub(crate) fn attempt(task: &Task, took: Duration, outcome: &Outcome<'_>) {
+    let metrics = metrics();
+    let role = role_name(task.role());
+    let (name, result) = match outcome {
+        Outcome::Completed(result) => ("completed", Some(*result)),
+        Outcome::Failed(kind, partial) => {
+            metrics
+                .failures
+                .get_or_create(&labels([("role", role), ("kind", &kind_label(*kind))]))
+                .inc();
+            ("failed", *partial)
+        }
+        Outcome::Abandoned => ("abandoned", None),
+    };
+    metrics
+        .attempts
+        .get_or_create(&labels([("role", role), ("outcome", name)]))
+        .inc();
+    let mut backend = "none";
+    match result.and_then(|result| result.detail.as_ref()) {
+        Some(Detail::Implementation(report)) => {
+            if !report.backend.is_empty() {
+                backend = &report.backend;
+            }
+            if let Some(usage) = &report.usage {
+                for (kind, count) in [
+                    ("input", usage.input_tokens),
+                    ("output", usage.output_tokens),
+                    ("cached_input", usage.cached_input_tokens),
+                ] {
+                    metrics
+                        .tokens
+                        .get_or_create(&labels([("backend", backend), ("kind", kind)]))
+                        .inc_by(count);
+                }
+            }
+        }
+        Some(Detail::TestRun(report)) => {
+            let framework = report.framework().as_str_name();
+            let framework = framework
+                .trim_start_matches("TEST_FRAMEWORK_")
+                .to_ascii_lowercase();
+            metrics
+                .pass_rate
+                .get_or_create(&labels([("framework", &framework)]))
+                .set(report.pass_rate);
+            if let Some(overall) = report.coverage.as_ref().and_then(|c| c.overall) {
+                metrics
+                    .coverage
+                    .get_or_create(&labels([("framework", &framework)]))
+                    .set(overall);
+            }
+        }
+        Some(Detail::Validation(_)) | None => {}
+    }
+    if !matches!(outcome, Outcome::Abandoned) {
+        metrics
+            .duration
+            .get_or_create(&labels([
+                ("role", role),
+                ("backend", backend),
+                ("outcome", name),
+            ]))
+            .observe(took.as_secs_f64());
+    }
+}
