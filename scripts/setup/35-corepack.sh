@@ -6,6 +6,13 @@
 export COREPACK_HOME="${TOOLS:?TOOLS must be set}/corepack"
 export COREPACK_INTEGRITY_KEYS=0
 export COREPACK_ENABLE_DOWNLOAD_PROMPT=0
+# Yarn 2+ otherwise downloads from repo.yarnpkg.com, which a machine that reaches only the
+# package registries cannot resolve; with a registry set, corepack takes it from npm's
+# `@yarnpkg/cli-dist`.
+if [ -z "${COREPACK_NPM_REGISTRY:-}" ]; then
+  COREPACK_NPM_REGISTRY="$(npm config get registry 2>/dev/null | sed 's:/*$::')"
+  export COREPACK_NPM_REGISTRY="${COREPACK_NPM_REGISTRY:-https://registry.npmjs.org}"
+fi
 if ! command -v corepack >/dev/null 2>&1; then
   echo "corepack (shipped with Node.js) is required for the test-runner's pnpm tests" >&2
   return 1
