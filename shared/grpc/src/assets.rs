@@ -79,6 +79,11 @@ pub async fn materialize(
         return Err(Error::Assets(format!("malformed assets digest `{digest}`")));
     }
     let dir = cache.join(digest);
+    // One materialisation at a time in this process: a worker's slots claim tasks of one plan
+    // together and need the same bundle (two slots writing one per-process aside directory
+    // failed a task about one run in six with its files missing).
+    static TURN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _turn = TURN.lock().await;
     if tokio::fs::try_exists(&dir).await.unwrap_or(false) {
         return Ok(dir);
     }
@@ -102,9 +107,14 @@ pub async fn materialize(
         )));
     }
     let io = |path: &Path, err: std::io::Error| Error::Assets(format!("{}: {err}", path.display()));
-    // Written aside, then renamed into place: a reader never sees half a bundle.
-    let partial = cache.join(format!(".{digest}-{}", std::process::id()));
-    let _ = tokio::fs::remove_dir_all(&partial).await;
+    // Written aside, then renamed into place: a reader never sees half a bundle. The aside
+    // directory is this call's own: two slots of one worker materialise the same bundle at
+    // once (a per-process name let one rename it away while the other was still writing).
+    let partial = cache.join(format!(
+        ".{digest}-{}-{:016x}",
+        std::process::id(),
+        rand::random::<u64>()
+    ));
     for asset in &response.assets {
         let relative = Path::new(&asset.path);
         if !relative

@@ -413,7 +413,8 @@ async fn with_assets(
     let (Some(dir), false) = (&config.assets_dir, claimed.assets_digest.is_empty()) else {
         return Ok(());
     };
-    match crate::assets::materialize(client, dir, &claimed.assets_digest).await {
+    let outcome = crate::assets::materialize(client, dir, &claimed.assets_digest).await;
+    match outcome {
         Ok(local) => {
             claimed.plan_dir = local.display().to_string();
             Ok(())

@@ -86,20 +86,30 @@ pub fn patience() -> Duration {
 }
 
 /// Polls `probe` every 20 ms until it returns `Some`, failing after [`patience`].
-pub async fn eventually<T, F, Fut>(what: &str, mut probe: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, probe: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
-    let deadline = tokio::time::Instant::now() + patience();
+    eventually_within(what, patience(), probe).await
+}
+
+/// [`eventually`] with a limit of its own, for waits that do real work (a session of several
+/// tasks over a git server) and may take longer than [`patience`] on a loaded machine.
+pub async fn eventually_within<T, F, Fut>(what: &str, limit: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let limit = limit.max(patience());
+    let deadline = tokio::time::Instant::now() + limit;
     loop {
         if let Some(value) = probe().await {
             return value;
         }
         assert!(
             tokio::time::Instant::now() < deadline,
-            "timed out after {:?} waiting for {what}",
-            patience()
+            "timed out after {limit:?} waiting for {what}"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -249,22 +249,27 @@ async fn a_git_token_from_the_environment_appears_nowhere() -> anyhow::Result<()
         "tasks": [impl_task("IMPL-1"), impl_task("IMPL-2"),
             {"id": "VALIDATE-1", "title": "check", "depends_on": ["IMPL-1", "IMPL-2"]}]});
     let id = create(&url, &plan, &plan_dir).await?;
-    let view = troupe_testkit::eventually("the private session to complete", || {
-        let url = url.clone();
-        let id = id.clone();
-        async move {
-            let view = troupe_grpc::coordinator_client(&url)
-                .ok()?
-                .get_session(GetSessionRequest { session_id: id })
-                .await
-                .ok()?
-                .into_inner();
-            view.session
-                .as_ref()
-                .is_some_and(|s| s.state() == SessionState::Completed)
-                .then_some(view)
-        }
-    })
+    // Three tasks over an HTTP git server: seconds alone, longer beside a full test run.
+    let view = troupe_testkit::eventually_within(
+        "the private session to complete",
+        Duration::from_secs(120),
+        || {
+            let url = url.clone();
+            let id = id.clone();
+            async move {
+                let view = troupe_grpc::coordinator_client(&url)
+                    .ok()?
+                    .get_session(GetSessionRequest { session_id: id })
+                    .await
+                    .ok()?
+                    .into_inner();
+                view.session
+                    .as_ref()
+                    .is_some_and(|s| s.state() == SessionState::Completed)
+                    .then_some(view)
+            }
+        },
+    )
     .await;
     let landed = troupe_testkit::git(
         &srv.join("app.git"),
