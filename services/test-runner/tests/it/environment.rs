@@ -370,22 +370,8 @@ async fn setup_commands_are_confined_to_their_worktree() {
     let outside = tempfile::tempdir().expect("tempdir");
     let target = outside.path().join("escaped.txt");
     let repo = fixture_repo("pytest-proj", &[], &[], None);
-    let config = troupe_test_runner::Config {
-        listen: "127.0.0.1:0".parse().expect("address"),
-        data_dir: super::data_dir(),
-        coordinator_url: None,
-        python: "python3".to_owned(),
-        worker_id: None,
-        worker: Default::default(),
-        concurrency: 1,
-        backends_config: None,
-        security: Default::default(),
-        sandbox: Default::default(),
-    };
-    let service = troupe_testkit::TestService::spawn(move |listener, shutdown| {
-        troupe_test_runner::run(config, listener, shutdown)
-    })
-    .await;
+    // The service as every test starts it: its sandbox defaults to enforce.
+    let service = start().await;
     let inside = vec![
         "python3".to_owned(),
         "-c".to_owned(),
