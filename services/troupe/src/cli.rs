@@ -51,6 +51,26 @@ impl Cli {
     pub fn is_server(&self) -> bool {
         matches!(self.command, Command::Up(_))
     }
+
+    /// Whether the command only prints what a server answers: nothing in this process writes
+    /// to a child's pipe, so a closed stdout (`troupe status S | head`) may end it quietly by
+    /// SIGPIPE, as it ends other Unix tools, instead of a panic in `println!`.
+    pub fn prints_only(&self) -> bool {
+        match &self.command {
+            Command::Import(args) => args.print,
+            Command::Status(_)
+            | Command::Watch(_)
+            | Command::Check(_)
+            | Command::Resume(_)
+            | Command::Pause(_)
+            | Command::Cancel(_)
+            | Command::Graph(_)
+            | Command::Report(_)
+            | Command::Export(_) => true,
+            Command::Doctor(args) => args.connect.is_some(),
+            Command::Up(_) | Command::Run(_) => false,
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -78,6 +98,43 @@ enum Command {
     Pause(PauseArgs),
     /// Lists the agent backends (installed or not, versions) via `Executor.ListBackends`.
     Doctor(DoctorArgs),
+    /// Cancels a session: nothing new starts, running tasks are told to stop.
+    Cancel(CancelArgs),
+    /// Prints a session's DAG with each task's state and duration, grouped by repo and wave.
+    Graph(GraphArgs),
+    /// Prints where a session's time and tokens went: per task, per repo, per backend.
+    Report(ReportArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct CancelArgs {
+    #[command(flatten)]
+    session: SessionArgs,
+    /// Why, recorded in the event log.
+    #[arg(long, default_value = "")]
+    reason: String,
+}
+
+#[derive(Debug, clap::Args)]
+struct GraphArgs {
+    #[command(flatten)]
+    session: SessionArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "mermaid")]
+    format: crate::graph::Format,
+}
+
+#[derive(Debug, clap::Args)]
+struct ReportArgs {
+    #[command(flatten)]
+    session: SessionArgs,
+    /// Output format.
+    #[arg(long, value_enum, default_value = "md")]
+    format: crate::session_report::Format,
+    /// Price table (TOML, per backend: `[claude]` `input_per_mtok = 3.0`, `output_per_mtok`,
+    /// `cached_input_per_mtok`); without it the report shows tokens and no cost.
+    #[arg(long, env = "TROUPE_PRICES", value_name = "FILE")]
+    prices: Option<PathBuf>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -152,6 +209,14 @@ impl ReconnectArgs {
 }
 
 #[derive(Debug, clap::Args)]
+struct ViewArgs {
+    /// One line per event even on a terminal (no progress bars); a pipe or file always gets
+    /// lines.
+    #[arg(long, env = "TROUPE_PLAIN")]
+    plain: bool,
+}
+
+#[derive(Debug, clap::Args)]
 struct RunArgs {
     /// Plan file (JSON or TOML), or a directory holding plan.json / plan.toml.
     plan: PathBuf,
@@ -165,6 +230,8 @@ struct RunArgs {
     connect: Option<String>,
     #[command(flatten)]
     reconnect: ReconnectArgs,
+    #[command(flatten)]
+    view: ViewArgs,
     #[command(flatten)]
     embedded: EmbeddedArgs,
     /// Credentials for `--connect`.
@@ -204,6 +271,8 @@ struct WatchArgs {
     after: u64,
     #[command(flatten)]
     reconnect: ReconnectArgs,
+    #[command(flatten)]
+    view: ViewArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -226,6 +295,8 @@ struct ImportArgs {
     connect: Option<String>,
     #[command(flatten)]
     reconnect: ReconnectArgs,
+    #[command(flatten)]
+    view: ViewArgs,
     #[command(flatten)]
     embedded: EmbeddedArgs,
     /// Credentials for `--connect`.
@@ -263,6 +334,9 @@ pub async fn main(cli: Cli) -> ExitCode {
         Command::Resume(args) => resume(args).await,
         Command::Pause(args) => pause(args).await,
         Command::Doctor(args) => doctor(args).await,
+        Command::Cancel(args) => cancel(args).await,
+        Command::Graph(args) => graph(args).await,
+        Command::Report(args) => session_report(args).await,
     };
     match result {
         Ok(code) => code,
@@ -316,7 +390,7 @@ async fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         &args.repos,
         args.connect.as_deref(),
         &args.credentials,
-        &args.reconnect,
+        (&args.reconnect, &args.view),
         &args.embedded,
     )
     .await
@@ -329,7 +403,7 @@ async fn run_plan(
     repos: &[String],
     connect: Option<&str>,
     credentials: &Credentials,
-    reconnect: &ReconnectArgs,
+    (reconnect, view): (&ReconnectArgs, &ViewArgs),
     embedded_args: &EmbeddedArgs,
 ) -> anyhow::Result<ExitCode> {
     let budget = reconnect.budget()?;
@@ -346,7 +420,7 @@ async fn run_plan(
         match crate::seed::seed_templates(&plan.json, &plan.base_dir, &repo_paths).await {
             Ok(seeded) => {
                 for line in seeded {
-                    println!("{line}");
+                    out(&format!("{line}\n"));
                 }
             }
             Err(why) => {
@@ -371,7 +445,7 @@ async fn run_plan(
         }
     };
 
-    let outcome = submit_and_follow(&connector, &url, budget, plan, repo_paths).await;
+    let outcome = submit_and_follow(&connector, &url, (budget, view.plain), plan, repo_paths).await;
     if let Some(embedded) = embedded {
         shutdown.cancel();
         embedded.wait().await?;
@@ -382,7 +456,7 @@ async fn run_plan(
 async fn submit_and_follow(
     connector: &Connector,
     url: &str,
-    budget: std::time::Duration,
+    (budget, plain): (std::time::Duration, bool),
     plan: plan_file::PlanFile,
     repo_paths: std::collections::HashMap<String, String>,
 ) -> anyhow::Result<ExitCode> {
@@ -418,15 +492,18 @@ async fn submit_and_follow(
         },
     };
     let session = created.session.context("coordinator returned no session")?;
-    print!("{}", report::session_header(&session, &created.tasks));
+    out(&report::session_header(&session, &created.tasks));
 
-    follower.print_events(&session.id, 0).await?;
+    let mut view = crate::live::for_stdout(plain, &created.tasks);
+    let followed = follower.follow_events(&session.id, 0, view.as_mut()).await;
+    view.finish();
+    followed?;
 
     let final_state = follower
         .get_session(&session.id)
         .await
         .context("reading the final session")?;
-    print!("{}", report::final_report(&final_state));
+    out(&report::final_report(&final_state));
     let completed = final_state
         .session
         .as_ref()
@@ -436,6 +513,13 @@ async fn submit_and_follow(
     } else {
         ExitCode::from(EXIT_PLAN_FAILED)
     })
+}
+
+/// Prints to stdout for `run` and `import`, which host services in this process and so keep
+/// SIGPIPE ignored: a reader that went away (`| head`) stops the printing, not the run.
+fn out(text: &str) {
+    use std::io::Write as _;
+    let _ = std::io::stdout().lock().write_all(text.as_bytes());
 }
 
 /// Parses `--repo` values: `PATH` or `URL` names the default repo (key `""`), `NAME=PATH` or
@@ -485,9 +569,18 @@ async fn status(args: SessionArgs) -> anyhow::Result<ExitCode> {
 async fn watch(args: WatchArgs) -> anyhow::Result<ExitCode> {
     let connector = Connector::new(&args.session.credentials).await?;
     let mut follower = Follower::new(&connector, &args.session.connect, args.reconnect.budget()?)?;
-    follower
-        .print_events(&args.session.session, args.after)
-        .await?;
+    let session = &args.session.session;
+    let tasks = if args.view.plain || !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        Vec::new()
+    } else {
+        follower.get_session(session).await?.tasks
+    };
+    let mut view = crate::live::for_stdout(args.view.plain, &tasks);
+    let followed = follower
+        .follow_events(session, args.after, view.as_mut())
+        .await;
+    view.finish();
+    followed?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -535,7 +628,7 @@ async fn import(args: ImportArgs) -> anyhow::Result<ExitCode> {
         &repos,
         args.connect.as_deref(),
         &args.credentials,
-        &args.reconnect,
+        (&args.reconnect, &args.view),
         &args.embedded,
     )
     .await
@@ -630,6 +723,67 @@ async fn pause(args: PauseArgs) -> anyhow::Result<ExitCode> {
         );
     }
     println!("`troupe resume` continues it");
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `troupe cancel`: `CancelSession`, then the session's state.
+async fn cancel(args: CancelArgs) -> anyhow::Result<ExitCode> {
+    let mut client = args.session.client().await?;
+    let cancelled = client
+        .cancel_session(troupe_proto::v1::CancelSessionRequest {
+            session_id: args.session.session,
+            reason: args.reason,
+        })
+        .await
+        .map_err(follow::CallFailed)?
+        .into_inner();
+    if let Some(session) = &cancelled.session {
+        println!(
+            "session {} is {}",
+            session.id,
+            report::session_state_name(session.state)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Reads a session and its tasks (for `graph` and `report`).
+async fn get_session(args: &SessionArgs) -> anyhow::Result<troupe_proto::v1::GetSessionResponse> {
+    let mut client = args.client().await?;
+    Ok(client
+        .get_session(GetSessionRequest {
+            session_id: args.session.clone(),
+        })
+        .await
+        .map_err(follow::CallFailed)?
+        .into_inner())
+}
+
+/// `troupe graph`: the session's DAG as Mermaid, DOT or SVG.
+async fn graph(args: GraphArgs) -> anyhow::Result<ExitCode> {
+    let response = get_session(&args.session).await?;
+    let now = chrono::Utc::now();
+    let nodes: Vec<crate::graph::Node> = response
+        .tasks
+        .iter()
+        .map(|task| crate::graph::Node::from_task(task, now))
+        .collect();
+    print!(
+        "{}",
+        crate::graph::render(args.format, &args.session.session, &nodes)
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `troupe report`: time, attempts, tokens and cost per task, repo and backend.
+async fn session_report(args: ReportArgs) -> anyhow::Result<ExitCode> {
+    let prices = match &args.prices {
+        Some(path) => crate::session_report::load_prices(path)?,
+        None => Default::default(),
+    };
+    let response = get_session(&args.session).await?;
+    let report = crate::session_report::build(&response, &prices);
+    print!("{}", crate::session_report::render(args.format, &report)?);
     Ok(ExitCode::SUCCESS)
 }
 

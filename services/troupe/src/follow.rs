@@ -170,9 +170,14 @@ impl Follower {
         .with_context(|| format!("reading session {session_id}"))
     }
 
-    /// Prints the session's events after `after` until the session ends, each exactly once
-    /// across reconnects. Returns the last sequence printed (or `after`).
-    pub async fn print_events(&mut self, session_id: &str, after: u64) -> anyhow::Result<u64> {
+    /// Shows the session's events after `after` in `view` until the session ends, each exactly
+    /// once across reconnects. Returns the last sequence shown (or `after`).
+    pub async fn follow_events(
+        &mut self,
+        session_id: &str,
+        after: u64,
+        view: &mut dyn crate::live::View,
+    ) -> anyhow::Result<u64> {
         let mut cursor = after;
         let mut ended_early = FIRST_DELAY;
         loop {
@@ -207,9 +212,7 @@ impl Follower {
                         }
                         cursor = event.sequence;
                         ended_early = FIRST_DELAY;
-                        if let Some(line) = report::event_line(&event) {
-                            println!("{line}");
-                        }
+                        view.event(&event);
                     }
                     Some(Err(status)) => break Some(status),
                     None => break None,

@@ -6,6 +6,9 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = troupe::cli::Cli::parse();
+    if cli.prints_only() {
+        sigpipe::reset();
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

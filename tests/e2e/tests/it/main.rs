@@ -29,4 +29,5 @@ mod support;
 mod test_runner_support;
 mod testrun_task;
 mod tour;
+mod views;
 mod worker_health;

@@ -1,0 +1,428 @@
+//! What a person sees of a session through the CLI: `troupe graph` (parsed back: DOT by
+//! graphviz's `dot`, Mermaid by structure, SVG as XML), `troupe report`, `troupe cancel`, the
+//! live view of `troupe watch` on a real terminal (tmux), and print-only commands whose reader
+//! goes away (`| head`).
+
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio_util::sync::CancellationToken;
+use troupe_proto::v1::{CreateSessionRequest, GetSessionRequest, SessionState};
+
+use crate::support::{self, ChildService, binary};
+
+async fn troupe(args: &[&str]) -> anyhow::Result<Output> {
+    Ok(tokio::process::Command::new(binary("troupe"))
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .await?)
+}
+
+fn stdout_of(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "troupe failed ({}): {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// Runs `program args` with `input` on stdin and returns its stdout.
+fn pipe_through(program: &str, args: &[&str], input: &str) -> anyhow::Result<String> {
+    use std::io::Write as _;
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("starting {program} (scripts/setup/25-system-tools.sh)"))?;
+    child
+        .stdin
+        .take()
+        .context("stdin")?
+        .write_all(input.as_bytes())?;
+    let output = child.wait_with_output()?;
+    anyhow::ensure!(
+        output.status.success(),
+        "{program} {args:?} refused the input ({}): {}\n{input}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Ok(String::from_utf8(output.stdout)?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn graph_and_report_describe_a_finished_session() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    let shutdown = CancellationToken::new();
+    let (embedded, url) = support::start_embedded(data.path(), &shutdown).await?;
+    let response = support::run_quickstart(&url).await?;
+    support::assert_quickstart_completed(&response)?;
+    let session = response.session.as_ref().context("session")?.id.clone();
+    let ids: Vec<&str> = response.tasks.iter().map(|t| t.id.as_str()).collect();
+    let dependencies: usize = response.tasks.iter().map(|t| t.depends_on.len()).sum();
+
+    // DOT, laid out by graphviz itself: one node per task, one edge per dependency, and a
+    // cluster per repo holding a cluster per wave.
+    let dot = stdout_of(&troupe(&["graph", &session, "--connect", &url, "--format", "dot"]).await?);
+    let laid_out: serde_json::Value =
+        serde_json::from_str(&pipe_through("dot", &["-Tjson"], &dot)?)?;
+    let objects = laid_out["objects"].as_array().context("objects")?;
+    let names: Vec<&str> = objects.iter().filter_map(|o| o["name"].as_str()).collect();
+    for id in &ids {
+        assert!(names.contains(id), "{id} is not a node of\n{dot}");
+        let node = objects.iter().find(|o| o["name"] == *id).unwrap();
+        assert!(
+            node["label"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("completed"),
+            "{id}: {node}"
+        );
+    }
+    let clusters = names
+        .iter()
+        .filter(|n| n.starts_with("cluster_r0_w"))
+        .count();
+    let waves: std::collections::BTreeSet<u32> = response.tasks.iter().map(|t| t.wave).collect();
+    assert_eq!(clusters, waves.len(), "a cluster per wave:\n{dot}");
+    assert!(names.contains(&"cluster_r0"), "{dot}");
+    assert_eq!(
+        laid_out["edges"].as_array().map_or(0, Vec::len),
+        dependencies,
+        "{dot}"
+    );
+
+    // Mermaid, by structure.
+    let mermaid =
+        stdout_of(&troupe(&["graph", &session, "--connect", &url, "--format", "mermaid"]).await?);
+    let lines: Vec<&str> = mermaid.lines().map(str::trim).collect();
+    assert_eq!(lines[0], "flowchart TD");
+    let nodes = lines
+        .iter()
+        .filter(|l| l.starts_with('t') && l.contains("[\""))
+        .count();
+    assert_eq!(nodes, ids.len(), "{mermaid}");
+    assert_eq!(
+        lines.iter().filter(|l| l.contains(" --> ")).count(),
+        dependencies
+    );
+    let opened = lines.iter().filter(|l| l.starts_with("subgraph ")).count();
+    assert_eq!(opened, 1 + waves.len(), "{mermaid}");
+    assert_eq!(lines.iter().filter(|l| **l == "end").count(), opened);
+
+    // SVG: well-formed XML naming every task.
+    let svg = stdout_of(&troupe(&["graph", &session, "--connect", &url, "--format", "svg"]).await?);
+    pipe_through(
+        "python3",
+        &[
+            "-c",
+            "import sys, xml.etree.ElementTree as E; E.parse(sys.stdin)",
+        ],
+        &svg,
+    )?;
+    for id in &ids {
+        assert!(svg.contains(id), "{id} missing from the SVG");
+    }
+
+    // The report: every task once, totals that add up, and costs from the price table.
+    let prices = data.path().join("prices.toml");
+    std::fs::write(
+        &prices,
+        "[command]\ninput_per_mtok = 1.0\noutput_per_mtok = 2.0\n",
+    )?;
+    let json = stdout_of(
+        &troupe(&[
+            "report",
+            &session,
+            "--connect",
+            &url,
+            "--format",
+            "json",
+            "--prices",
+            prices.to_str().context("utf-8")?,
+        ])
+        .await?,
+    );
+    let report: serde_json::Value = serde_json::from_str(&json)?;
+    assert_eq!(report["state"], "completed");
+    assert_eq!(report["tasks"].as_array().map_or(0, Vec::len), ids.len());
+    assert_eq!(report["total"]["tasks"], ids.len());
+    assert_eq!(report["total"]["states"]["completed"], ids.len());
+    assert_eq!(report["repos"]["app"]["tasks"], ids.len(), "{json}");
+    let executors = response
+        .tasks
+        .iter()
+        .filter(|t| t.role == troupe_proto::v1::Role::Executor as i32)
+        .count();
+    assert_eq!(report["backends"]["command"]["tasks"], executors, "{json}");
+    assert!(report["backends"]["command"]["cost"].is_number(), "{json}");
+    let testrun = report["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["role"] == "test_runner")
+        .context("a test run")?;
+    // The quickstart's test run repairs a wrong test: a failing run, then a passing one.
+    let history = testrun["pass_rate_history"].as_array().context("history")?;
+    assert!(history.len() >= 2, "{testrun}");
+    assert_eq!(
+        history.last().and_then(|v| v.as_f64()),
+        Some(1.0),
+        "{testrun}"
+    );
+    assert!(
+        history[0].as_f64().is_some_and(|rate| rate < 1.0),
+        "{testrun}"
+    );
+    let md = stdout_of(&troupe(&["report", &session, "--connect", &url]).await?);
+    for heading in ["## By repo", "## By backend", "## Tasks"] {
+        assert!(md.contains(heading), "{md}");
+    }
+    assert!(
+        md.contains("| IMPL-001 | app | executor | completed |"),
+        "{md}"
+    );
+
+    shutdown.cancel();
+    embedded.wait().await?;
+    Ok(())
+}
+
+#[tokio::test]
+async fn troupe_cancel_cancels_a_session() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    troupe_testkit::git_repo(&data.path().join("repo"), &[("README.md", "hello\n")])?;
+    let coord_dir = data.path().join("coord").display().to_string();
+    let coordinator =
+        ChildService::start("troupe-coordinator", &["--data-dir", &coord_dir], &[]).await?;
+    let url = coordinator.url();
+    let plan = serde_json::json!({"name": "cancel-cli", "repos": {"app": {"path": "repo"}},
+        "tasks": [{"id": "IMPL-1", "title": "one"}]});
+    let mut client = troupe_grpc::coordinator_client(&url)?;
+    let created = client
+        .create_session(CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: data.path().display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let session = created.session.context("session")?.id;
+    let out = stdout_of(
+        &troupe(&[
+            "cancel",
+            &session,
+            "--reason",
+            "wrong plan",
+            "--connect",
+            &url,
+        ])
+        .await?,
+    );
+    assert_eq!(out.trim(), format!("session {session} is cancelled"));
+    let view = client
+        .get_session(GetSessionRequest {
+            session_id: session.clone(),
+        })
+        .await?
+        .into_inner();
+    assert_eq!(
+        view.session.context("session")?.state,
+        SessionState::Cancelled as i32
+    );
+    // An unknown session is an error with the coordinator's reason, not a success.
+    let unknown = troupe(&["cancel", "no-such-session", "--connect", &url]).await?;
+    assert_eq!(unknown.status.code(), Some(70));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("no-such-session"));
+    Ok(())
+}
+
+#[tokio::test]
+async fn output_into_a_closed_pipe_ends_quietly() -> anyhow::Result<()> {
+    use std::os::unix::process::ExitStatusExt as _;
+    let session = troupe_testkit::workspace_root().join("shared/plan/tests/fixtures/ccw/roadmap");
+    // Stdout is a pipe whose reader is gone before anything is written (`| head` that has
+    // read its lines): a print-only command ends by SIGPIPE as Unix tools do, not a panic.
+    let (reader, writer) = std::io::pipe()?;
+    drop(reader);
+    // std's `output()` keeps a configured stdout (tokio's would replace it with a pipe).
+    let output = std::process::Command::new(binary("troupe"))
+        .args(["import", "--print"])
+        .arg(&session)
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        output.status.signal(),
+        Some(13),
+        "{}: {stderr}",
+        output.status
+    );
+
+    // `run` hosts the services in its own process: a closed stdout stops the printing, and the
+    // plan still runs to the end.
+    let data = tempfile::tempdir()?;
+    let (reader, writer) = std::io::pipe()?;
+    drop(reader);
+    let mut run = std::process::Command::new(binary("troupe"));
+    run.arg("run")
+        .arg(support::quickstart_dir())
+        .arg("--data-dir")
+        .arg(data.path())
+        .env_remove("RUST_LOG")
+        .stdout(writer)
+        .stderr(Stdio::piped());
+    let output = tokio::task::spawn_blocking(move || run.output()).await??;
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(output.status.success(), "{}: {stderr}", output.status);
+    Ok(())
+}
+
+/// A plan of three tasks whose command agents each take a few seconds, so a terminal can show
+/// them running.
+fn slow_plan() -> serde_json::Value {
+    let agent = serde_json::json!({"backend": "command", "timeout_seconds": 120, "command": [
+        "python3", "-c",
+        "import pathlib, sys, time; time.sleep(3); pathlib.Path(sys.argv[1] + '.txt').write_text('done\\n')",
+        "{task_id}"]});
+    serde_json::json!({"name": "slow", "repos": {"app": {"path": "repo"}}, "tasks": [
+        {"id": "IMPL-1", "title": "first", "agent": agent},
+        {"id": "IMPL-2", "title": "second", "agent": agent},
+        {"id": "IMPL-3", "title": "third", "depends_on": ["IMPL-1", "IMPL-2"], "agent": agent}]})
+}
+
+/// Tmux on its own socket, so the test neither sees nor touches a user's sessions.
+struct Tmux {
+    socket: String,
+}
+
+impl Tmux {
+    fn command(&self, args: &[&str]) -> anyhow::Result<String> {
+        let output = std::process::Command::new("tmux")
+            .args(["-L", &self.socket, "-f", "/dev/null"])
+            .args(args)
+            .output()
+            .context("running tmux (scripts/setup/25-system-tools.sh)")?;
+        anyhow::ensure!(
+            output.status.success(),
+            "tmux {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+    }
+
+    fn screen(&self) -> anyhow::Result<String> {
+        self.command(&["capture-pane", "-p", "-t", "watch"])
+    }
+}
+
+impl Drop for Tmux {
+    fn drop(&mut self) {
+        let _ = self.command(&["kill-server"]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn troupe_watch_on_a_terminal_draws_bars_and_running_tasks() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    troupe_testkit::git_repo(&data.path().join("repo"), &[("README.md", "hello\n")])?;
+    let shutdown = CancellationToken::new();
+    let (embedded, url) = support::start_embedded(&data.path().join("up"), &shutdown).await?;
+    let mut client = troupe_grpc::coordinator_client(&url)?;
+    let created = client
+        .create_session(CreateSessionRequest {
+            plan_json: slow_plan().to_string(),
+            base_dir: data.path().display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let session = created.session.context("session")?.id;
+
+    let tmux = Tmux {
+        socket: format!("troupe-test-{}", std::process::id()),
+    };
+    let troupe_bin = binary("troupe").display().to_string();
+    tmux.command(&[
+        "new-session",
+        "-d",
+        "-s",
+        "watch",
+        "-x",
+        "160",
+        "-y",
+        "40",
+        "--",
+        &troupe_bin,
+        "watch",
+        &session,
+        "--connect",
+        &url,
+        ";",
+        "set-option",
+        "-t",
+        "watch",
+        "remain-on-exit",
+        "on",
+    ])?;
+    // While the first wave runs: the bars, and a line per running task with its attempt.
+    let running = troupe_testkit::eventually_within(
+        "the live view showing a running task",
+        Duration::from_secs(60),
+        || async {
+            let screen = tmux.screen().unwrap_or_default();
+            (screen.contains("all [") && screen.contains("wave 1") && screen.contains("attempt 1"))
+                .then_some(screen)
+        },
+    )
+    .await;
+    assert!(running.contains("executor ["), "{running}");
+    assert!(
+        running
+            .lines()
+            .any(|l| l.contains("IMPL-1") && l.contains("attempt 1")),
+        "{running}"
+    );
+    // At the end: every bar full, transitions printed above them, no running line left.
+    let done = troupe_testkit::eventually_within(
+        "the live view reaching 3/3",
+        Duration::from_secs(120),
+        || async {
+            let screen = tmux.screen().unwrap_or_default();
+            screen.contains("3/3").then_some(screen)
+        },
+    )
+    .await;
+    assert!(
+        done.contains("IMPL-3") && done.contains("completed"),
+        "{done}"
+    );
+    // Running-task lines (`IMPL-1  4s attempt 1 on …`) are gone; transitions (`->`) stay.
+    assert!(
+        !done
+            .lines()
+            .any(|l| l.contains("IMPL-") && !l.contains("->")),
+        "{done}"
+    );
+
+    // Not a terminal: the same session as plain lines, no bars.
+    let plain = stdout_of(&troupe(&["watch", &session, "--connect", &url]).await?);
+    assert!(!plain.contains("all ["), "{plain}");
+    assert!(
+        plain
+            .lines()
+            .any(|l| l.contains("IMPL-3") && l.contains("-> completed")),
+        "{plain}"
+    );
+    shutdown.cancel();
+    embedded.wait().await?;
+    Ok(())
+}
