@@ -42,6 +42,7 @@ mod repos;
 mod service;
 mod store;
 mod task;
+mod web;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -54,6 +55,7 @@ use tokio_util::sync::CancellationToken;
 pub use crate::error::Error;
 use crate::service::Coordinator;
 use crate::store::Store;
+pub use crate::web::WebArgs;
 
 /// How often the reaper looks for expired leases and due retries.
 const REAPER_INTERVAL: Duration = Duration::from_millis(250);
@@ -184,6 +186,38 @@ impl App {
         metrics::refresh(self.inner.store().clone())
     }
 
+    /// Serves the read-only web view when `web` names an address, behind the tokens `security`
+    /// accepts, until `shutdown`. Returns the address it serves on.
+    pub async fn serve_web(
+        &self,
+        web: &WebArgs,
+        security: &troupe_grpc::auth::Security,
+        shutdown: CancellationToken,
+    ) -> Result<Option<SocketAddr>, Error> {
+        let Some(addr) = web.web_listen else {
+            return Ok(None);
+        };
+        let auth = troupe_grpc::auth::ServerAuth::load(security).await?;
+        auth.check_listen(addr)?;
+        let listener = TcpListener::bind(addr).await.map_err(|source| Error::Io {
+            path: format!("web view listen address {addr}"),
+            source,
+        })?;
+        let bound = listener.local_addr().map_err(|source| Error::Io {
+            path: format!("web view listen address {addr}"),
+            source,
+        })?;
+        let adapter = grpc::adapter(Arc::clone(&self.inner));
+        tokio::spawn(async move {
+            if let Err(err) = web::serve(adapter, auth, listener, shutdown.cancelled_owned()).await
+            {
+                tracing::error!(error = %err, "the web view stopped");
+            }
+        });
+        tracing::info!(addr = %bound, "serving the web view");
+        Ok(Some(bound))
+    }
+
     /// Runs the lease reaper until `shutdown`, then ends open event streams.
     pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
         tokio::join!(
@@ -213,19 +247,28 @@ pub async fn run_tuned(
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let metrics = troupe_telemetry::metrics::MetricsArgs::default();
-    run_with_metrics(config, tuning, &metrics, listener, shutdown).await
+    run_with_metrics(
+        config,
+        tuning,
+        (&metrics, &WebArgs::default()),
+        listener,
+        shutdown,
+    )
+    .await
 }
 
-/// [`run_tuned`], serving metrics as `metrics` says.
+/// [`run_tuned`], serving metrics and the web view as `metrics` and `web` say.
 pub async fn run_with_metrics(
     config: Config,
     tuning: Tuning,
-    metrics: &troupe_telemetry::metrics::MetricsArgs,
+    (metrics, web): (&troupe_telemetry::metrics::MetricsArgs, &WebArgs),
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
+    let security = config.security.clone();
     let app = App::open_tuned(config, tuning).await?;
+    app.serve_web(web, &security, shutdown.clone()).await?;
     troupe_telemetry::metrics::spawn(
         metrics,
         vec![app.metrics_refresh()],

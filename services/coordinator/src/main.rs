@@ -13,13 +13,15 @@ struct Cli {
     tuning: troupe_coordinator::Tuning,
     #[command(flatten)]
     metrics: troupe_telemetry::metrics::MetricsArgs,
+    #[command(flatten)]
+    web: troupe_coordinator::WebArgs,
 }
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     let telemetry = troupe_telemetry::init("troupe-coordinator").context("telemetry init")?;
-    let result = serve(cli.config, cli.tuning, cli.metrics).await;
+    let result = serve(cli.config, cli.tuning, (cli.metrics, cli.web)).await;
     if let Err(err) = &result {
         tracing::error!(error = %format!("{err:#}"), "coordinator stopped");
     }
@@ -30,12 +32,16 @@ async fn main() -> anyhow::Result<()> {
 async fn serve(
     config: troupe_coordinator::Config,
     tuning: troupe_coordinator::Tuning,
-    metrics: troupe_telemetry::metrics::MetricsArgs,
+    (metrics, web): (
+        troupe_telemetry::metrics::MetricsArgs,
+        troupe_coordinator::WebArgs,
+    ),
 ) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("bind {}", config.listen))?;
     let shutdown = troupe_grpc::shutdown_token();
-    troupe_coordinator::run_with_metrics(config, tuning, &metrics, listener, shutdown).await?;
+    troupe_coordinator::run_with_metrics(config, tuning, (&metrics, &web), listener, shutdown)
+        .await?;
     Ok(())
 }

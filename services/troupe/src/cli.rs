@@ -121,7 +121,7 @@ struct GraphArgs {
     session: SessionArgs,
     /// Output format.
     #[arg(long, value_enum, default_value = "mermaid")]
-    format: crate::graph::Format,
+    format: troupe_view::graph::Format,
 }
 
 #[derive(Debug, clap::Args)]
@@ -161,6 +161,8 @@ struct UpArgs {
     security: Security,
     #[command(flatten)]
     metrics: troupe_telemetry::metrics::MetricsArgs,
+    #[command(flatten)]
+    web: troupe_coordinator::WebArgs,
 }
 
 #[derive(Debug, clap::Args)]
@@ -357,11 +359,14 @@ async fn up(args: UpArgs) -> anyhow::Result<ExitCode> {
         .with_context(|| format!("binding {}", args.listen))?;
     let shutdown = troupe_grpc::shutdown_token();
     let embedded = Embedded::start(
-        args.embedded.config(args.security),
+        args.embedded.config(args.security.clone()),
         listener,
         shutdown.clone(),
     )
     .await?;
+    if let Some(web) = embedded.serve_web(&args.web, &args.security).await? {
+        eprintln!("web view on http://{web}/");
+    }
     troupe_telemetry::metrics::spawn(
         &args.metrics,
         embedded.metrics_refresh(),
@@ -763,14 +768,14 @@ async fn get_session(args: &SessionArgs) -> anyhow::Result<troupe_proto::v1::Get
 async fn graph(args: GraphArgs) -> anyhow::Result<ExitCode> {
     let response = get_session(&args.session).await?;
     let now = chrono::Utc::now();
-    let nodes: Vec<crate::graph::Node> = response
+    let nodes: Vec<troupe_view::graph::Node> = response
         .tasks
         .iter()
-        .map(|task| crate::graph::Node::from_task(task, now))
+        .map(|task| troupe_view::graph::Node::from_task(task, now))
         .collect();
     print!(
         "{}",
-        crate::graph::render(args.format, &args.session.session, &nodes)
+        troupe_view::graph::render(args.format, &args.session.session, &nodes)
     );
     Ok(ExitCode::SUCCESS)
 }

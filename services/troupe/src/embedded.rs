@@ -174,6 +174,18 @@ impl Embedded {
         vec![self.coordinator.metrics_refresh()]
     }
 
+    /// Serves the coordinator's web view as `web` says, behind the tokens `security` accepts.
+    pub async fn serve_web(
+        &self,
+        web: &troupe_coordinator::WebArgs,
+        security: &troupe_grpc::auth::Security,
+    ) -> anyhow::Result<Option<SocketAddr>> {
+        Ok(self
+            .coordinator
+            .serve_web(web, security, self.shutdown.clone())
+            .await?)
+    }
+
     /// The address everything is served on.
     pub fn addr(&self) -> SocketAddr {
         self.addr

@@ -5,7 +5,7 @@
 //!
 //! [`embedded`] is the all-in-one assembly `up` and `run` share; [`plan_file`] loads plans
 //! (JSON or TOML); [`report`] renders progress and the final report; [`follow`] follows a
-//! session across coordinator restarts; [`graph`] draws a session's DAG and
+//! session across coordinator restarts; `troupe graph` draws with `troupe_view`, and
 //! [`session_report`] accounts for its time and tokens.
 
 pub mod assets;
@@ -13,7 +13,6 @@ pub mod ccw_export;
 pub mod cli;
 pub mod embedded;
 pub mod follow;
-pub mod graph;
 pub mod live;
 pub mod plan_file;
 pub mod report;

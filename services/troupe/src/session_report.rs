@@ -11,7 +11,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use troupe_proto::v1::{GetSessionResponse, Role, Task, TaskState, Usage, task_result};
 
-use crate::graph::human_duration;
+use troupe_view::graph::human_duration;
 
 /// The output formats of `troupe report`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -49,6 +49,11 @@ pub(crate) fn server(
     coordinator_server::CoordinatorServer::new(Adapter { coordinator })
 }
 
+/// The adapter alone, for the web view, which calls its methods in-process.
+pub(crate) fn adapter(coordinator: Arc<Coordinator>) -> Adapter {
+    Adapter { coordinator }
+}
+
 /// Implements the generated service trait over the domain coordinator.
 #[derive(Debug, Clone)]
 pub(crate) struct Adapter {

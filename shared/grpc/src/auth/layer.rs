@@ -76,6 +76,25 @@ where
     }
 }
 
+/// Checks a request that is not gRPC (the coordinator's web view) as if it called `rpc_path`
+/// (`/troupe.v1.Coordinator/GetSession`) with `headers`: the same tokens, scopes and answers
+/// as the API. Only bearer tokens apply: the web view serves no client certificates.
+pub fn authorize_as(
+    auth: &ServerAuth,
+    rpc_path: &str,
+    headers: &http::HeaderMap,
+) -> Result<(), tonic::Status> {
+    // A server without authentication is open, as its gRPC port is (no layer is installed).
+    if !auth.is_enforced() {
+        return Ok(());
+    }
+    let mut request = http::Request::new(());
+    *request.uri_mut() = http::Uri::try_from(rpc_path)
+        .map_err(|_| tonic::Status::internal(format!("`{rpc_path}` is not an RPC path")))?;
+    *request.headers_mut() = headers.clone();
+    authorize(auth, &request)
+}
+
 fn authorize<B>(auth: &ServerAuth, request: &http::Request<B>) -> Result<(), tonic::Status> {
     let path = request.uri().path();
     let needed = match policy::rule(path, auth.reflection) {

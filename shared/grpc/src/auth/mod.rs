@@ -25,6 +25,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 pub(crate) use layer::AuthLayer;
+pub use layer::authorize_as;
 pub(crate) use tls::{ClientTls, ServerTls, peer_principal};
 pub use tokens::{Principal, Token};
 pub(crate) use tokens::{TokenSet, TokenSource, Watched};

@@ -30,4 +30,5 @@ mod test_runner_support;
 mod testrun_task;
 mod tour;
 mod views;
+mod web;
 mod worker_health;

@@ -1,0 +1,120 @@
+"""Drives headless Chromium over the DevTools protocol for the web-view tests.
+
+Starts `chromium` headless with a private profile, opens one page and answers commands, one
+JSON object per line on stdin, with one JSON object per line on stdout:
+  {"cmd": "goto", "url": U}                   load U and wait for its load event
+  {"cmd": "eval", "js": E}                    the value of expression E
+  {"cmd": "wait", "js": E, "timeout": S}      poll E until truthy (its value), or fail after S s
+  {"cmd": "screenshot", "path": P}            a PNG of the page
+  {"cmd": "quit"}
+Answers are {"ok": true, "value": ...} or {"ok": false, "error": "..."}.
+"""
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import websocket  # websocket-client, installed by scripts/setup/10-python-tools.sh
+
+
+class Page:
+    def __init__(self, chromium):
+        self.profile = tempfile.mkdtemp(prefix="troupe-cdp-")
+        self.browser = subprocess.Popen(
+            [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+             "--remote-debugging-port=0", "--remote-allow-origins=*",
+             "--window-size=1280,1600", f"--user-data-dir={self.profile}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port_file = os.path.join(self.profile, "DevToolsActivePort")
+        deadline = time.time() + 30
+        while not os.path.exists(port_file) or os.path.getsize(port_file) == 0:
+            if time.time() > deadline or self.browser.poll() is not None:
+                raise RuntimeError("chromium did not open its DevTools port")
+            time.sleep(0.1)
+        port = open(port_file).read().split()[0]
+        targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list"))
+        page = next(t for t in targets if t["type"] == "page")
+        self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60)
+        self.next_id = 0
+        self.call("Page.enable")
+        self.call("Runtime.enable")
+
+    def call(self, method, **params):
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv())
+            if message.get("id") == self.next_id:
+                if "error" in message:
+                    raise RuntimeError(f"{method}: {message['error']}")
+                return message.get("result", {})
+
+    def wait_event(self, method, timeout=30):
+        self.ws.settimeout(timeout)
+        try:
+            while True:
+                message = json.loads(self.ws.recv())
+                if message.get("method") == method:
+                    return message
+        finally:
+            self.ws.settimeout(60)
+
+    def evaluate(self, js):
+        result = self.call("Runtime.evaluate", expression=js, returnByValue=True,
+                           awaitPromise=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(result["exceptionDetails"].get("text", "exception"))
+        return result["result"].get("value")
+
+    def handle(self, command):
+        cmd = command["cmd"]
+        if cmd == "goto":
+            self.call("Page.navigate", url=command["url"])
+            self.wait_event("Page.loadEventFired")
+            return None
+        if cmd == "eval":
+            return self.evaluate(command["js"])
+        if cmd == "wait":
+            deadline = time.time() + command.get("timeout", 30)
+            while True:
+                value = self.evaluate(command["js"])
+                if value:
+                    return value
+                if time.time() > deadline:
+                    raise RuntimeError(f"timed out waiting for {command['js']}")
+                time.sleep(0.2)
+        if cmd == "screenshot":
+            shot = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+            with open(command["path"], "wb") as out:
+                out.write(base64.b64decode(shot["data"]))
+            return command["path"]
+        raise RuntimeError(f"unknown command {cmd}")
+
+    def close(self):
+        self.browser.kill()
+        self.browser.wait()
+
+
+def main():
+    page = Page(sys.argv[1] if len(sys.argv) > 1 else "chromium")
+    try:
+        for line in sys.stdin:
+            command = json.loads(line)
+            if command["cmd"] == "quit":
+                break
+            try:
+                answer = {"ok": True, "value": page.handle(command)}
+            except Exception as err:  # the test prints it
+                answer = {"ok": False, "error": str(err)}
+            print(json.dumps(answer), flush=True)
+    finally:
+        page.close()
+
+
+if __name__ == "__main__":
+    main()
