@@ -18,7 +18,7 @@ pub(crate) fn status_word(state: TaskState) -> &'static str {
         TaskState::Pending | TaskState::Unspecified => "pending",
         TaskState::Blocked => "blocked",
         TaskState::Failed => "failed",
-        TaskState::TimedOut => troupe_proto::names::task_state(state),
+        TaskState::TimedOut | TaskState::WaitingApproval => troupe_proto::names::task_state(state),
         TaskState::Skipped => "skipped",
         TaskState::Cancelled => "cancelled",
     }

@@ -25,7 +25,7 @@ const ROLES: [pb::Role; 3] = [
 ];
 
 /// Every state a task can be in.
-const STATES: [TaskState; 9] = [
+const STATES: [TaskState; 10] = [
     TaskState::Pending,
     TaskState::Ready,
     TaskState::Running,
@@ -35,6 +35,7 @@ const STATES: [TaskState; 9] = [
     TaskState::Cancelled,
     TaskState::TimedOut,
     TaskState::Blocked,
+    TaskState::WaitingApproval,
 ];
 
 pub(crate) struct Metrics {

@@ -207,9 +207,12 @@ pub(crate) fn stall(tasks: &[Task], session: SessionState, now_ms: i64) -> Optio
     if matches!(session, SessionState::Completed | SessionState::Cancelled) {
         return None;
     }
+    // A task at its approval gate waits on a person, not on the graph: not a stall.
     let moving = tasks.iter().any(|task| {
-        matches!(task.state, TaskState::Ready | TaskState::Running)
-            || (task.state == TaskState::Pending && task.not_before.is_some_and(|at| at > now_ms))
+        matches!(
+            task.state,
+            TaskState::Ready | TaskState::Running | TaskState::WaitingApproval
+        ) || (task.state == TaskState::Pending && task.not_before.is_some_and(|at| at > now_ms))
     });
     if moving {
         return None;

@@ -33,7 +33,8 @@ impl From<Error> for Status {
                     | ErrorKind::Auth
                     | ErrorKind::OutOfScope
                     | ErrorKind::SandboxDenied
-                    | ErrorKind::Superseded => Code::FailedPrecondition,
+                    | ErrorKind::Superseded
+                    | ErrorKind::Rejected => Code::FailedPrecondition,
                     ErrorKind::Repository => Code::Unavailable,
                     ErrorKind::RateLimited | ErrorKind::Quota => Code::ResourceExhausted,
                     ErrorKind::Timeout => Code::DeadlineExceeded,

@@ -390,7 +390,11 @@ fn state(task: &pb::Task) -> TaskState {
 /// CCW's task status for a troupe task state (§2.1 `status`).
 fn ccw_status(state: TaskState) -> &'static str {
     match state {
-        TaskState::Unspecified | TaskState::Pending | TaskState::Ready => "pending",
+        // CCW has no approval gate: a task waiting at one has not started.
+        TaskState::Unspecified
+        | TaskState::Pending
+        | TaskState::Ready
+        | TaskState::WaitingApproval => "pending",
         TaskState::Running => "in_progress",
         TaskState::Completed => "completed",
         TaskState::Failed | TaskState::TimedOut => "failed",

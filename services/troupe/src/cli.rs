@@ -64,6 +64,8 @@ impl Cli {
             | Command::Resume(_)
             | Command::Pause(_)
             | Command::Cancel(_)
+            | Command::Approve(_)
+            | Command::Reject(_)
             | Command::Graph(_)
             | Command::Report(_)
             | Command::Export(_) => true,
@@ -100,6 +102,11 @@ enum Command {
     Doctor(DoctorArgs),
     /// Cancels a session: nothing new starts, running tasks are told to stop.
     Cancel(CancelArgs),
+    /// Approves a task waiting at its approval gate: it becomes ready.
+    Approve(GateArgs),
+    /// Rejects a task waiting at its approval gate: it fails, and what depends on it follows
+    /// the plan's `on_failure`.
+    Reject(GateArgs),
     /// Prints a session's DAG with each task's state and duration, grouped by repo and wave.
     Graph(GraphArgs),
     /// Prints where a session's time and tokens went: per task, per repo, per backend.
@@ -113,6 +120,17 @@ struct CancelArgs {
     /// Why, recorded in the event log.
     #[arg(long, default_value = "")]
     reason: String,
+}
+
+#[derive(Debug, clap::Args)]
+struct GateArgs {
+    #[command(flatten)]
+    session: SessionArgs,
+    /// The task waiting for approval.
+    task: String,
+    /// Why, recorded with the answer (and, for a rejection, as the task's error).
+    #[arg(long, default_value = "")]
+    note: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -337,6 +355,8 @@ pub async fn main(cli: Cli) -> ExitCode {
         Command::Pause(args) => pause(args).await,
         Command::Doctor(args) => doctor(args).await,
         Command::Cancel(args) => cancel(args).await,
+        Command::Approve(args) => answer_gate(args, true).await,
+        Command::Reject(args) => answer_gate(args, false).await,
         Command::Graph(args) => graph(args).await,
         Command::Report(args) => session_report(args).await,
     };
@@ -748,6 +768,39 @@ async fn cancel(args: CancelArgs) -> anyhow::Result<ExitCode> {
             session.id,
             report::session_state_name(session.state)
         );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `troupe approve` / `troupe reject`: answers a task's approval gate.
+async fn answer_gate(args: GateArgs, approve: bool) -> anyhow::Result<ExitCode> {
+    let mut client = args.session.client().await?;
+    let (session_id, task_id, note) = (args.session.session, args.task, args.note);
+    let task = if approve {
+        client
+            .approve_task(troupe_proto::v1::ApproveTaskRequest {
+                session_id,
+                task_id,
+                note,
+            })
+            .await
+            .map_err(follow::CallFailed)?
+            .into_inner()
+            .task
+    } else {
+        client
+            .reject_task(troupe_proto::v1::RejectTaskRequest {
+                session_id,
+                task_id,
+                note,
+            })
+            .await
+            .map_err(follow::CallFailed)?
+            .into_inner()
+            .task
+    };
+    if let Some(task) = task {
+        println!("{} is {}", task.id, report::task_state_name(task.state));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -146,7 +146,7 @@ impl Live {
 
     /// Recounts every bar from the tasks' states.
     fn redraw(&mut self) {
-        let mut overall = (0, 0, 0, 0);
+        let mut overall = (0, 0, 0, 0, 0);
         let mut roles: BTreeMap<&'static str, (u64, u64)> = BTreeMap::new();
         let mut waves: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
         for task in self.tasks.values() {
@@ -167,8 +167,11 @@ impl Live {
         }
         self.overall.set_length(overall.1);
         self.overall.set_position(overall.0);
-        self.overall
-            .set_message(format!("{} running, {} failed", overall.2, overall.3));
+        let mut message = format!("{} running, {} failed", overall.2, overall.3);
+        if overall.4 > 0 {
+            message.push_str(&format!(", {} waiting for approval", overall.4));
+        }
+        self.overall.set_message(message);
         for (role, (done, len)) in roles {
             if let Some(bar) = self.roles.get(role) {
                 bar.set_length(len);

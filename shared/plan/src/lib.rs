@@ -8,6 +8,7 @@
 
 #![warn(missing_docs)]
 
+mod approval;
 pub mod ccw;
 mod kind;
 pub mod spec;
@@ -19,6 +20,7 @@ use std::fmt;
 use serde_json::{Map, Value};
 use troupe_proto::v1 as pb;
 
+pub use approval::approval_prompt;
 pub use kind::{TaskKind, id_prefix};
 pub use spec::TaskBlocks;
 pub use validate::{Problem, ProblemKind};

@@ -728,6 +728,7 @@ fn task(
         }
     }
     let blocks = crate::spec::parse(object, owner, role, problems);
+    crate::approval::check(object, owner, problems);
     let max_attempts =
         attempts(object.get("max_attempts"), owner, problems).unwrap_or(plan_attempts);
     let timeout_seconds = match object

@@ -17,6 +17,7 @@ pub fn task_state(state: TaskState) -> &'static str {
         TaskState::Cancelled => "cancelled",
         TaskState::TimedOut => "timed_out",
         TaskState::Blocked => "blocked",
+        TaskState::WaitingApproval => "waiting_approval",
     }
 }
 

@@ -42,6 +42,18 @@ impl From<Error> for Status {
     }
 }
 
+/// Who made a request: the principal the auth layer found, or `anonymous` on a server
+/// without authentication.
+pub(crate) fn caller<T>(request: &Request<T>) -> String {
+    request
+        .extensions()
+        .get::<troupe_grpc::auth::Principal>()
+        .map_or_else(
+            || "anonymous".to_owned(),
+            |principal| principal.name.clone(),
+        )
+}
+
 /// Returns the tonic server for `coordinator`.
 pub(crate) fn server(
     coordinator: Arc<Coordinator>,
@@ -101,6 +113,44 @@ impl coordinator_server::Coordinator for Adapter {
         let sessions = self.coordinator.list_sessions(request.into_inner()).await?;
         Ok(Response::new(pb::ListSessionsResponse {
             sessions: sessions.into_iter().map(convert::summary_proto).collect(),
+        }))
+    }
+
+    async fn approve_task(
+        &self,
+        request: Request<pb::ApproveTaskRequest>,
+    ) -> Result<Response<pb::ApproveTaskResponse>, Status> {
+        let by = caller(&request);
+        let request = request.into_inner();
+        let task = self
+            .coordinator
+            .answer_gate(
+                (&request.session_id, &request.task_id),
+                true,
+                (&by, &request.note),
+            )
+            .await?;
+        Ok(Response::new(pb::ApproveTaskResponse {
+            task: Some(convert::task_proto(&task)),
+        }))
+    }
+
+    async fn reject_task(
+        &self,
+        request: Request<pb::RejectTaskRequest>,
+    ) -> Result<Response<pb::RejectTaskResponse>, Status> {
+        let by = caller(&request);
+        let request = request.into_inner();
+        let task = self
+            .coordinator
+            .answer_gate(
+                (&request.session_id, &request.task_id),
+                false,
+                (&by, &request.note),
+            )
+            .await?;
+        Ok(Response::new(pb::RejectTaskResponse {
+            task: Some(convert::task_proto(&task)),
         }))
     }
 

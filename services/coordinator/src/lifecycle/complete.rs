@@ -151,12 +151,14 @@ pub(crate) async fn complete_eager(
             work.push(task);
         }
     }
+    let settled = transitions.len();
     transitions.extend(task::settle(
         &mut work,
         session.mode,
         session.on_failure,
         now,
     ));
+    super::gate::hold(tx, session_id, &mut work, &mut transitions[settled..]).await?;
 
     // The claims take the best ready tasks, those just readied included, in claim order.
     let mut candidates: Vec<usize> = (0..work.len())

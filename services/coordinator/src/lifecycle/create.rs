@@ -25,6 +25,14 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
         }),
     )
     .await?;
+    let gates: Vec<(String, String)> = new
+        .tasks
+        .iter()
+        .filter_map(|task| {
+            troupe_plan::approval_prompt(&task.spec).map(|prompt| (task.id.clone(), prompt))
+        })
+        .collect();
+    crate::store::gates::insert_gates(&mut tx, &session.id, &gates).await?;
     let mut transitions = Vec::new();
     for task in &new.tasks {
         insert_task(&mut tx, task).await?;

@@ -1,6 +1,6 @@
 //! Every state change of a session and its tasks, one module per change: [`create`],
 //! [`claim`], [`heartbeat`], [`complete`], [`fail`] (with the [`fix_round`] a failed check may
-//! start), [`reap`], [`resume`], [`pause`] and [`cancel`].
+//! start), [`reap`], [`resume`], [`pause`], [`cancel`] and a person's answer at a [`gate`].
 //!
 //! The layers below: transactions → tables → lifecycle. A change runs in one transaction
 //! ([`crate::store::Tx`]; the worker protocol's writes in a group commit's, see
@@ -30,6 +30,7 @@ pub(crate) mod complete;
 pub(crate) mod create;
 pub(crate) mod fail;
 pub(crate) mod fix_round;
+pub(crate) mod gate;
 pub(crate) mod heartbeat;
 pub(crate) mod pause;
 pub(crate) mod reap;
@@ -47,7 +48,9 @@ async fn save(
     now: i64,
 ) -> Result<usize, Error> {
     if session.state == SessionState::Active {
+        let settled = transitions.len();
         transitions.extend(task::settle(tasks, session.mode, session.on_failure, now));
+        gate::hold(tx, &session.id, tasks, &mut transitions[settled..]).await?;
     }
     let count = write_changes(tx, &session.id, before, tasks, transitions, now).await?;
     finish(tx, session, tasks, count, now).await?;

@@ -183,6 +183,24 @@ impl Coordinator {
         Ok(summary)
     }
 
+    /// A person's answer at a task's approval gate; `by` names them (their token's or
+    /// certificate's name). Returns the task as it then stands.
+    pub(crate) async fn answer_gate(
+        &self,
+        (session_id, task_id): (&str, &str),
+        approve: bool,
+        (by, note): (&str, &str),
+    ) -> Result<crate::task::Task, Error> {
+        require(session_id, "session_id")?;
+        require(task_id, "task_id")?;
+        let answer = lifecycle::gate::Answer { approve, by, note };
+        let task =
+            lifecycle::gate::answer(&self.store, session_id, task_id, answer, now_ms()).await?;
+        self.notify();
+        tracing::info!(session_id, task_id, approve, by, "gate answered");
+        Ok(task)
+    }
+
     /// CCW `check`: the session's status, read-only.
     pub(crate) async fn check_session(&self, session_id: &str) -> Result<SessionCheck, Error> {
         require(session_id, "session_id")?;

@@ -33,6 +33,8 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "plan assets",
         include_str!("migrations/0008_plan_assets.sql"),
     ),
+    // 9 is taken by the task dependency index.
+    (10, "gates", include_str!("migrations/0010_gates.sql")),
 ];
 
 /// Returns a migration in a dialect: the files are written for SQLite with portable types; the

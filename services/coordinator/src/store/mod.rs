@@ -35,6 +35,7 @@ use crate::Error;
 use crate::store::sessions::Fixed;
 
 pub(crate) mod events;
+pub(crate) mod gates;
 pub(crate) mod messages;
 mod migrations;
 pub(crate) mod sessions;

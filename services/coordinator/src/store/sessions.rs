@@ -373,6 +373,7 @@ pub(crate) fn add_count(counts: &mut pb::TaskCounts, state: TaskState, n: u32) {
         TaskState::Cancelled => &mut counts.cancelled,
         TaskState::TimedOut => &mut counts.timed_out,
         TaskState::Blocked => &mut counts.blocked,
+        TaskState::WaitingApproval => &mut counts.waiting_approval,
         TaskState::Unspecified => return,
     };
     *slot += n;

@@ -17,7 +17,7 @@ use axum::extract::{Form, Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Redirect, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use futures::{Stream, StreamExt};
 use tonic::Request;
 use troupe_grpc::auth::ServerAuth;
@@ -61,6 +61,8 @@ pub(crate) async fn serve(
         .route("/sessions/{session}/live", get(live))
         .route("/sessions/{session}/events", get(events))
         .route("/sessions/{session}/tasks/{task}", get(task))
+        .route("/sessions/{session}/tasks/{task}/approve", post(approve))
+        .route("/sessions/{session}/tasks/{task}/reject", post(reject))
         .route("/static/live.js", get(script))
         .with_state(web);
     axum::serve(listener, app)
@@ -96,8 +98,13 @@ impl IntoResponse for Failure {
 }
 
 impl Web {
-    /// Authorizes the browser's request as a call of `method` on the Coordinator service.
-    fn authorize(&self, method: &str, headers: &HeaderMap) -> Result<(), Failure> {
+    /// Authorizes the browser's request as a call of `method` on the Coordinator service;
+    /// returns who it is (`None` on a server without authentication).
+    fn authorize(
+        &self,
+        method: &str,
+        headers: &HeaderMap,
+    ) -> Result<Option<troupe_grpc::auth::Principal>, Failure> {
         let mut headers = headers.clone();
         if !headers.contains_key(header::AUTHORIZATION)
             && let Some(token) = cookie(&headers, COOKIE)
@@ -105,12 +112,11 @@ impl Web {
         {
             headers.insert(header::AUTHORIZATION, value);
         }
-        troupe_grpc::auth::authorize_as(
+        Ok(troupe_grpc::auth::authorize_as(
             &self.auth,
             &format!("/troupe.v1.Coordinator/{method}"),
             &headers,
-        )?;
-        Ok(())
+        )?)
     }
 
     async fn get_session(&self, session_id: String) -> Result<pb::GetSessionResponse, Failure> {
@@ -237,6 +243,79 @@ async fn task(
     Ok(Html(pages::task(&view, task)))
 }
 
+#[derive(serde::Deserialize)]
+struct GateForm {
+    #[serde(default)]
+    note: String,
+}
+
+async fn approve(
+    state: State<Web>,
+    path: Path<(String, String)>,
+    headers: HeaderMap,
+    form: Form<GateForm>,
+) -> Result<Redirect, Failure> {
+    answer_gate(state, path, headers, form, true).await
+}
+
+async fn reject(
+    state: State<Web>,
+    path: Path<(String, String)>,
+    headers: HeaderMap,
+    form: Form<GateForm>,
+) -> Result<Redirect, Failure> {
+    answer_gate(state, path, headers, form, false).await
+}
+
+/// A gate's buttons: `ApproveTask` or `RejectTask` as the signed-in caller, then back to the
+/// session.
+async fn answer_gate(
+    State(web): State<Web>,
+    Path((session_id, task_id)): Path<(String, String)>,
+    headers: HeaderMap,
+    Form(form): Form<GateForm>,
+    approve: bool,
+) -> Result<Redirect, Failure> {
+    let method = if approve { "ApproveTask" } else { "RejectTask" };
+    let principal = web.authorize(method, &headers)?;
+    let back = format!("/sessions/{session_id}");
+    if approve {
+        web.adapter
+            .approve_task(as_caller(
+                Request::new(pb::ApproveTaskRequest {
+                    session_id,
+                    task_id,
+                    note: form.note,
+                }),
+                principal,
+            ))
+            .await?;
+    } else {
+        web.adapter
+            .reject_task(as_caller(
+                Request::new(pb::RejectTaskRequest {
+                    session_id,
+                    task_id,
+                    note: form.note,
+                }),
+                principal,
+            ))
+            .await?;
+    }
+    Ok(Redirect::to(&back))
+}
+
+/// `request` as made by `principal`, as the auth layer marks a gRPC call.
+fn as_caller<T>(
+    mut request: Request<T>,
+    principal: Option<troupe_grpc::auth::Principal>,
+) -> Request<T> {
+    if let Some(principal) = principal {
+        request.extensions_mut().insert(principal);
+    }
+    request
+}
+
 async fn login_form() -> Html<String> {
     Html(pages::login(None))
 }
@@ -257,7 +336,7 @@ async fn login(State(web): State<Web>, Form(form): Form<Login>) -> Response {
             web.authorize("ListSessions", &headers)
         });
     match checked {
-        Ok(()) => {
+        Ok(_) => {
             let cookie = format!("{COOKIE}={token}; HttpOnly; SameSite=Lax; Path=/");
             let mut response = Redirect::to("/").into_response();
             if let Ok(value) = HeaderValue::from_str(&cookie) {

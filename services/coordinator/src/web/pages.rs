@@ -88,7 +88,7 @@ fn live_markup(view: &pb::GetSessionResponse) -> Markup {
         p #session-state data-state=(state) { "Session " span.state.(state) { (state) } }
         div #dag { (PreEscaped(svg)) }
         table #tasks {
-            tr { th { "task" } th { "title" } th { "state" } th { "repo" } th { "wave" } th { "attempt" } th { "time" } }
+            tr { th { "task" } th { "title" } th { "state" } th { "repo" } th { "wave" } th { "attempt" } th { "time" } th { "" } }
             @for task in &view.tasks {
                 @let node = Node::from_task(task, now);
                 tr data-task=(task.id) data-state=(state_of_task(task.state)) {
@@ -99,6 +99,16 @@ fn live_markup(view: &pb::GetSessionResponse) -> Markup {
                     td { (task.wave) }
                     td { (task.attempt) " / " (task.max_attempts) }
                     td { (node.duration.map(human_duration).unwrap_or_default()) }
+                    td {
+                        @if task.state == pb::TaskState::WaitingApproval as i32 {
+                            @let base = format!("/sessions/{session_id}/tasks/{}", task.id);
+                            form.gate method="post" {
+                                input type="text" name="note" placeholder="note";
+                                " " button.approve type="submit" formaction={ (base) "/approve" } { "Approve" }
+                                " " button.reject type="submit" formaction={ (base) "/reject" } { "Reject" }
+                            }
+                        }
+                    }
                 }
             }
         }

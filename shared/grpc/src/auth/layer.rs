@@ -56,12 +56,18 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
         let Some(auth) = &self.auth else {
             return Either::Right(self.inner.call(request));
         };
         match authorize(auth, &request) {
-            Ok(()) => Either::Right(self.inner.call(request)),
+            Ok(principal) => {
+                // Who called, for the handlers that record it (a gate's answer).
+                if let Some(principal) = principal {
+                    request.extensions_mut().insert(principal);
+                }
+                Either::Right(self.inner.call(request))
+            }
             Err(status) => {
                 tracing::warn!(
                     rpc = %request.uri().path(),
@@ -78,15 +84,16 @@ where
 
 /// Checks a request that is not gRPC (the coordinator's web view) as if it called `rpc_path`
 /// (`/troupe.v1.Coordinator/GetSession`) with `headers`: the same tokens, scopes and answers
-/// as the API. Only bearer tokens apply: the web view serves no client certificates.
+/// as the API. Only bearer tokens apply: the web view serves no client certificates. Returns
+/// who is calling (`None` on a server without authentication).
 pub fn authorize_as(
     auth: &ServerAuth,
     rpc_path: &str,
     headers: &http::HeaderMap,
-) -> Result<(), tonic::Status> {
+) -> Result<Option<Principal>, tonic::Status> {
     // A server without authentication is open, as its gRPC port is (no layer is installed).
     if !auth.is_enforced() {
-        return Ok(());
+        return Ok(None);
     }
     let mut request = http::Request::new(());
     *request.uri_mut() = http::Uri::try_from(rpc_path)
@@ -95,15 +102,19 @@ pub fn authorize_as(
     authorize(auth, &request)
 }
 
-fn authorize<B>(auth: &ServerAuth, request: &http::Request<B>) -> Result<(), tonic::Status> {
+/// Checks a request; returns who is calling when the RPC is not open.
+fn authorize<B>(
+    auth: &ServerAuth,
+    request: &http::Request<B>,
+) -> Result<Option<Principal>, tonic::Status> {
     let path = request.uri().path();
     let needed = match policy::rule(path, auth.reflection) {
-        Rule::Open => return Ok(()),
+        Rule::Open => return Ok(None),
         Rule::Needs(needed) => needed,
     };
     let principal = principal(auth, request)?;
     if policy::allows(principal.scopes, needed) {
-        return Ok(());
+        return Ok(Some(principal));
     }
     Err(tonic::Status::permission_denied(format!(
         "{} (scopes: {}) may not call {path}: it needs {}",

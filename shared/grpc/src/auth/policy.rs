@@ -28,6 +28,9 @@ pub const RPCS: &[(&str, &str, &[Scope])] = &[
     ("troupe.v1.Coordinator", "PauseSession", CLIENT),
     ("troupe.v1.Coordinator", "ListMessages", CLIENT),
     ("troupe.v1.Coordinator", "GetState", CLIENT),
+    // A person's answer at an approval gate.
+    ("troupe.v1.Coordinator", "ApproveTask", CLIENT),
+    ("troupe.v1.Coordinator", "RejectTask", CLIENT),
     ("troupe.v1.Coordinator", "ClaimTasks", WORKER),
     ("troupe.v1.Coordinator", "Heartbeat", WORKER),
     ("troupe.v1.Coordinator", "CompleteTask", WORKER),

@@ -8,6 +8,7 @@ mod distributed;
 mod docs;
 mod exactly_once;
 mod exec_phase;
+mod gates;
 mod grpcurl;
 mod hosts;
 mod lease;

@@ -1,6 +1,7 @@
 //! The coordinator's web view in headless Chromium (driven over its DevTools protocol by
 //! `tests/e2e/browser/cdp.py`): behind the API's tokens, a running session's DAG updates as its
-//! tasks complete without a reload, a task's detail shows its checks, and a screenshot is kept.
+//! tasks complete without a reload, a gate is approved with its button, a task's detail shows
+//! its checks, and a screenshot is kept.
 
 use std::time::Duration;
 
@@ -75,7 +76,8 @@ impl Drop for Browser {
     }
 }
 
-/// Three tasks whose command agents take a few seconds each; the third waits for the others.
+/// Three tasks whose command agents take a few seconds each; the third waits for the others,
+/// then for a person's approval.
 fn slow_plan() -> serde_json::Value {
     let agent = serde_json::json!({"backend": "command", "timeout_seconds": 120, "command": [
         "python3", "-c",
@@ -84,7 +86,8 @@ fn slow_plan() -> serde_json::Value {
     serde_json::json!({"name": "web", "repos": {"app": {"path": "repo"}}, "tasks": [
         {"id": "IMPL-1", "title": "first <b>bold</b>", "agent": agent},
         {"id": "IMPL-2", "title": "second", "agent": agent},
-        {"id": "IMPL-3", "title": "third", "depends_on": ["IMPL-1", "IMPL-2"], "agent": agent}]})
+        {"id": "IMPL-3", "title": "third", "depends_on": ["IMPL-1", "IMPL-2"], "agent": agent,
+         "approval": "both halves merged?"}]})
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -181,6 +184,30 @@ async fn the_web_view_follows_a_running_session_behind_the_api_tokens() -> anyho
         .eval("document.querySelector('tr[data-task=\"IMPL-1\"] td:nth-child(2)').innerText")
         .await?;
     assert_eq!(title, "first <b>bold</b>");
+    // IMPL-3 reaches its gate: the page shows it waiting, with the buttons; approve it.
+    browser
+        .wait(
+            "document.querySelector('tr[data-task=\"IMPL-3\"]').dataset.state === 'waiting_approval' \
+             && !!document.querySelector('tr[data-task=\"IMPL-3\"] form.gate')",
+            120,
+        )
+        .await?;
+    assert_eq!(browser.eval("window.loadedOnce === true").await?, true);
+    browser
+        .eval(
+            "const row = document.querySelector('tr[data-task=\"IMPL-3\"]'); \
+             row.querySelector('input[name=note]').value = 'merged, go'; \
+             row.querySelector('button.approve').click(); true",
+        )
+        .await?;
+    browser
+        .wait(
+            "location.pathname.startsWith('/sessions/') && document.readyState === 'complete' \
+             && !!document.querySelector('#live')",
+            30,
+        )
+        .await?;
+    browser.eval("window.loadedOnce = true").await?;
     browser
         .wait(
             "document.querySelector('tr[data-task=\"IMPL-3\"]').dataset.state === 'completed' \
@@ -188,6 +215,18 @@ async fn the_web_view_follows_a_running_session_behind_the_api_tokens() -> anyho
             120,
         )
         .await?;
+    // The answer is the session's, with who gave it.
+    let messages = tokio::process::Command::new(binary("troupe"))
+        .args(["watch", "--plain", "--connect", &up.url(), "--token-file"])
+        .arg(data.path().join("client.token"))
+        .arg(link.rsplit('/').next().context("session id")?)
+        .output()
+        .await?;
+    let events = String::from_utf8_lossy(&messages.stdout);
+    assert!(
+        events.contains("approved by token sha256:") && events.contains("merged, go"),
+        "{events}"
+    );
     assert_eq!(browser.eval("window.loadedOnce === true").await?, true);
     let svg = browser
         .eval("document.querySelector('#dag svg').textContent")
