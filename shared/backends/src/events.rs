@@ -74,6 +74,8 @@ pub enum AgentEvent {
     Message(String),
     /// A transient notice (reconnecting, retrying).
     Notice(String),
+    /// An action the CLI's own permission rules refused (`Bash: pytest -q`).
+    Denied(String),
     /// The run ended; `error` holds the classified failure when it failed.
     End {
         /// The classified failure, if any.
@@ -98,6 +100,8 @@ pub struct Transcript {
     pub error: Option<(ErrorKind, String)>,
     /// Lines that were not JSON.
     pub unparsed: usize,
+    /// Actions the CLI's own permission rules refused (`Bash: pytest -q`), in order.
+    pub denials: Vec<String>,
 }
 
 impl Transcript {
@@ -115,6 +119,28 @@ impl Transcript {
             AgentEvent::FileChange(path) => Some(path.as_str()),
             _ => None,
         })
+    }
+
+    fn deny(&mut self, tool: &str, input: &Value) {
+        let what = ["command", "file_path", "filePath", "path"]
+            .iter()
+            .find_map(|key| input.get(*key).and_then(Value::as_str))
+            .map_or_else(|| input.to_string(), str::to_owned);
+        let what: String = what.chars().take(200).collect();
+        let denial = if what.is_empty() || what == "null" {
+            tool.to_owned()
+        } else {
+            format!("{tool}: {what}")
+        };
+        if !self.denials.contains(&denial) {
+            self.denials.push(denial.clone());
+            self.events.push(AgentEvent::Denied(denial));
+        }
+    }
+
+    /// Whether the agent tried to act and every action was refused by the CLI's permissions.
+    pub fn all_denied(&self) -> bool {
+        !self.denials.is_empty() && self.denials.len() >= self.tool_calls().count()
     }
 
     fn push(&mut self, event: AgentEvent) {
@@ -334,6 +360,11 @@ fn claude_like(t: &mut Transcript, v: &Value, kind: CliKind) {
                 output_tokens: n(v, "/usage/output_tokens"),
                 cached_input_tokens: n(v, "/usage/cache_read_input_tokens"),
             });
+            // `[{tool_name, tool_use_id, tool_input}]`: what the permission mode refused.
+            for denial in v["permission_denials"].as_array().into_iter().flatten() {
+                let tool = s(denial, "/tool_name").unwrap_or("tool");
+                t.deny(tool, &denial["tool_input"]);
+            }
             let is_error = v["is_error"].as_bool().unwrap_or(false);
             let text = s(v, "/result")
                 .or_else(|| s(v, "/error/message"))
@@ -374,6 +405,14 @@ fn gemini(t: &mut Transcript, v: &Value, text: &mut String) {
                 input: v["parameters"].to_string(),
             });
         }
+        "tool_result"
+            if s(v, "/status") == Some("error")
+                && s(v, "/error/type") == Some("policy_violation") =>
+        {
+            let id = s(v, "/tool_id").unwrap_or_default();
+            let tool = id.split("__").next().unwrap_or(id).to_owned();
+            t.deny(&tool, &Value::Null);
+        }
         "message" if s(v, "/role") == Some("assistant") => {
             let part = s(v, "/content").unwrap_or_default();
             text.push_str(part);
@@ -408,6 +447,12 @@ fn opencode(t: &mut Transcript, v: &Value) {
                 && let Some(path) = s(state, "/input/filePath")
             {
                 t.push(AgentEvent::FileChange(path.to_owned()));
+            }
+            // A permission rule's refusal comes back as the tool's error.
+            if s(state, "/status") == Some("error")
+                && s(state, "/error").is_some_and(|e| e.contains("rule which prevents you"))
+            {
+                t.deny(&name, &state["input"]);
             }
             t.push(AgentEvent::ToolCall {
                 name,

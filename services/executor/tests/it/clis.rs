@@ -749,7 +749,7 @@ async fn list_backends_reports_installed_clis_with_versions() {
     let mut f = fixture(config_for(&backends)).await;
     let listed = f
         .client
-        .list_backends(ListBackendsRequest {})
+        .list_backends(ListBackendsRequest { probe: false })
         .await
         .expect("lists")
         .into_inner()
