@@ -686,12 +686,16 @@ impl CliBackend {
         match output.termination {
             Termination::Cancelled if !cancel.is_cancelled() => {
                 let line = first_error.unwrap_or_default();
+                // opencode: `... error.error="AI_APICallError: <what>"`; qwen: the line.
+                let what = line
+                    .split_once("error.error=\"")
+                    .map_or(line.as_str(), |(_, rest)| rest.trim_end_matches('"'));
                 return Err(classified(
                     name,
                     events::classify_message(&line),
                     format!(
-                        "stopped after its first failed model call (fast_fail; the CLI would retry on its own): {}",
-                        troupe_process::tail(&line, 1, 300)
+                        "stopped after its first failed model call (fast_fail): {}",
+                        what.trim().chars().take(200).collect::<String>()
                     ),
                     None,
                     evidence(),
@@ -731,7 +735,7 @@ impl CliBackend {
                 (CliKind::Gemini, Some(41)) => ErrorKind::Auth,
                 _ => events::classify_message(&stderr_tail),
             };
-            let message = troupe_process::tail(&stderr_tail, 3, 400);
+            let message = telling_lines(&stderr_tail, kind);
             return Err(classified(
                 name,
                 kind,
@@ -774,6 +778,24 @@ impl CliBackend {
                 .collect(),
         })
     }
+}
+
+/// What stderr says about a failure of `kind`: the last line that says it (gemini puts its
+/// reason above a stack trace), else its last lines; terminal colours removed.
+fn telling_lines(stderr: &str, kind: ErrorKind) -> String {
+    let plain = regex::Regex::new("\x1b\\[[0-9;]*m").map_or_else(
+        |_| stderr.to_owned(),
+        |ansi| ansi.replace_all(stderr, "").into_owned(),
+    );
+    if kind != ErrorKind::Crash
+        && let Some(line) = plain
+            .lines()
+            .rev()
+            .find(|line| events::classify_message(line) == kind)
+    {
+        return line.trim().chars().take(400).collect();
+    }
+    troupe_process::tail(&plain, 3, 400)
 }
 
 impl CliBackend {

@@ -188,6 +188,10 @@ pub fn classify_message(message: &str) -> ErrorKind {
         "not logged in",
         "missing environment variable",
         "invalid auth",
+        // qwen: a sign-in it no longer accepts ("... discontinued ... run /auth").
+        "run /auth",
+        // gemini: a login it cannot use headless ("Manual authorization is required ...").
+        "authorization is required",
     ]) {
         ErrorKind::Auth
     } else if has(&[
@@ -559,6 +563,27 @@ mod tests {
         assert_eq!(
             parse(CliKind::Codex, limited).error.map(|e| e.0),
             Some(ErrorKind::RateLimited)
+        );
+    }
+
+    #[test]
+    fn permission_denials_are_recorded_and_all_denied_is_told() {
+        let claude = r#"{"type":"system","subtype":"init","session_id":"ab"}
+{"type":"assistant","message":{"content":[{"type":"tool_use","id":"t1","name":"Bash","input":{"command":"pytest -q"}}]},"session_id":"ab"}
+{"type":"result","subtype":"success","is_error":false,"result":"could not run it","session_id":"ab","usage":{},"permission_denials":[{"tool_name":"Bash","tool_use_id":"t1","tool_input":{"command":"pytest -q"}}]}"#;
+        let t = parse(CliKind::Claude, claude);
+        assert_eq!(t.denials, ["Bash: pytest -q"]);
+        assert!(t.all_denied());
+        assert!(t.events.contains(&AgentEvent::Denied("Bash: pytest -q".into())));
+
+        let opencode = r#"{"type":"tool_use","sessionID":"s","part":{"tool":"write","state":{"status":"error","input":{"filePath":"/w/a.txt"},"error":"The user has specified a rule which prevents you from using this specific tool call"}}}
+{"type":"tool_use","sessionID":"s","part":{"tool":"read","state":{"status":"completed","input":{"filePath":"/w/b.txt"}}}}"#;
+        let t = parse(CliKind::Opencode, opencode);
+        assert_eq!(t.denials, ["write: /w/a.txt"]);
+        assert!(!t.all_denied(), "the read went through");
+        assert_eq!(
+            classify_message("Manual authorization is required but the current session is non-interactive."),
+            ErrorKind::Auth
         );
     }
 
