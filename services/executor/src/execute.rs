@@ -533,7 +533,10 @@ impl Executor {
         for name in usable.iter().filter(|name| name.as_str() != "command") {
             if let Some(backend) = troupe_backends::by_name_with(name, &self.config) {
                 let result = troupe_backends::probe_live(backend.as_ref()).await;
-                out.push((name.clone(), result.unwrap_or_else(|err| format!("failed: {err}"))));
+                out.push((
+                    name.clone(),
+                    result.unwrap_or_else(|err| format!("failed: {err}")),
+                ));
             }
         }
         out

@@ -73,7 +73,10 @@ impl Backend for CliBackend {
             let (available, detail) = match (installed, &credential) {
                 (Err(reason), _) => (false, reason),
                 // Installed but unusable: a task would fail at once as AUTH.
-                (Ok(()), Credential::Missing { reason }) => (false, reason.clone()),
+                (Ok(()), Credential::Missing { .. }) => (
+                    false,
+                    format!("`{program}` is installed but has no credential (see credential)"),
+                ),
                 (Ok(()), _) => (
                     true,
                     match &self.config.endpoint {
@@ -627,8 +630,8 @@ impl CliBackend {
             // A resumed run's home holds the parent's logs: only this run's count.
             let _ = tokio::fs::remove_dir_all(dir).await;
         }
-        let watcher = watched
-            .map(|(dir, needle)| tokio::spawn(watch_first_error(dir, needle, stop.clone())));
+        let watcher =
+            watched.map(|(dir, needle)| tokio::spawn(watch_first_error(dir, needle, stop.clone())));
         let output = cmd.run(&stop).await;
         let first_error = match watcher {
             Some(task) => {
@@ -909,9 +912,11 @@ mod tests {
         // Installed, but without its key a task could only fail: not available, and why.
         assert!(!installed.available);
         assert!(
-            installed.detail.contains("$TROUPE_TEST_UNSET_KEY_VAR (api_key_env) is not set"),
+            installed
+                .credential
+                .contains("$TROUPE_TEST_UNSET_KEY_VAR (api_key_env) is not set"),
             "{}",
-            installed.detail
+            installed.credential
         );
         assert!(installed.credential.starts_with("missing: "));
         let installed = CliBackend::new(

@@ -574,7 +574,10 @@ mod tests {
         let t = parse(CliKind::Claude, claude);
         assert_eq!(t.denials, ["Bash: pytest -q"]);
         assert!(t.all_denied());
-        assert!(t.events.contains(&AgentEvent::Denied("Bash: pytest -q".into())));
+        assert!(
+            t.events
+                .contains(&AgentEvent::Denied("Bash: pytest -q".into()))
+        );
 
         let opencode = r#"{"type":"tool_use","sessionID":"s","part":{"tool":"write","state":{"status":"error","input":{"filePath":"/w/a.txt"},"error":"The user has specified a rule which prevents you from using this specific tool call"}}}
 {"type":"tool_use","sessionID":"s","part":{"tool":"read","state":{"status":"completed","input":{"filePath":"/w/b.txt"}}}}"#;
@@ -582,7 +585,9 @@ mod tests {
         assert_eq!(t.denials, ["write: /w/a.txt"]);
         assert!(!t.all_denied(), "the read went through");
         assert_eq!(
-            classify_message("Manual authorization is required but the current session is non-interactive."),
+            classify_message(
+                "Manual authorization is required but the current session is non-interactive."
+            ),
             ErrorKind::Auth
         );
     }

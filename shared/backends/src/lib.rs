@@ -35,8 +35,8 @@ pub use agent::AgentLoopBackend;
 pub use cli::CliBackend;
 pub use command::CommandBackend;
 pub use config::{AuthMode, BackendConfig, BackendsConfig, ConfigError};
-pub use credential::Credential;
 pub use confine::{confine, relative_inside};
+pub use credential::Credential;
 pub use events::{AgentEvent, CliKind, Transcript, classify_message, parse as parse_events};
 pub use placeholder::{PLACEHOLDERS, substitute};
 
@@ -484,7 +484,12 @@ pub async fn probe_live(backend: &dyn Backend) -> Result<String, String> {
         Ok(outcome) => Ok(format!(
             "ok in {:.1}s: {}",
             started.elapsed().as_secs_f64(),
-            outcome.final_message.chars().take(60).collect::<String>().trim()
+            outcome
+                .final_message
+                .chars()
+                .take(60)
+                .collect::<String>()
+                .trim()
         )),
         Err(err) => Err(err.to_string()),
     }

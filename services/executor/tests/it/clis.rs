@@ -139,7 +139,9 @@ pub(crate) fn to_toml(config: &BackendsConfig) -> String {
         );
         field(
             "login_dir",
-            b.login_dir.as_ref().map(|d| Value::from(d.display().to_string())),
+            b.login_dir
+                .as_ref()
+                .map(|d| Value::from(d.display().to_string())),
         );
         field("fast_fail", Some(Value::from(b.fast_fail)));
         field("timeout_seconds", b.timeout_seconds.map(Value::from));
@@ -472,7 +474,11 @@ async fn stops_at_the_first_error(backend: &str, prefix: &str, want: ErrorKind) 
         format!("{url}/{prefix}")
     };
     let (error, _, elapsed) = fault(backend, &base, None, 150).await;
-    eprintln!("{backend} {prefix}: {:?} in {elapsed:?}: {}", error.kind(), error.message);
+    eprintln!(
+        "{backend} {prefix}: {:?} in {elapsed:?}: {}",
+        error.kind(),
+        error.message
+    );
     assert_eq!(error.kind(), want, "{backend} {prefix}: {error:?}");
     assert!(
         error.message.contains("first failed model call"),

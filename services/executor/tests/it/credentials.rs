@@ -47,7 +47,10 @@ fn write_login(backend: &str, dir: &Path, token: &str) {
                 "subscriptionType": "pro"}}),
         )],
         // `opencode auth login` for the provider troupe defines (`troupe`).
-        "opencode" => vec![("auth.json", json!({"troupe": {"type": "api", "key": token}}))],
+        "opencode" => vec![(
+            "auth.json",
+            json!({"troupe": {"type": "api", "key": token}}),
+        )],
         "gemini" => vec![
             (
                 "oauth_creds.json",
@@ -110,8 +113,8 @@ fn files_containing(dir: &Path, needle: &str) -> Vec<String> {
 /// the login's token, `ListBackends` names the file, and no copy of it stays behind.
 async fn runs_signed_in(backend: &str) {
     let token = format!("login-token-{backend}-{}", std::process::id());
-    let script = Script::write_file("notes/hello.txt", "notes/hello.txt", "signed in")
-        .requiring_key(&token);
+    let script =
+        Script::write_file("notes/hello.txt", "notes/hello.txt", "signed in").requiring_key(&token);
     let (url, server) = ModelServer::start(script).await.expect("model server");
     let login = tempfile::tempdir().expect("tempdir");
     write_login(backend, login.path(), &token);
@@ -149,7 +152,9 @@ async fn runs_signed_in(backend: &str) {
     assert!(!calls.is_empty());
     for call in &calls {
         assert_eq!(
-            call.api_key.as_deref().map(|k| k.trim_start_matches("Bearer ")),
+            call.api_key
+                .as_deref()
+                .map(|k| k.trim_start_matches("Bearer ")),
             Some(token.as_str()),
             "{backend}: {} carried another credential",
             call.path
@@ -208,8 +213,18 @@ async fn gemini_and_qwen_logins_fail_at_once_as_auth() {
             .await
             .expect_err("the login cannot be used");
         let error = task_error(&status);
-        eprintln!("{backend} login: {:?} in {:?}: {}", error.kind(), started.elapsed(), error.message);
-        assert_eq!(error.kind(), ErrorKind::Auth, "{backend}: {}", error.message);
+        eprintln!(
+            "{backend} login: {:?} in {:?}: {}",
+            error.kind(),
+            started.elapsed(),
+            error.message
+        );
+        assert_eq!(
+            error.kind(),
+            ErrorKind::Auth,
+            "{backend}: {}",
+            error.message
+        );
         assert!(started.elapsed() < Duration::from_secs(60));
         let fix = if backend == "gemini" {
             "GEMINI_API_KEY"
@@ -232,8 +247,8 @@ async fn gemini_and_qwen_logins_fail_at_once_as_auth() {
 async fn every_cli_runs_with_a_key_and_says_so() {
     for &backend in crate::clis::CLIS {
         let key = format!("key-{backend}");
-        let script =
-            Script::write_file("notes/hello.txt", "notes/hello.txt", "with a key").requiring_key(&key);
+        let script = Script::write_file("notes/hello.txt", "notes/hello.txt", "with a key")
+            .requiring_key(&key);
         let (url, server) = ModelServer::start(script).await.expect("model server");
         let login = tempfile::tempdir().expect("tempdir");
         write_login(backend, login.path(), "the-login-token");
@@ -265,9 +280,13 @@ async fn every_cli_runs_with_a_key_and_says_so() {
 /// is started, and `ListBackends` shows the backend unusable and why.
 #[tokio::test]
 async fn no_credential_fails_at_once_as_auth_with_the_fix() {
-    let (url, server) = ModelServer::start(Script::write_file("notes/hello.txt", "notes/hello.txt", "x"))
-        .await
-        .expect("model server");
+    let (url, server) = ModelServer::start(Script::write_file(
+        "notes/hello.txt",
+        "notes/hello.txt",
+        "x",
+    ))
+    .await
+    .expect("model server");
     let empty = tempfile::tempdir().expect("tempdir");
     let mut config = config_for(&[("codex", &url)]);
     let settings = config.backends.get_mut("codex").expect("configured");
@@ -276,7 +295,12 @@ async fn no_credential_fails_at_once_as_auth_with_the_fix() {
     let mut f = fixture(config).await;
     let info = listed(&mut f, "codex").await;
     assert!(!info.available);
-    assert!(info.credential.starts_with("missing: no credential for `codex`"), "{}", info.credential);
+    assert!(
+        info.credential
+            .starts_with("missing: no credential for `codex`"),
+        "{}",
+        info.credential
+    );
     let started = Instant::now();
     let status = f
         .execute(task("IMPL-N", "codex", "notes/hello.txt"))
@@ -287,7 +311,11 @@ async fn no_credential_fails_at_once_as_auth_with_the_fix() {
     for fix in ["`codex login`", "api_key_env", "login_dir"] {
         assert!(error.message.contains(fix), "{}", error.message);
     }
-    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
     assert!(server.requests().is_empty());
     f.service.stop().await;
 }
@@ -308,7 +336,9 @@ fn shell_script() -> Script {
 /// read-only: the same call is denied, nothing runs, and the denial is on the report.
 #[tokio::test]
 async fn claude_runs_commands_in_write_mode_and_reports_denials_in_read_only() {
-    let (url, server) = ModelServer::start(shell_script()).await.expect("model server");
+    let (url, server) = ModelServer::start(shell_script())
+        .await
+        .expect("model server");
     let mut f = fixture(config_for(&[("claude", &url)])).await;
     let mut spec = task("IMPL-B", "claude", "notes/hello.txt");
     spec["files"] = json!(["ran.txt"]);
@@ -318,17 +348,27 @@ async fn claude_runs_commands_in_write_mode_and_reports_denials_in_read_only() {
         Some("ran by the agent")
     );
     let written = report(&result);
-    assert!(written.permission_denials.is_empty(), "{:?}", written.permission_denials);
+    assert!(
+        written.permission_denials.is_empty(),
+        "{:?}",
+        written.permission_denials
+    );
     // The tool result that went back to the model is the command's, not a refusal.
     let bodies: Vec<String> = server.requests().iter().map(|r| r.body_text()).collect();
     assert!(bodies.iter().any(|b| b.contains("tool_result")));
-    assert!(!bodies.iter().any(|b| b.contains("haven't granted")), "denied");
+    assert!(
+        !bodies.iter().any(|b| b.contains("haven't granted")),
+        "denied"
+    );
 
     let mut spec = task("IMPL-R", "claude", "notes/hello.txt");
     spec["mode"] = json!("analysis");
     let result = f.execute(spec).await.expect("read-only mode");
     assert!(result.files_modified.is_empty());
-    assert_eq!(result.commit, git(&f.repo, &["rev-parse", "main"]).expect("main"));
+    assert_eq!(
+        result.commit,
+        git(&f.repo, &["rev-parse", "main"]).expect("main")
+    );
     let analysed = report(&result);
     assert_eq!(analysed.permission_denials, [format!("Bash: {COMMAND}")]);
     f.service.stop().await;
@@ -354,7 +394,12 @@ async fn claude_run_with_every_action_denied_fails() {
         .await
         .expect_err("every action denied");
     let error = task_error(&status);
-    assert_eq!(error.kind(), ErrorKind::PermissionDenied, "{}", error.message);
+    assert_eq!(
+        error.kind(),
+        ErrorKind::PermissionDenied,
+        "{}",
+        error.message
+    );
     assert!(
         error.message.contains(&target.display().to_string()),
         "{}",
