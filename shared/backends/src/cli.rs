@@ -1,5 +1,5 @@
 //! The coding-agent CLIs: `codex`, `claude`, `gemini`, `qwen`, `opencode`
-//! (docs/agent-clis.md has the measurements behind every flag here).
+//! (docs/agent-clis.md says what each flag here lets the CLI do).
 //!
 //! Each run gets its own `HOME`, `TMPDIR` and CLI home under [`RunSpec::home`], with the CLI's
 //! config files written there (endpoint, model, retries off when `fast_fail`), the prompt on

@@ -1,5 +1,5 @@
 //! The CLIs' JSON-lines output, parsed into typed events and a summary of the run
-//! (docs/agent-clis.md §3–§7).
+//! (docs/agent-clis.md).
 
 use serde_json::Value;
 

@@ -1,6 +1,6 @@
 //! A scripted model server for tests that drive real coding-agent CLIs.
 //!
-//! It speaks the minimal surfaces those CLIs use (docs/agent-clis.md §8): OpenAI Responses
+//! It speaks the minimal surfaces those CLIs use (measured for docs/agent-clis.md): OpenAI Responses
 //! (codex), OpenAI Chat Completions (qwen, opencode, troupe's own `agent` loop), Anthropic
 //! Messages (claude) and Gemini `generateContent` / `streamGenerateContent` (gemini), streaming
 //! as SSE over chunked HTTP/1.1.

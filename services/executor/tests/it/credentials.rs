@@ -95,12 +95,13 @@ fn files_containing(dir: &Path, needle: &str) -> Vec<String> {
             let path = entry.path();
             match entry.file_type() {
                 Ok(kind) if kind.is_dir() => stack.push(path),
-                Ok(kind) if kind.is_file() => {
-                    if std::fs::read(&path)
-                        .is_ok_and(|b| b.windows(needle.len()).any(|w| w == needle.as_bytes()))
-                    {
-                        found.push(path.display().to_string());
-                    }
+                Ok(kind)
+                    if kind.is_file()
+                        && std::fs::read(&path).is_ok_and(|b| {
+                            b.windows(needle.len()).any(|w| w == needle.as_bytes())
+                        }) =>
+                {
+                    found.push(path.display().to_string());
                 }
                 _ => {}
             }
