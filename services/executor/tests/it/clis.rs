@@ -644,6 +644,74 @@ async fn fallback_moves_on_after_a_classified_failure() {
     f.service.stop().await;
 }
 
+/// `fallbacks` names only the backends given up for another that then ran: a task failing on
+/// its only backend has none, and the failing backend is the one reported.
+#[tokio::test]
+async fn fallbacks_name_only_backends_left_for_another() {
+    let work = tempfile::tempdir().expect("tempdir");
+    let repo = work.path().join("app");
+    git_repo(&repo, &[("README.md", "app\n")]).expect("repo");
+    git(&repo, &["branch", "troupe/sf", "main"]).expect("session branch");
+    let data = work.path().join("data");
+    std::fs::create_dir_all(&data).expect("data");
+    let missing = |name: &str| BackendConfig {
+        command: Some(format!("/nonexistent/{name}")),
+        api_key: Some("k".into()),
+        ..BackendConfig::default()
+    };
+    let run = |id: &'static str, fallback: Vec<String>| {
+        let config = BackendsConfig {
+            fallback,
+            retries: 0,
+            backends: [("codex", missing("codex")), ("claude", missing("claude"))]
+                .into_iter()
+                .map(|(name, settings)| (name.to_owned(), settings))
+                .collect(),
+            ..BackendsConfig::default()
+        };
+        let executor =
+            troupe_executor::Executor::with_config(data.canonicalize().expect("canonical"), config);
+        let job = troupe_executor::Job {
+            spec:
+                json!({"id": id, "title": "t", "files": ["a.txt"], "agent": {"backend": "codex"}})
+                    .as_object()
+                    .expect("object")
+                    .clone(),
+            remote: troupe_workspace::Remote::from_path(&repo).expect("remote"),
+            repo_name: "app".to_owned(),
+            session_id: "sf".to_owned(),
+            task_id: None,
+            attempt: 1,
+            plan_dir: None,
+            upstream: Vec::new(),
+            target: troupe_executor::Target::Session {
+                branch: "troupe/sf".to_owned(),
+                base: None,
+            },
+            lease: None,
+            fencing_token: 0,
+            context: Vec::new(),
+        };
+        async move {
+            let cancel = tokio_util::sync::CancellationToken::new();
+            let failed = executor
+                .execute(job, &cancel, &|_| {})
+                .await
+                .expect_err("nothing is installed");
+            match failed.partial.expect("partial result").detail {
+                Some(task_result::Detail::Implementation(report)) => report,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    let alone = run("IMPL-1", Vec::new()).await;
+    assert_eq!(alone.backend, "codex");
+    assert!(alone.fallbacks.is_empty(), "{:?}", alone.fallbacks);
+    let chained = run("IMPL-2", vec!["claude".to_owned()]).await;
+    assert_eq!(chained.backend, "claude");
+    assert_eq!(chained.fallbacks, ["codex"]);
+}
+
 /// A process as `/proc/<pid>/stat` shows it: its state letter and its start time (in clock
 /// ticks since boot), which tells a process from a later one that got its pid back.
 fn proc_stat(pid: i32) -> Option<(String, u64)> {
