@@ -255,6 +255,7 @@ pub(crate) fn install(files: &[LoginFile], home: &Path) -> std::io::Result<Vec<C
                 ));
             }
         };
+        register_tokens(&original);
         let run = home.join(file.run_path);
         if let Some(parent) = run.parent() {
             std::fs::create_dir_all(parent)?;
@@ -267,6 +268,30 @@ pub(crate) fn install(files: &[LoginFile], home: &Path) -> std::io::Result<Vec<C
         });
     }
     Ok(copied)
+}
+
+/// Masks the tokens and keys a login file holds wherever troupe writes (a CLI may echo one in
+/// an error): every string under a key naming a token or a key.
+fn register_tokens(bytes: &[u8]) {
+    fn walk(value: &serde_json::Value, secret: bool) {
+        match value {
+            serde_json::Value::String(text) if secret => troupe_telemetry::register_secret(text),
+            serde_json::Value::Object(map) => {
+                for (key, value) in map {
+                    let key = key.to_ascii_lowercase();
+                    walk(
+                        value,
+                        key.contains("token") || key == "key" || key.ends_with("_key"),
+                    );
+                }
+            }
+            serde_json::Value::Array(items) => items.iter().for_each(|v| walk(v, secret)),
+            _ => {}
+        }
+    }
+    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) {
+        walk(&value, false);
+    }
 }
 
 /// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
@@ -380,6 +405,19 @@ mod tests {
             "refreshed"
         );
         assert!(!run.exists(), "the copy is removed after the run");
+
+        // The token is now masked wherever troupe writes.
+        std::fs::write(
+            &files[0].source,
+            r#"{"access_token":"ya29.secret-login-token-1"}"#,
+        )
+        .expect("write");
+        let copied = install(&files, home.path()).expect("install");
+        assert_eq!(
+            troupe_telemetry::redact("echo ya29.secret-login-token-1"),
+            "echo [redacted]"
+        );
+        assert!(write_back(copied).is_empty());
 
         // Another run wrote a newer token meanwhile: ours does not overwrite it.
         let copied = install(&files, home.path()).expect("install");
