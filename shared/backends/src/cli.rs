@@ -828,19 +828,20 @@ async fn watch_first_error(
     needle: &'static str,
     stop: CancellationToken,
 ) -> Option<String> {
+    // Only what each file gained since the last look is read: a long run's log grows.
+    let mut seen = std::collections::HashMap::<PathBuf, u64>::new();
     let found = loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let dir = dir.clone();
-        let line = tokio::task::spawn_blocking(move || {
-            std::fs::read_dir(&dir)
-                .ok()?
-                .flatten()
-                .filter_map(|entry| std::fs::read_to_string(entry.path()).ok())
-                .find_map(|text| text.lines().find(|l| l.contains(needle)).map(str::to_owned))
+        let (line, after) = tokio::task::spawn_blocking(move || {
+            let line = new_lines(&dir, &mut seen)
+                .into_iter()
+                .find(|line| line.contains(needle));
+            (line, seen)
         })
         .await
-        .ok()
-        .flatten();
+        .ok()?;
+        seen = after;
         if let Some(line) = line {
             break line;
         }
@@ -848,6 +849,32 @@ async fn watch_first_error(
     tokio::time::sleep(FIRST_ERROR_GRACE).await;
     stop.cancel();
     Some(found)
+}
+
+/// The complete lines the files in `dir` gained since the offsets in `seen` (updated).
+fn new_lines(dir: &Path, seen: &mut std::collections::HashMap<PathBuf, u64>) -> Vec<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut lines = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let from = seen.get(&path).copied().unwrap_or(0);
+        let Ok(mut file) = std::fs::File::open(&path) else {
+            continue;
+        };
+        let mut bytes = Vec::new();
+        if file.seek(SeekFrom::Start(from)).is_err() || file.read_to_end(&mut bytes).is_err() {
+            continue;
+        }
+        // A line still being written is read whole next time.
+        let complete = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        seen.insert(path, from + complete as u64);
+        lines.extend(
+            String::from_utf8_lossy(&bytes[..complete])
+                .lines()
+                .map(str::to_owned),
+        );
+    }
+    lines
 }
 
 fn classified(
@@ -937,6 +964,21 @@ mod tests {
                 .as_deref()
                 .is_some_and(|v| v.starts_with("git version"))
         );
+    }
+
+    #[test]
+    fn log_watch_reads_only_complete_new_lines() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("s.txt");
+        let mut seen = std::collections::HashMap::new();
+        std::fs::write(&log, "one\ntw").expect("write");
+        assert_eq!(new_lines(dir.path(), &mut seen), ["one"]);
+        std::fs::write(&log, "one\ntwo\n[RETRY] Attempt 1 failed\n").expect("write");
+        assert_eq!(
+            new_lines(dir.path(), &mut seen),
+            ["two", "[RETRY] Attempt 1 failed"]
+        );
+        assert!(new_lines(dir.path(), &mut seen).is_empty());
     }
 
     #[test]
