@@ -245,6 +245,7 @@ fn backend_kind(kind: troupe_backends::ErrorKind) -> ErrorKind {
         B::BadOutput => ErrorKind::BadOutput,
         B::InvalidTask => ErrorKind::InvalidTask,
         B::SandboxDenied => ErrorKind::SandboxDenied,
+        B::PermissionDenied => ErrorKind::PermissionDenied,
         B::Internal | B::Cancelled => ErrorKind::Internal,
     }
 }
@@ -523,6 +524,22 @@ impl Executor {
     /// Probes every backend with this executor's settings.
     pub async fn probe(&self) -> Vec<troupe_backends::BackendInfo> {
         troupe_backends::probe_all_with(&self.config).await
+    }
+
+    /// One tiny live call with each backend `probe` found usable (not `command`, whose argv
+    /// comes with a task), one after another: `(name, "ok in 1.2s: OK" | the failure)`.
+    pub async fn probe_live(&self, usable: &[String]) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for name in usable.iter().filter(|name| name.as_str() != "command") {
+            if let Some(backend) = troupe_backends::by_name_with(name, &self.config) {
+                let result = troupe_backends::probe_live(backend.as_ref()).await;
+                out.push((
+                    name.clone(),
+                    result.unwrap_or_else(|err| format!("failed: {err}")),
+                ));
+            }
+        }
+        out
     }
 
     /// Runs one attempt of a session task: claims the task's fence on the remote, makes a
@@ -1299,10 +1316,19 @@ impl Executor {
         let mut last: Option<BackendError> = None;
         let mut failures: Vec<String> = Vec::new();
         let mut runs = 0u32;
+        // The backend whose error `last` is; it becomes a fallback only once another runs.
+        let mut tried: Option<String> = None;
         for name in &chain {
             let Some(backend) = troupe_backends::by_name_with(name, &self.config) else {
                 continue;
             };
+            if let Some(previous) = tried.take() {
+                if let Some(err) = &last {
+                    crate::metrics::fell_back(&previous, err.kind());
+                }
+                fallbacks.push(previous);
+            }
+            tried = Some(name.clone());
             let settings = self.config.backend(name);
             let Resumption {
                 native: resume,
@@ -1408,17 +1434,13 @@ impl Executor {
             if !mode::falls_back(err.kind()) {
                 break;
             }
-            crate::metrics::fell_back(name, err.kind());
-            fallbacks.push(name.clone());
         }
         let err = last.unwrap_or_else(|| BackendError::Internal {
             message: "no backend could run".to_owned(),
         });
         let mut report = ImplementationReport {
-            backend: fallbacks
-                .last()
-                .cloned()
-                .unwrap_or_else(|| p.resolved.backend.clone()),
+            // The backend the error belongs to; `fallbacks` are those left for another.
+            backend: tried.unwrap_or_else(|| p.resolved.backend.clone()),
             backend_reason: p.resolved.reason.clone(),
             fallbacks: fallbacks.clone(),
             duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
@@ -1774,6 +1796,7 @@ fn absorb(report: &mut ImplementationReport, outcome: &RunOutcome) {
     report.exit_code = outcome.exit_code;
     report.output_tail = outcome.output_tail();
     report.native_session_id = outcome.native_session_id.clone().unwrap_or_default();
+    report.permission_denials = outcome.permission_denials();
     if let Some(usage) = outcome.usage {
         report.usage = Some(troupe_proto::v1::Usage {
             input_tokens: usage.input_tokens,

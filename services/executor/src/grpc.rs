@@ -33,6 +33,7 @@ impl From<Error> for Status {
                     | ErrorKind::Auth
                     | ErrorKind::OutOfScope
                     | ErrorKind::SandboxDenied
+                    | ErrorKind::PermissionDenied
                     | ErrorKind::Superseded
                     | ErrorKind::Rejected => Code::FailedPrecondition,
                     ErrorKind::Repository => Code::Unavailable,
@@ -149,18 +150,32 @@ impl ExecutorRpc for ExecutorService {
 
     async fn list_backends(
         &self,
-        _request: Request<ListBackendsRequest>,
+        request: Request<ListBackendsRequest>,
     ) -> Result<Response<ListBackendsResponse>, Status> {
-        let backends = self
-            .executor
-            .probe()
-            .await
+        let infos = self.executor.probe().await;
+        let live = if request.into_inner().probe {
+            let usable: Vec<String> = infos
+                .iter()
+                .filter(|info| info.available)
+                .map(|info| info.name.clone())
+                .collect();
+            self.executor.probe_live(&usable).await
+        } else {
+            Vec::new()
+        };
+        let backends = infos
             .into_iter()
             .map(|info| BackendInfo {
+                probe: live
+                    .iter()
+                    .find(|(name, _)| *name == info.name)
+                    .map(|(_, result)| result.clone())
+                    .unwrap_or_default(),
                 name: info.name,
                 available: info.available,
                 version: info.version.unwrap_or_default(),
                 detail: info.detail,
+                credential: info.credential,
             })
             .collect();
         Ok(Response::new(ListBackendsResponse { backends }))

@@ -35,6 +35,7 @@ pub(crate) fn fell_back(backend: &str, kind: ErrorKind) {
         ErrorKind::Internal => "internal",
         ErrorKind::Cancelled => "cancelled",
         ErrorKind::SandboxDenied => "sandbox_denied",
+        ErrorKind::PermissionDenied => "permission_denied",
     };
     fallbacks()
         .get_or_create(&labels([("backend", backend), ("kind", kind)]))

@@ -142,26 +142,15 @@ pub(crate) fn candidates(resolved: &str, config: &BackendsConfig) -> Vec<String>
     out
 }
 
-/// Whether another backend may succeed where this one failed with `kind`.
+/// Whether another backend may succeed where this one failed with `kind` (the policy the
+/// test-runner's fix loop shares: `troupe_backends::chain`).
 pub(crate) fn falls_back(kind: ErrorKind) -> bool {
-    matches!(
-        kind,
-        ErrorKind::NotInstalled
-            | ErrorKind::Auth
-            | ErrorKind::RateLimited
-            | ErrorKind::Quota
-            | ErrorKind::Crash
-            | ErrorKind::Timeout
-            | ErrorKind::BadOutput
-    )
+    troupe_backends::chain::falls_back(kind)
 }
 
 /// Whether the same backend should be tried again (after a backoff) with `kind`.
 pub(crate) fn retries_same(kind: ErrorKind) -> bool {
-    matches!(
-        kind,
-        ErrorKind::RateLimited | ErrorKind::Crash | ErrorKind::Timeout | ErrorKind::BadOutput
-    )
+    troupe_backends::chain::retries_same(kind)
 }
 
 /// `cli_execution`: how this task's run relates to earlier runs.

@@ -92,6 +92,7 @@ fn kind_name(kind: troupe_backends::ErrorKind) -> &'static str {
         K::Internal => "internal",
         K::Cancelled => "cancelled",
         K::SandboxDenied => "sandbox_denied",
+        K::PermissionDenied => "permission_denied",
     }
 }
 

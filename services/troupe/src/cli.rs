@@ -163,6 +163,9 @@ struct DoctorArgs {
     /// Backend configuration file for the in-process probe (as the executor's `--config`).
     #[arg(long, env = "TROUPE_EXECUTOR_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Also make one tiny live call with each usable backend (a one-word prompt, read-only).
+    #[arg(long)]
+    probe: bool,
     #[command(flatten)]
     credentials: Credentials,
 }
@@ -879,9 +882,10 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let channel = connector.channel(&url)?;
-    let deadline = std::time::Duration::from_secs(60);
+    // A live probe runs each usable CLI once, one after another.
+    let deadline = std::time::Duration::from_secs(if args.probe { 900 } else { 60 });
     let listed = ExecutorClient::with_interceptor(channel, connector.outbound(deadline))
-        .list_backends(ListBackendsRequest {})
+        .list_backends(ListBackendsRequest { probe: args.probe })
         .await
         .with_context(|| format!("listing backends at {url}"));
     shutdown.cancel();
@@ -893,14 +897,27 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         "{:<9} {:<10} {:<24} detail",
         "backend", "available", "version"
     );
+    let mut failed = false;
     for b in listed?.into_inner().backends {
         let available = if b.available { "yes" } else { "no" };
         println!(
             "{:<9} {available:<10} {:<24} {}",
             b.name, b.version, b.detail
         );
+        if !b.credential.is_empty() {
+            println!("{:<9} credential {}", "", b.credential);
+        }
+        if !b.probe.is_empty() {
+            failed |= !b.probe.starts_with("ok ");
+            println!("{:<9} probe      {}", "", b.probe);
+        }
     }
-    Ok(ExitCode::SUCCESS)
+    // A failed live call is worth a non-zero exit: scripts check the machine with it.
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// Renders a `CheckSession` answer: progress, tasks by wave, workers, blockers, gaps, stall.

@@ -268,6 +268,16 @@ fn render_result(text: &mut String, result: &TaskResult) {
                 "      backend {} (exit {}, {} ms)",
                 implementation.backend, implementation.exit_code, implementation.duration_ms
             );
+            if !implementation.fallbacks.is_empty() {
+                let _ = writeln!(
+                    text,
+                    "      fell back from {}",
+                    implementation.fallbacks.join(", ")
+                );
+            }
+            for denied in &implementation.permission_denials {
+                let _ = writeln!(text, "      denied by {}: {denied}", implementation.backend);
+            }
             // An EXEC phase: one line per sub-task, by wave.
             for phase_task in &implementation.phase_tasks {
                 let met = if phase_task.convergence_met.is_empty() {
@@ -395,6 +405,30 @@ fn short(commit: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_implementation_result_shows_its_fallbacks_and_denials() {
+        let mut text = String::new();
+        render_result(
+            &mut text,
+            &TaskResult {
+                detail: Some(task_result::Detail::Implementation(
+                    troupe_proto::v1::ImplementationReport {
+                        backend: "claude".into(),
+                        fallbacks: vec!["gemini".into()],
+                        permission_denials: vec!["Bash: pytest -q".into()],
+                        ..Default::default()
+                    },
+                )),
+                ..Default::default()
+            },
+        );
+        assert!(text.contains("      fell back from gemini\n"), "{text}");
+        assert!(
+            text.contains("      denied by claude: Bash: pytest -q\n"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn state_names_are_lowercase_without_prefix() {

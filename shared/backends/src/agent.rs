@@ -79,6 +79,15 @@ impl Backend for AgentLoopBackend {
                 available,
                 version: Some(env!("CARGO_PKG_VERSION").to_owned()),
                 detail,
+                // An OpenAI-compatible endpoint may need no key (a local server).
+                credential: match (&self.config.api_key, &self.config.api_key_env) {
+                    (Some(_), _) => "key: api_key in [backends.agent]".to_owned(),
+                    (None, Some(var)) if std::env::var_os(var).is_some() => {
+                        format!("key: ${var} (api_key_env)")
+                    }
+                    (None, Some(var)) => format!("none (${var} is not set)"),
+                    (None, None) => "none".to_owned(),
+                },
             }
         })
     }

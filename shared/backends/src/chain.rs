@@ -26,6 +26,7 @@ pub fn falls_back(kind: ErrorKind) -> bool {
             | ErrorKind::Crash
             | ErrorKind::Timeout
             | ErrorKind::BadOutput
+            | ErrorKind::PermissionDenied
     )
 }
 

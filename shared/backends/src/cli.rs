@@ -1,5 +1,5 @@
 //! The coding-agent CLIs: `codex`, `claude`, `gemini`, `qwen`, `opencode`
-//! (docs/agent-clis.md has the measurements behind every flag here).
+//! (docs/agent-clis.md says what each flag here lets the CLI do).
 //!
 //! Each run gets its own `HOME`, `TMPDIR` and CLI home under [`RunSpec::home`], with the CLI's
 //! config files written there (endpoint, model, retries off when `fast_fail`), the prompt on
@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::info;
 use troupe_process::{Command, Termination};
 
+use crate::credential::{self, Credential};
 use crate::events::CliKind;
 use crate::events::{self, AgentEvent};
 use crate::{
@@ -28,6 +29,11 @@ const TAIL_LINES: usize = 40;
 const TAIL_CHARS: usize = 4000;
 /// The variable our children read their API key from (codex `env_key`, opencode `{env:..}`).
 const KEY_VAR: &str = "TROUPE_MODEL_API_KEY";
+/// The key handed to CLIs that refuse to start without one when `auth = "none"`.
+const NO_KEY: &str = "none";
+/// How long a CLI that retries on its own may go on after its first failed model call when
+/// `fast_fail` is set, before troupe stops it (qwen's inner backoff, opencode's retries).
+const FIRST_ERROR_GRACE: Duration = Duration::from_secs(2);
 
 /// A coding-agent CLI.
 #[derive(Debug, Clone)]
@@ -63,9 +69,15 @@ impl Backend for CliBackend {
         Box::pin(async move {
             let program = self.program();
             let (version, installed) = probe_version(&program).await;
-            let (available, detail) = match installed {
-                Err(reason) => (false, reason),
-                Ok(()) => (
+            let credential = credential::resolve(self.kind, &self.config);
+            let (available, detail) = match (installed, &credential) {
+                (Err(reason), _) => (false, reason),
+                // Installed but unusable: a task would fail at once as AUTH.
+                (Ok(()), Credential::Missing { .. }) => (
+                    false,
+                    format!("`{program}` is installed but has no credential (see credential)"),
+                ),
+                (Ok(()), _) => (
                     true,
                     match &self.config.endpoint {
                         Some(endpoint) => format!("`{program}` against {endpoint}"),
@@ -78,6 +90,7 @@ impl Backend for CliBackend {
                 available,
                 version,
                 detail,
+                credential: credential.describe(),
             }
         })
     }
@@ -222,6 +235,7 @@ impl CliBackend {
         &self,
         spec: &RunSpec,
         home: &Path,
+        credential: &Credential,
     ) -> Result<(Vec<String>, Vec<(String, String)>), BackendError> {
         let mut env: Vec<(String, String)> = vec![
             ("HOME".to_owned(), home.display().to_string()),
@@ -244,7 +258,14 @@ impl CliBackend {
             ),
             ("NO_COLOR".to_owned(), "1".to_owned()),
         ];
-        let key = self.config.key();
+        let login = credential.is_login();
+        // The key troupe hands over: the configured one, or a stand-in for `auth = "none"`
+        // (claude, gemini and qwen refuse to start without any).
+        let key = match credential {
+            Credential::Key { key, .. } => key.clone(),
+            Credential::None => Some(NO_KEY.to_owned()),
+            Credential::Login { .. } | Credential::Missing { .. } => None,
+        };
         if let Some(key) = &key {
             env.push((KEY_VAR.to_owned(), key.clone()));
         }
@@ -276,15 +297,27 @@ impl CliBackend {
                 if let Some(endpoint) = &endpoint {
                     toml.push_str("model_provider = \"troupe\"\n\n[model_providers.troupe]\nname = \"troupe\"\n");
                     toml.push_str(&format!(
-                        "base_url = {}\nenv_key = \"{KEY_VAR}\"\nwire_api = \"responses\"\n",
+                        "base_url = {}\nwire_api = \"responses\"\n",
                         json!(endpoint)
                     ));
+                    if login {
+                        // The signed-in user's token (auth.json) as the bearer.
+                        toml.push_str("requires_openai_auth = true\n");
+                    } else if matches!(credential, Credential::Key { key: Some(_), .. }) {
+                        toml.push_str(&format!("env_key = \"{KEY_VAR}\"\n"));
+                    }
                     if fast {
                         toml.push_str("request_max_retries = 0\nstream_max_retries = 0\n");
                     }
                 }
                 write(codex_home.join("config.toml"), toml).await?;
                 env.push(("CODEX_HOME".to_owned(), codex_home.display().to_string()));
+                if endpoint.is_none()
+                    && let Credential::Key { key: Some(key), .. } = credential
+                {
+                    // The built-in OpenAI provider takes an API key from here.
+                    env.push(("CODEX_API_KEY".to_owned(), key.clone()));
+                }
                 args.push("exec".to_owned());
                 if let Some(id) = &resume {
                     args.extend(["resume".to_owned(), id.clone()]);
@@ -343,6 +376,12 @@ impl CliBackend {
                     ]
                     .map(str::to_owned),
                 );
+                if !spec.read_only {
+                    // acceptEdits alone approves edits and a few filesystem commands: the
+                    // task's tests (`pytest`, `npm test`) would be denied. Bash is allowed and
+                    // troupe's sandbox, not claude's prompts, confines it to the worktree.
+                    args.extend(["--allowedTools".to_owned(), "Bash".to_owned()]);
+                }
                 if let Some(model) = &model {
                     args.extend(["--model".to_owned(), model.clone()]);
                 }
@@ -356,8 +395,14 @@ impl CliBackend {
                 if fast {
                     general["maxAttempts"] = json!(1);
                 }
+                // A Google sign-in speaks Code Assist (its own endpoint), a key the Gemini API.
+                let auth_type = if login {
+                    "oauth-personal"
+                } else {
+                    "gemini-api-key"
+                };
                 let settings = json!({
-                    "security": {"auth": {"selectedType": "gemini-api-key"}},
+                    "security": {"auth": {"selectedType": auth_type}},
                     "privacy": {"usageStatisticsEnabled": false},
                     "general": general,
                     "telemetry": {"enabled": false},
@@ -366,7 +411,12 @@ impl CliBackend {
                 env.push(("GEMINI_CLI_HOME".to_owned(), dir.display().to_string()));
                 env.push(("GEMINI_CLI_TRUST_WORKSPACE".to_owned(), "true".to_owned()));
                 if let Some(endpoint) = &endpoint {
-                    env.push(("GOOGLE_GEMINI_BASE_URL".to_owned(), endpoint.clone()));
+                    let var = if login {
+                        "CODE_ASSIST_ENDPOINT"
+                    } else {
+                        "GOOGLE_GEMINI_BASE_URL"
+                    };
+                    env.push((var.to_owned(), endpoint.clone()));
                 }
                 if let Some(key) = &key {
                     env.push(("GEMINI_API_KEY".to_owned(), key.clone()));
@@ -405,12 +455,17 @@ impl CliBackend {
                         "-o",
                         "stream-json",
                         "--auth-type",
-                        "openai",
+                        if login { "qwen-oauth" } else { "openai" },
                         "--approval-mode",
                     ]
                     .map(str::to_owned),
                 );
                 args.push(if spec.read_only { "plan" } else { "yolo" }.to_owned());
+                if fast {
+                    // Its retry log (`$QWEN_HOME/debug/<session>.txt`) is what troupe watches
+                    // for the first failed call; stdout stays JSON lines.
+                    args.push("--debug".to_owned());
+                }
                 if let Some(model) = &model {
                     args.extend(["-m".to_owned(), model.clone()]);
                 }
@@ -419,8 +474,9 @@ impl CliBackend {
                 }
             }
             CliKind::Opencode => {
-                // No fast_fail here: opencode 1.18.33 retries retryable errors 5 times (2 s
-                // doubling, ~70–90 s) with no config key or env var to change that.
+                // opencode 1.18.33 retries retryable errors 5 times (2 s doubling, ~70–90 s)
+                // with no config key or env var to change that: under fast_fail troupe stops it
+                // at the first `stream error` its log file records.
                 let model_name = model.clone().unwrap_or_else(|| "default".to_owned());
                 let mut config = json!({
                     "$schema": "https://opencode.ai/config.json",
@@ -433,7 +489,13 @@ impl CliBackend {
                     config["provider"] = json!({"troupe": {
                         "npm": "@ai-sdk/openai-compatible",
                         "name": "troupe",
-                        "options": {"baseURL": endpoint, "apiKey": format!("{{env:{KEY_VAR}}}")},
+                        // Signed in (`opencode auth login`), its auth.json holds the key of
+                        // provider `troupe`; otherwise the key comes from our variable.
+                        "options": if login {
+                            json!({"baseURL": endpoint})
+                        } else {
+                            json!({"baseURL": endpoint, "apiKey": format!("{{env:{KEY_VAR}}}")})
+                        },
                         "models": {model_name.clone(): {"name": model_name, "tool_call": true,
                             "limit": {"context": 100_000, "output": 8000}}},
                     }});
@@ -481,6 +543,14 @@ impl CliBackend {
                 program,
             });
         }
+        let credential = credential::resolve(self.kind, &self.config);
+        if let Credential::Missing { reason } = &credential {
+            // Fail before starting anything: the CLI would only say "not logged in".
+            return Err(BackendError::Auth {
+                backend: name.to_owned(),
+                message: reason.clone(),
+            });
+        }
         let home = spec.home.clone().ok_or_else(|| BackendError::Internal {
             message: format!("backend `{name}` needs a home directory for its run"),
         })?;
@@ -503,7 +573,23 @@ impl CliBackend {
                 })?;
             }
         }
-        let (args, env) = self.prepare(&spec, &home).await?;
+        // After the parent's home: the login in force now, not the parent's copy.
+        let copied = match &credential {
+            Credential::Login { files } => {
+                let (files, to) = (files.clone(), home.clone());
+                tokio::task::spawn_blocking(move || credential::install(&files, &to))
+                    .await
+                    .map_err(|err| BackendError::Internal {
+                        message: format!("copying the login: {err}"),
+                    })?
+                    .map_err(|err| BackendError::Auth {
+                        backend: name.to_owned(),
+                        message: format!("cannot read its login: {err}"),
+                    })?
+            }
+            _ => Vec::new(),
+        };
+        let (args, env) = self.prepare(&spec, &home, &credential).await?;
         // The caller's variables first: the endpoint, key and homes set from our own
         // configuration always win over them.
         let mut sandbox = spec.child_sandbox().write(&home);
@@ -536,7 +622,34 @@ impl CliBackend {
             cmd = cmd.idle_timeout(limit);
         }
         let argv = cmd.argv();
-        let output = cmd.run(cancel).await.map_err(|err| match err {
+        // fast_fail for CLIs that retry with no switch to stop them: stop at their first
+        // failed model call, as their own log records it.
+        let stop = cancel.child_token();
+        let watched = self.first_error_log(&home);
+        if let Some((dir, _)) = &watched {
+            // A resumed run's home holds the parent's logs: only this run's count.
+            let _ = tokio::fs::remove_dir_all(dir).await;
+        }
+        let watcher =
+            watched.map(|(dir, needle)| tokio::spawn(watch_first_error(dir, needle, stop.clone())));
+        let output = cmd.run(&stop).await;
+        let first_error = match watcher {
+            Some(task) => {
+                task.abort();
+                task.await.ok().flatten()
+            }
+            None => None,
+        };
+        // Written back whatever happened: a refresh before a failure is still a refresh.
+        if !copied.is_empty() {
+            let problems = tokio::task::spawn_blocking(move || credential::write_back(copied))
+                .await
+                .unwrap_or_default();
+            for problem in problems {
+                tracing::warn!(backend = name, %problem, "login not written back");
+            }
+        }
+        let output = output.map_err(|err| match err {
             troupe_process::Error::NotFound { program } => BackendError::NotInstalled {
                 backend: name.to_owned(),
                 program,
@@ -574,6 +687,23 @@ impl CliBackend {
             }
         };
         match output.termination {
+            Termination::Cancelled if !cancel.is_cancelled() => {
+                let line = first_error.unwrap_or_default();
+                // opencode: `... error.error="AI_APICallError: <what>"`; qwen: the line.
+                let what = line
+                    .split_once("error.error=\"")
+                    .map_or(line.as_str(), |(_, rest)| rest.trim_end_matches('"'));
+                return Err(classified(
+                    name,
+                    events::classify_message(&line),
+                    format!(
+                        "stopped after its first failed model call (fast_fail): {}",
+                        what.trim().chars().take(200).collect::<String>()
+                    ),
+                    None,
+                    evidence(),
+                ));
+            }
             Termination::Cancelled => return Err(BackendError::Cancelled),
             Termination::TimedOut | Termination::IdleTimedOut => {
                 let idle_fired = output.termination == Termination::IdleTimedOut;
@@ -608,7 +738,7 @@ impl CliBackend {
                 (CliKind::Gemini, Some(41)) => ErrorKind::Auth,
                 _ => events::classify_message(&stderr_tail),
             };
-            let message = troupe_process::tail(&stderr_tail, 3, 400);
+            let message = telling_lines(&stderr_tail, kind);
             return Err(classified(
                 name,
                 kind,
@@ -625,6 +755,13 @@ impl CliBackend {
                     transcript.events.len(),
                     transcript.unparsed
                 ),
+            });
+        }
+        if !spec.read_only && transcript.all_denied() {
+            // Exit 0, but the agent could do nothing it tried: not a success.
+            return Err(BackendError::PermissionDenied {
+                backend: name.to_owned(),
+                denials: transcript.denials.clone(),
             });
         }
         Ok(RunOutcome {
@@ -644,6 +781,100 @@ impl CliBackend {
                 .collect(),
         })
     }
+}
+
+/// What stderr says about a failure of `kind`: the last line that says it (gemini puts its
+/// reason above a stack trace), else its last lines; terminal colours removed.
+fn telling_lines(stderr: &str, kind: ErrorKind) -> String {
+    let plain = regex::Regex::new("\x1b\\[[0-9;]*m").map_or_else(
+        |_| stderr.to_owned(),
+        |ansi| ansi.replace_all(stderr, "").into_owned(),
+    );
+    if kind != ErrorKind::Crash
+        && let Some(line) = plain
+            .lines()
+            .rev()
+            .find(|line| events::classify_message(line) == kind)
+    {
+        return line.trim().chars().take(400).collect();
+    }
+    troupe_process::tail(&plain, 3, 400)
+}
+
+impl CliBackend {
+    /// Where a CLI that retries on its own with no switch to stop it logs a failed model call,
+    /// and the text that marks one, when `fast_fail` asks troupe to stop it there.
+    fn first_error_log(&self, home: &Path) -> Option<(PathBuf, &'static str)> {
+        if !self.config.fast_fail {
+            return None;
+        }
+        match self.kind {
+            // `[RETRY] Attempt 1 failed with status 500. Retrying with backoff in 2s...`
+            CliKind::Qwen => Some((home.join(".qwen/debug"), "[RETRY] Attempt")),
+            // `level=ERROR ... message="stream error" ... error.error="AI_APICallError: ..."`
+            CliKind::Opencode => Some((
+                home.join(".local/share/opencode/log"),
+                "message=\"stream error\"",
+            )),
+            CliKind::Codex | CliKind::Claude | CliKind::Gemini => None,
+        }
+    }
+}
+
+/// Polls the log files in `dir` for a line containing `needle`; once one appears, gives the
+/// CLI [`FIRST_ERROR_GRACE`] to give up by itself, then cancels `stop`. Returns the line.
+async fn watch_first_error(
+    dir: PathBuf,
+    needle: &'static str,
+    stop: CancellationToken,
+) -> Option<String> {
+    // Only what each file gained since the last look is read: a long run's log grows.
+    let mut seen = std::collections::HashMap::<PathBuf, u64>::new();
+    let found = loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let dir = dir.clone();
+        let (line, after) = tokio::task::spawn_blocking(move || {
+            let line = new_lines(&dir, &mut seen)
+                .into_iter()
+                .find(|line| line.contains(needle));
+            (line, seen)
+        })
+        .await
+        .ok()?;
+        seen = after;
+        if let Some(line) = line {
+            break line;
+        }
+    };
+    tokio::time::sleep(FIRST_ERROR_GRACE).await;
+    stop.cancel();
+    Some(found)
+}
+
+/// The complete lines the files in `dir` gained since the offsets in `seen` (updated).
+fn new_lines(dir: &Path, seen: &mut std::collections::HashMap<PathBuf, u64>) -> Vec<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut lines = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        let from = seen.get(&path).copied().unwrap_or(0);
+        let Ok(mut file) = std::fs::File::open(&path) else {
+            continue;
+        };
+        let mut bytes = Vec::new();
+        if file.seek(SeekFrom::Start(from)).is_err() || file.read_to_end(&mut bytes).is_err() {
+            continue;
+        }
+        // A line still being written is read whole next time.
+        let complete = bytes.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+        seen.insert(path, from + complete as u64);
+        lines.extend(
+            String::from_utf8_lossy(&bytes[..complete])
+                .lines()
+                .map(str::to_owned),
+        );
+    }
+    lines
 }
 
 fn classified(
@@ -698,18 +929,56 @@ mod tests {
             CliKind::Codex,
             BackendConfig {
                 command: Some("git".to_owned()),
+                api_key_env: Some("TROUPE_TEST_UNSET_KEY_VAR".to_owned()),
+                auth: crate::AuthMode::Key,
+                ..BackendConfig::default()
+            },
+        )
+        .probe()
+        .await;
+        // Installed, but without its key a task could only fail: not available, and why.
+        assert!(!installed.available);
+        assert!(
+            installed
+                .credential
+                .contains("$TROUPE_TEST_UNSET_KEY_VAR (api_key_env) is not set"),
+            "{}",
+            installed.credential
+        );
+        assert!(installed.credential.starts_with("missing: "));
+        let installed = CliBackend::new(
+            CliKind::Codex,
+            BackendConfig {
+                command: Some("git".to_owned()),
+                api_key: Some("k".to_owned()),
                 ..BackendConfig::default()
             },
         )
         .probe()
         .await;
         assert!(installed.available);
+        assert_eq!(installed.credential, "key: api_key in [backends.codex]");
         assert!(
             installed
                 .version
                 .as_deref()
                 .is_some_and(|v| v.starts_with("git version"))
         );
+    }
+
+    #[test]
+    fn log_watch_reads_only_complete_new_lines() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("s.txt");
+        let mut seen = std::collections::HashMap::new();
+        std::fs::write(&log, "one\ntw").expect("write");
+        assert_eq!(new_lines(dir.path(), &mut seen), ["one"]);
+        std::fs::write(&log, "one\ntwo\n[RETRY] Attempt 1 failed\n").expect("write");
+        assert_eq!(
+            new_lines(dir.path(), &mut seen),
+            ["two", "[RETRY] Attempt 1 failed"]
+        );
+        assert!(new_lines(dir.path(), &mut seen).is_empty());
     }
 
     #[test]

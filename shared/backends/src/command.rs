@@ -30,6 +30,7 @@ impl Backend for CommandBackend {
                 available: true,
                 version: Some(env!("CARGO_PKG_VERSION").to_owned()),
                 detail: "runs the task's agent.command argv with the prompt on stdin".to_owned(),
+                credential: String::new(),
             }
         })
     }

@@ -11,6 +11,8 @@
 //! model = "gpt-5.5"
 //! endpoint = "http://127.0.0.1:8080/v1"     # OpenAI Responses base URL
 //! api_key_env = "OPENAI_API_KEY"           # our variable whose value the child gets as its key
+//! auth = "auto"                            # auto | key | login | none (docs/agent-clis.md)
+//! login_dir = "/etc/troupe/codex-login"    # the CLI's login files (a mounted Secret); default ~
 //! env_allow = ["HTTPS_PROXY"]              # extra variables passed through
 //! timeout_seconds = 1800
 //! idle_timeout_seconds = 300
@@ -19,7 +21,7 @@
 //! ```
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -39,6 +41,13 @@ pub struct BackendConfig {
     pub api_key: Option<String>,
     /// Name of one of our environment variables holding the API key.
     pub api_key_env: Option<String>,
+    /// Where the CLI's credential comes from (default `auto`: the configured key if there is
+    /// one, else the user's login).
+    #[serde(default)]
+    pub auth: AuthMode,
+    /// A directory holding the CLI's login files by name (`auth.json`, `.credentials.json`,
+    /// `oauth_creds.json`, ...; a mounted Secret), instead of the user's home.
+    pub login_dir: Option<PathBuf>,
     /// Extra variables of ours the child may see (beyond PATH, LANG and the like).
     #[serde(default)]
     pub env_allow: Vec<String>,
@@ -66,6 +75,21 @@ pub struct BackendConfig {
     /// This backend's Landlock confinement (`enforce`, `warn`, `off`), instead of the
     /// service's `--sandbox`.
     pub sandbox: Option<String>,
+}
+
+/// Where a CLI's credential comes from.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AuthMode {
+    /// The configured key if there is one, else the user's login.
+    #[default]
+    Auto,
+    /// Only the configured key (`api_key` / `api_key_env`).
+    Key,
+    /// Only the user's login files, copied into the run's private home.
+    Login,
+    /// No credential (an endpoint that needs none).
+    None,
 }
 
 impl BackendConfig {
@@ -176,6 +200,15 @@ impl BackendsConfig {
             // The key reaches the backend's child only; anywhere troupe writes, it is masked.
             if let Some(key) = backend.key() {
                 troupe_telemetry::register_secret(key);
+            }
+            let cli = crate::CliKind::from_name(name).is_some();
+            if !cli && (backend.auth == AuthMode::Login || backend.login_dir.is_some()) {
+                return Err(ConfigError::Parse {
+                    path: origin.to_owned(),
+                    message: format!(
+                        "backends.{name}: `{name}` has no login (auth = \"login\" and login_dir are for codex, claude, gemini, qwen and opencode)"
+                    ),
+                });
             }
             if let Some(mode) = &backend.sandbox
                 && let Err(message) = mode.parse::<troupe_process::SandboxMode>()

@@ -1,5 +1,5 @@
 //! The CLIs' JSON-lines output, parsed into typed events and a summary of the run
-//! (docs/agent-clis.md §3–§7).
+//! (docs/agent-clis.md).
 
 use serde_json::Value;
 
@@ -74,6 +74,8 @@ pub enum AgentEvent {
     Message(String),
     /// A transient notice (reconnecting, retrying).
     Notice(String),
+    /// An action the CLI's own permission rules refused (`Bash: pytest -q`).
+    Denied(String),
     /// The run ended; `error` holds the classified failure when it failed.
     End {
         /// The classified failure, if any.
@@ -98,6 +100,8 @@ pub struct Transcript {
     pub error: Option<(ErrorKind, String)>,
     /// Lines that were not JSON.
     pub unparsed: usize,
+    /// Actions the CLI's own permission rules refused (`Bash: pytest -q`), in order.
+    pub denials: Vec<String>,
 }
 
 impl Transcript {
@@ -115,6 +119,28 @@ impl Transcript {
             AgentEvent::FileChange(path) => Some(path.as_str()),
             _ => None,
         })
+    }
+
+    fn deny(&mut self, tool: &str, input: &Value) {
+        let what = ["command", "file_path", "filePath", "path"]
+            .iter()
+            .find_map(|key| input.get(*key).and_then(Value::as_str))
+            .map_or_else(|| input.to_string(), str::to_owned);
+        let what: String = what.chars().take(200).collect();
+        let denial = if what.is_empty() || what == "null" {
+            tool.to_owned()
+        } else {
+            format!("{tool}: {what}")
+        };
+        if !self.denials.contains(&denial) {
+            self.denials.push(denial.clone());
+            self.events.push(AgentEvent::Denied(denial));
+        }
+    }
+
+    /// Whether the agent tried to act and every action was refused by the CLI's permissions.
+    pub fn all_denied(&self) -> bool {
+        !self.denials.is_empty() && self.denials.len() >= self.tool_calls().count()
     }
 
     fn push(&mut self, event: AgentEvent) {
@@ -162,6 +188,10 @@ pub fn classify_message(message: &str) -> ErrorKind {
         "not logged in",
         "missing environment variable",
         "invalid auth",
+        // qwen: a sign-in it no longer accepts ("... discontinued ... run /auth").
+        "run /auth",
+        // gemini: a login it cannot use headless ("Manual authorization is required ...").
+        "authorization is required",
     ]) {
         ErrorKind::Auth
     } else if has(&[
@@ -334,6 +364,11 @@ fn claude_like(t: &mut Transcript, v: &Value, kind: CliKind) {
                 output_tokens: n(v, "/usage/output_tokens"),
                 cached_input_tokens: n(v, "/usage/cache_read_input_tokens"),
             });
+            // `[{tool_name, tool_use_id, tool_input}]`: what the permission mode refused.
+            for denial in v["permission_denials"].as_array().into_iter().flatten() {
+                let tool = s(denial, "/tool_name").unwrap_or("tool");
+                t.deny(tool, &denial["tool_input"]);
+            }
             let is_error = v["is_error"].as_bool().unwrap_or(false);
             let text = s(v, "/result")
                 .or_else(|| s(v, "/error/message"))
@@ -374,6 +409,14 @@ fn gemini(t: &mut Transcript, v: &Value, text: &mut String) {
                 input: v["parameters"].to_string(),
             });
         }
+        "tool_result"
+            if s(v, "/status") == Some("error")
+                && s(v, "/error/type") == Some("policy_violation") =>
+        {
+            let id = s(v, "/tool_id").unwrap_or_default();
+            let tool = id.split("__").next().unwrap_or(id).to_owned();
+            t.deny(&tool, &Value::Null);
+        }
         "message" if s(v, "/role") == Some("assistant") => {
             let part = s(v, "/content").unwrap_or_default();
             text.push_str(part);
@@ -408,6 +451,12 @@ fn opencode(t: &mut Transcript, v: &Value) {
                 && let Some(path) = s(state, "/input/filePath")
             {
                 t.push(AgentEvent::FileChange(path.to_owned()));
+            }
+            // A permission rule's refusal comes back as the tool's error.
+            if s(state, "/status") == Some("error")
+                && s(state, "/error").is_some_and(|e| e.contains("rule which prevents you"))
+            {
+                t.deny(&name, &state["input"]);
             }
             t.push(AgentEvent::ToolCall {
                 name,
@@ -514,6 +563,32 @@ mod tests {
         assert_eq!(
             parse(CliKind::Codex, limited).error.map(|e| e.0),
             Some(ErrorKind::RateLimited)
+        );
+    }
+
+    #[test]
+    fn permission_denials_are_recorded_and_all_denied_is_told() {
+        let claude = r#"{"type":"system","subtype":"init","session_id":"ab"}
+{"type":"assistant","message":{"content":[{"type":"tool_use","id":"t1","name":"Bash","input":{"command":"pytest -q"}}]},"session_id":"ab"}
+{"type":"result","subtype":"success","is_error":false,"result":"could not run it","session_id":"ab","usage":{},"permission_denials":[{"tool_name":"Bash","tool_use_id":"t1","tool_input":{"command":"pytest -q"}}]}"#;
+        let t = parse(CliKind::Claude, claude);
+        assert_eq!(t.denials, ["Bash: pytest -q"]);
+        assert!(t.all_denied());
+        assert!(
+            t.events
+                .contains(&AgentEvent::Denied("Bash: pytest -q".into()))
+        );
+
+        let opencode = r#"{"type":"tool_use","sessionID":"s","part":{"tool":"write","state":{"status":"error","input":{"filePath":"/w/a.txt"},"error":"The user has specified a rule which prevents you from using this specific tool call"}}}
+{"type":"tool_use","sessionID":"s","part":{"tool":"read","state":{"status":"completed","input":{"filePath":"/w/b.txt"}}}}"#;
+        let t = parse(CliKind::Opencode, opencode);
+        assert_eq!(t.denials, ["write: /w/a.txt"]);
+        assert!(!t.all_denied(), "the read went through");
+        assert_eq!(
+            classify_message(
+                "Manual authorization is required but the current session is non-interactive."
+            ),
+            ErrorKind::Auth
         );
     }
 

@@ -17,6 +17,7 @@ mod cli;
 mod command;
 mod config;
 mod confine;
+pub mod credential;
 mod events;
 mod placeholder;
 
@@ -33,8 +34,9 @@ use tokio_util::sync::CancellationToken;
 pub use agent::AgentLoopBackend;
 pub use cli::CliBackend;
 pub use command::CommandBackend;
-pub use config::{BackendConfig, BackendsConfig, ConfigError};
+pub use config::{AuthMode, BackendConfig, BackendsConfig, ConfigError};
 pub use confine::{confine, relative_inside};
+pub use credential::Credential;
 pub use events::{AgentEvent, CliKind, Transcript, classify_message, parse as parse_events};
 pub use placeholder::{PLACEHOLDERS, substitute};
 
@@ -63,6 +65,9 @@ pub struct BackendInfo {
     pub version: Option<String>,
     /// Why it is unavailable, or what it runs.
     pub detail: String,
+    /// Where its credential comes from (`key: $OPENAI_API_KEY (api_key_env)`, `login: <file>`,
+    /// `none`, `missing: <how to fix>`); empty for backends that take none.
+    pub credential: String,
 }
 
 /// One attempt for a backend to run.
@@ -175,6 +180,17 @@ pub struct RunOutcome {
 }
 
 impl RunOutcome {
+    /// Actions the CLI's own permission rules refused, in order.
+    pub fn permission_denials(&self) -> Vec<String> {
+        self.events
+            .iter()
+            .filter_map(|e| match e {
+                AgentEvent::Denied(what) => Some(what.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Stdout and stderr tails in one text, for reports.
     pub fn output_tail(&self) -> String {
         match (self.stdout_tail.is_empty(), self.stderr_tail.is_empty()) {
@@ -210,6 +226,8 @@ pub enum ErrorKind {
     Cancelled,
     /// The child's sandbox denied it a path or port.
     SandboxDenied,
+    /// The CLI's own permission rules refused every action the agent tried.
+    PermissionDenied,
 }
 
 /// Why a run failed.
@@ -295,6 +313,15 @@ pub enum BackendError {
         /// The child's last output.
         output_tail: String,
     },
+    /// The agent tried to act and the CLI's own permission rules refused every action, so it
+    /// did nothing of what it was asked (exit 0 notwithstanding).
+    #[error("backend `{backend}` was refused every action it tried by its permission mode: {}", .denials.join("; "))]
+    PermissionDenied {
+        /// Backend name.
+        backend: String,
+        /// What was refused (`Bash: pytest -q`).
+        denials: Vec<String>,
+    },
     /// The task asks for something this backend cannot do (bad template, not implemented).
     #[error("{message}")]
     InvalidTask {
@@ -330,6 +357,7 @@ impl BackendError {
             Self::BadOutput { .. } => ErrorKind::BadOutput,
             Self::Cancelled => ErrorKind::Cancelled,
             Self::SandboxDenied { .. } => ErrorKind::SandboxDenied,
+            Self::PermissionDenied { .. } => ErrorKind::PermissionDenied,
             Self::InvalidTask { .. } => ErrorKind::InvalidTask,
             Self::Internal { .. } => ErrorKind::Internal,
         }
@@ -349,7 +377,8 @@ impl BackendError {
             | ErrorKind::Quota
             | ErrorKind::InvalidTask
             | ErrorKind::Cancelled
-            | ErrorKind::SandboxDenied => false,
+            | ErrorKind::SandboxDenied
+            | ErrorKind::PermissionDenied => false,
         }
     }
 
@@ -431,6 +460,41 @@ pub async fn probe_all_with(config: &BackendsConfig) -> Vec<BackendInfo> {
     futures::future::join_all(backends.iter().map(|backend| backend.probe())).await
 }
 
+/// Makes one tiny live call with `backend` (a one-word prompt, read-only, in a scratch
+/// directory): `Ok("ok in 1.2s: OK")`, or the classified failure.
+pub async fn probe_live(backend: &dyn Backend) -> Result<String, String> {
+    let scratch = tempfile::tempdir().map_err(|err| format!("no scratch directory: {err}"))?;
+    let worktree = scratch.path().join("work");
+    let prompt_file = scratch.path().join("prompt.md");
+    let prompt = "Reply with the single word OK. Do not use any tool.\n".to_owned();
+    std::fs::create_dir_all(&worktree)
+        .and_then(|()| std::fs::write(&prompt_file, &prompt))
+        .map_err(|err| format!("no scratch directory: {err}"))?;
+    let started = std::time::Instant::now();
+    let spec = RunSpec {
+        worktree,
+        prompt,
+        prompt_file,
+        timeout: Some(Duration::from_secs(120)),
+        home: Some(scratch.path().join("home")),
+        read_only: true,
+        ..RunSpec::default()
+    };
+    match backend.run(spec, &CancellationToken::new()).await {
+        Ok(outcome) => Ok(format!(
+            "ok in {:.1}s: {}",
+            started.elapsed().as_secs_f64(),
+            outcome
+                .final_message
+                .chars()
+                .take(60)
+                .collect::<String>()
+                .trim()
+        )),
+        Err(err) => Err(err.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,14 +530,16 @@ mod tests {
         let names: Vec<&str> = infos.iter().map(|i| i.name.as_str()).collect();
         assert_eq!(names, BACKEND_NAMES);
         assert!(infos[0].available, "command is always available");
-        // A CLI is available exactly when its program is on PATH.
+        // A CLI is available exactly when its program is on PATH and it has a credential
+        // (here: a login of the user running the tests, if any).
         for info in &infos[1..6] {
+            let installed = troupe_process::which(&info.name).is_some();
+            assert_eq!(installed, info.version.is_some(), "{info:?}");
             assert_eq!(
                 info.available,
-                troupe_process::which(&info.name).is_some(),
+                installed && !info.credential.starts_with("missing: "),
                 "{info:?}"
             );
-            assert_eq!(info.available, info.version.is_some(), "{info:?}");
         }
         // The agent loop needs an endpoint and a model.
         assert!(!infos[6].available);

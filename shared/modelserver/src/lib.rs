@@ -1,6 +1,6 @@
 //! A scripted model server for tests that drive real coding-agent CLIs.
 //!
-//! It speaks the minimal surfaces those CLIs use (docs/agent-clis.md §8): OpenAI Responses
+//! It speaks the minimal surfaces those CLIs use (measured for docs/agent-clis.md): OpenAI Responses
 //! (codex), OpenAI Chat Completions (qwen, opencode, troupe's own `agent` loop), Anthropic
 //! Messages (claude) and Gemini `generateContent` / `streamGenerateContent` (gemini), streaming
 //! as SSE over chunked HTTP/1.1.
@@ -78,6 +78,9 @@ pub struct Rule {
 pub struct Script {
     /// Rules, first match wins.
     pub rules: Vec<Rule>,
+    /// When set, a model call must carry this credential (`authorization: Bearer <it>`,
+    /// `x-api-key` or `x-goog-api-key`), or it gets a 401.
+    pub required_key: Option<String>,
 }
 
 impl Script {
@@ -90,6 +93,12 @@ impl Script {
                 content: content.to_owned(),
             }],
         )
+    }
+
+    /// Answers 401 to any model call that does not carry `key` (as a bearer or API key).
+    pub fn requiring_key(mut self, key: &str) -> Self {
+        self.required_key = Some(key.to_owned());
+        self
     }
 
     /// Adds a rule with a default final text.
@@ -312,6 +321,22 @@ async fn handle(
             api_key,
         });
     }
+    let presented = ["authorization", "x-api-key", "x-goog-api-key"]
+        .iter()
+        .filter_map(|h| headers.get(*h))
+        .filter_map(|v| v.to_str().ok())
+        .map(|v| v.strip_prefix("Bearer ").unwrap_or(v).to_owned())
+        .collect::<Vec<_>>();
+    let refused = state
+        .script
+        .required_key
+        .as_ref()
+        .is_some_and(|key| !presented.contains(key));
+    let fault = if refused && !matches!(api, Api::Other) {
+        Some(Fault::Status(401))
+    } else {
+        fault
+    };
     match fault {
         Some(Fault::Hang) => {
             state.stop.cancelled().await;

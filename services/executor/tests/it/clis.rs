@@ -128,6 +128,21 @@ pub(crate) fn to_toml(config: &BackendsConfig) -> String {
         field("model", b.model.clone().map(Value::from));
         field("endpoint", b.endpoint.clone().map(Value::from));
         field("api_key", b.api_key.clone().map(Value::from));
+        field(
+            "auth",
+            match b.auth {
+                troupe_backends::AuthMode::Auto => None,
+                troupe_backends::AuthMode::Key => Some(Value::from("key")),
+                troupe_backends::AuthMode::Login => Some(Value::from("login")),
+                troupe_backends::AuthMode::None => Some(Value::from("none")),
+            },
+        );
+        field(
+            "login_dir",
+            b.login_dir
+                .as_ref()
+                .map(|d| Value::from(d.display().to_string())),
+        );
         field("fast_fail", Some(Value::from(b.fast_fail)));
         field("timeout_seconds", b.timeout_seconds.map(Value::from));
         field(
@@ -190,7 +205,7 @@ pub(crate) fn task_error(status: &tonic::Status) -> TaskError {
     TaskError::decode(bytes).expect("decodes")
 }
 
-fn task(id: &str, backend: &str, file: &str) -> Value {
+pub(crate) fn task(id: &str, backend: &str, file: &str) -> Value {
     json!({
         "id": id,
         "title": format!("Create {file}"),
@@ -443,36 +458,38 @@ async fn classifies(backend: &str, cases: &[(&str, ErrorKind)]) {
 }
 
 /// A fault the CLI retries internally for 70–90 s with no switch to turn that off (qwen's
-/// inner 7-attempt backoff, opencode's 5 session retries; docs/backends.md). Each
-/// is its own test so nextest can overlap them, and `.config/nextest.toml` gives them a longer
-/// slow-timeout. The CLI must give up by itself, classified, well before the backend timeout
-/// (which would make it TIMEOUT instead).
-async fn classifies_slowly(backend: &str, prefix: &str, want: ErrorKind) {
-    let (url, server) = ModelServer::start(Script::write_file(
+/// inner 7-attempt backoff, opencode's 5 session retries): under `fast_fail` troupe stops it
+/// at the first failed call its log records, so the attempt ends in seconds, classified.
+async fn stops_at_the_first_error(backend: &str, prefix: &str, want: ErrorKind) {
+    let (url, _server) = ModelServer::start(Script::write_file(
         "notes/hello.txt",
         "notes/hello.txt",
         "x",
     ))
     .await
     .expect("model server");
-    let elapsed = classifies_one(backend, &url, prefix, want, 150).await;
+    let base = if prefix == "refused" {
+        troupe_modelserver::refused_url().await.expect("port")
+    } else {
+        format!("{url}/{prefix}")
+    };
+    let (error, _, elapsed) = fault(backend, &base, None, 150).await;
+    eprintln!(
+        "{backend} {prefix}: {:?} in {elapsed:?}: {}",
+        error.kind(),
+        error.message
+    );
+    assert_eq!(error.kind(), want, "{backend} {prefix}: {error:?}");
     assert!(
-        elapsed < Duration::from_secs(120),
+        error.message.contains("first failed model call"),
+        "{backend} {prefix}: {}",
+        error.message
+    );
+    // Without the watch: 70–90 s. With it: the first call, a 2 s grace, a loaded machine.
+    assert!(
+        elapsed < Duration::from_secs(45),
         "{backend} {prefix} took {elapsed:?}"
     );
-    if prefix != "refused" {
-        // Why this test is slow: the CLI retried on its own, fast_fail notwithstanding.
-        let hits = server
-            .requests()
-            .iter()
-            .filter(|r| r.path.starts_with(&format!("/{prefix}/")))
-            .count();
-        eprintln!("{backend} {prefix}: {hits} requests");
-        assert!(
-            hits > 1,
-            "{backend} {prefix}: {hits} request(s), no retries"
-        );
-    }
 }
 
 #[tokio::test]
@@ -543,23 +560,23 @@ async fn opencode_errors_classify() {
 }
 
 #[tokio::test]
-async fn slow_errors_classify_qwen_500() {
-    classifies_slowly("qwen", "__500", ErrorKind::Crash).await;
+async fn fast_fail_stops_qwen_at_its_first_500() {
+    stops_at_the_first_error("qwen", "__500", ErrorKind::Crash).await;
 }
 
 #[tokio::test]
-async fn slow_errors_classify_qwen_refused() {
-    classifies_slowly("qwen", "refused", ErrorKind::Crash).await;
+async fn fast_fail_stops_qwen_at_its_first_refused_connection() {
+    stops_at_the_first_error("qwen", "refused", ErrorKind::Crash).await;
 }
 
 #[tokio::test]
-async fn slow_errors_classify_opencode_500() {
-    classifies_slowly("opencode", "__500", ErrorKind::Crash).await;
+async fn fast_fail_stops_opencode_at_its_first_500() {
+    stops_at_the_first_error("opencode", "__500", ErrorKind::Crash).await;
 }
 
 #[tokio::test]
-async fn slow_errors_classify_opencode_refused() {
-    classifies_slowly("opencode", "refused", ErrorKind::Crash).await;
+async fn fast_fail_stops_opencode_at_its_first_refused_connection() {
+    stops_at_the_first_error("opencode", "refused", ErrorKind::Crash).await;
 }
 
 #[tokio::test]
@@ -625,6 +642,74 @@ async fn fallback_moves_on_after_a_classified_failure() {
     assert_eq!(hits("/__429/"), 2, "gemini: first try + one retry");
     assert_eq!(hits("/__401/"), 1, "qwen: auth is not retried");
     f.service.stop().await;
+}
+
+/// `fallbacks` names only the backends given up for another that then ran: a task failing on
+/// its only backend has none, and the failing backend is the one reported.
+#[tokio::test]
+async fn fallbacks_name_only_backends_left_for_another() {
+    let work = tempfile::tempdir().expect("tempdir");
+    let repo = work.path().join("app");
+    git_repo(&repo, &[("README.md", "app\n")]).expect("repo");
+    git(&repo, &["branch", "troupe/sf", "main"]).expect("session branch");
+    let data = work.path().join("data");
+    std::fs::create_dir_all(&data).expect("data");
+    let missing = |name: &str| BackendConfig {
+        command: Some(format!("/nonexistent/{name}")),
+        api_key: Some("k".into()),
+        ..BackendConfig::default()
+    };
+    let run = |id: &'static str, fallback: Vec<String>| {
+        let config = BackendsConfig {
+            fallback,
+            retries: 0,
+            backends: [("codex", missing("codex")), ("claude", missing("claude"))]
+                .into_iter()
+                .map(|(name, settings)| (name.to_owned(), settings))
+                .collect(),
+            ..BackendsConfig::default()
+        };
+        let executor =
+            troupe_executor::Executor::with_config(data.canonicalize().expect("canonical"), config);
+        let job = troupe_executor::Job {
+            spec:
+                json!({"id": id, "title": "t", "files": ["a.txt"], "agent": {"backend": "codex"}})
+                    .as_object()
+                    .expect("object")
+                    .clone(),
+            remote: troupe_workspace::Remote::from_path(&repo).expect("remote"),
+            repo_name: "app".to_owned(),
+            session_id: "sf".to_owned(),
+            task_id: None,
+            attempt: 1,
+            plan_dir: None,
+            upstream: Vec::new(),
+            target: troupe_executor::Target::Session {
+                branch: "troupe/sf".to_owned(),
+                base: None,
+            },
+            lease: None,
+            fencing_token: 0,
+            context: Vec::new(),
+        };
+        async move {
+            let cancel = tokio_util::sync::CancellationToken::new();
+            let failed = executor
+                .execute(job, &cancel, &|_| {})
+                .await
+                .expect_err("nothing is installed");
+            match failed.partial.expect("partial result").detail {
+                Some(task_result::Detail::Implementation(report)) => report,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    let alone = run("IMPL-1", Vec::new()).await;
+    assert_eq!(alone.backend, "codex");
+    assert!(alone.fallbacks.is_empty(), "{:?}", alone.fallbacks);
+    let chained = run("IMPL-2", vec!["claude".to_owned()]).await;
+    assert_eq!(chained.backend, "claude");
+    assert_eq!(chained.fallbacks, ["codex"]);
 }
 
 /// A process as `/proc/<pid>/stat` shows it: its state letter and its start time (in clock
@@ -749,7 +834,7 @@ async fn list_backends_reports_installed_clis_with_versions() {
     let mut f = fixture(config_for(&backends)).await;
     let listed = f
         .client
-        .list_backends(ListBackendsRequest {})
+        .list_backends(ListBackendsRequest { probe: false })
         .await
         .expect("lists")
         .into_inner()

@@ -1,6 +1,7 @@
 //! Integration tests: the executor against real git repositories and real agent processes.
 
 mod clis;
+mod credentials;
 mod direct;
 mod phase;
 mod session;
