@@ -848,9 +848,8 @@ async fn session_report(args: ReportArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `troupe doctor`: one line per backend from `Executor.ListBackends`.
+/// `troupe doctor`: the server's services, then one line per backend (see [`crate::doctor`]).
 async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
-    use troupe_proto::v1::{ListBackendsRequest, executor_client::ExecutorClient};
     let shutdown = CancellationToken::new();
     let scratch = std::env::temp_dir().join(format!("troupe-doctor-{}", std::process::id()));
     let (url, connector, server) = match args.connect {
@@ -881,39 +880,16 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
             )
         }
     };
-    let channel = connector.channel(&url)?;
-    // A live probe runs each usable CLI once, one after another.
-    let deadline = std::time::Duration::from_secs(if args.probe { 900 } else { 60 });
-    let listed = ExecutorClient::with_interceptor(channel, connector.outbound(deadline))
-        .list_backends(ListBackendsRequest { probe: args.probe })
-        .await
-        .with_context(|| format!("listing backends at {url}"));
+    let checked = crate::doctor::check(&connector, &url, args.probe).await;
     shutdown.cancel();
     if let Some(server) = server {
         server.await.context("in-process executor")??;
         let _ = std::fs::remove_dir_all(&scratch);
     }
-    println!(
-        "{:<9} {:<10} {:<24} detail",
-        "backend", "available", "version"
-    );
-    let mut failed = false;
-    for b in listed?.into_inner().backends {
-        let available = if b.available { "yes" } else { "no" };
-        println!(
-            "{:<9} {available:<10} {:<24} {}",
-            b.name, b.version, b.detail
-        );
-        if !b.credential.is_empty() {
-            println!("{:<9} credential {}", "", b.credential);
-        }
-        if !b.probe.is_empty() {
-            failed |= !b.probe.starts_with("ok ");
-            println!("{:<9} probe      {}", "", b.probe);
-        }
-    }
+    let report = checked?;
+    print!("{}", report.text);
     // A failed live call is worth a non-zero exit: scripts check the machine with it.
-    Ok(if failed {
+    Ok(if report.probe_failed {
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS

@@ -11,6 +11,7 @@
 pub mod assets;
 pub mod ccw_export;
 pub mod cli;
+pub mod doctor;
 pub mod embedded;
 pub mod follow;
 pub mod live;

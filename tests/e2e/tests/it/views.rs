@@ -243,6 +243,38 @@ async fn troupe_cancel_cancels_a_session() -> anyhow::Result<()> {
 }
 
 #[tokio::test]
+async fn troupe_doctor_answers_for_a_coordinator_and_for_troupe_up() -> anyhow::Result<()> {
+    let data = tempfile::tempdir()?;
+    let coord_dir = data.path().join("coord").display().to_string();
+    let coordinator =
+        ChildService::start("troupe-coordinator", &["--data-dir", &coord_dir], &[]).await?;
+    let out = stdout_of(&troupe(&["doctor", "--connect", &coordinator.url()]).await?);
+    assert!(out.contains("coordinator  serving"), "{out}");
+    assert!(out.contains("executor     not served here"), "{out}");
+    assert!(
+        out.contains("no executor here, so no backends to list"),
+        "{out}"
+    );
+
+    let up_dir = data.path().join("up").display().to_string();
+    let up = ChildService::start("troupe", &["up", "--data-dir", &up_dir], &[]).await?;
+    let out = stdout_of(&troupe(&["doctor", "--connect", &up.url()]).await?);
+    for service in ["coordinator", "executor", "validator", "test-runner"] {
+        assert!(
+            out.lines()
+                .any(|l| l.trim_start().starts_with(service) && l.ends_with(" serving")),
+            "{service}: {out}"
+        );
+    }
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("command") && l.contains("yes")),
+        "{out}"
+    );
+    Ok(())
+}
+
+#[tokio::test]
 async fn output_into_a_closed_pipe_ends_quietly() -> anyhow::Result<()> {
     use std::os::unix::process::ExitStatusExt as _;
     let session = troupe_testkit::workspace_root().join("shared/plan/tests/fixtures/ccw/roadmap");
