@@ -9,7 +9,9 @@
 #![warn(missing_docs)]
 
 pub mod ccw;
+pub mod execution;
 mod kind;
+pub mod phase;
 pub mod spec;
 mod validate;
 
