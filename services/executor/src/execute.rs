@@ -502,17 +502,14 @@ impl Executor {
         &self.options
     }
 
-    /// The phase directory when `job` is an EXEC task naming a `phase`.
-    fn phase_of(job: &Job) -> Option<Result<PathBuf, String>> {
+    /// The phase `job` runs when it is an EXEC task carrying one.
+    fn phase_of(job: &Job) -> Option<Result<crate::phase::PhaseRun, String>> {
         let id = job
             .task_id
             .as_deref()
             .filter(|id| !id.is_empty())
             .or_else(|| job.spec.get("id").and_then(Value::as_str))?;
-        if troupe_plan::TaskKind::from_id(id) != Some(troupe_plan::TaskKind::Exec) {
-            return None;
-        }
-        crate::phase::phase_dir(&job.spec, job.plan_dir.as_deref())
+        crate::phase::phase_of(&job.spec, id, &job.repo_name)
     }
 
     /// The backend configuration.
@@ -555,7 +552,7 @@ impl Executor {
         let task_id = job_task_id(&job);
         let phase = match Self::phase_of(&job) {
             Some(Err(message)) => return Err(failure(ErrorKind::InvalidTask, message, false)),
-            Some(Ok(dir)) => Some(dir),
+            Some(Ok(run)) => Some(run),
             None => None,
         };
         progress("claiming the task's fence".to_owned());
@@ -571,9 +568,9 @@ impl Executor {
                     .await;
             }
         };
-        if let Some(dir) = phase {
+        if let Some(run) = phase {
             return self
-                .execute_phase(job, dir, session_branch, &mirror, &held, cancel, progress)
+                .execute_phase(job, run, session_branch, &mirror, &held, cancel, progress)
                 .await;
         }
         let base = session_start(&mirror, &job.session_id, &session_branch, base.as_ref()).await?;
@@ -758,13 +755,14 @@ impl Executor {
             });
         }
         let base = mirror.fetch_rev(&base_ref).await?;
-        if let Some(Err(message)) = Self::phase_of(&job) {
-            return Err(Error::InvalidArgument(message));
-        }
-        if let Some(Ok(dir)) = Self::phase_of(&job) {
-            return self
-                .execute_direct_phase(job, dir, branch, &mirror, base, cancel)
-                .await;
+        match Self::phase_of(&job) {
+            Some(Err(message)) => return Err(Error::InvalidArgument(message)),
+            Some(Ok(run)) => {
+                return self
+                    .execute_direct_phase(job, run, branch, &mirror, base, cancel)
+                    .await;
+            }
+            None => {}
         }
         let prepared = self
             .prepare(job, &mirror, base, None, move |_, _, _| branch.clone())
@@ -808,7 +806,7 @@ impl Executor {
     async fn execute_direct_phase(
         &self,
         job: Job,
-        dir: PathBuf,
+        run: crate::phase::PhaseRun,
         branch: String,
         mirror: &Mirror,
         base: Oid,
@@ -836,7 +834,7 @@ impl Executor {
         let result = self
             .execute_phase(
                 session_job,
-                dir,
+                run,
                 branch.clone(),
                 mirror,
                 &held,
@@ -884,8 +882,8 @@ impl Executor {
             .clone()
             .filter(|id| !id.is_empty())
             .unwrap_or_else(|| spec.id.clone());
-        let plan = mode::load_plan(job.plan_dir.as_deref());
-        let resolved = mode::resolve(&job.spec, plan.as_ref(), &self.config)
+        let hints = job.spec.get(troupe_plan::execution::PLAN_HINTS);
+        let resolved = mode::resolve(&job.spec, hints, &self.config)
             .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
         let read_only = job
             .spec

@@ -35,7 +35,6 @@ pub use execute::{
     ContextRepo, DEFAULT_SUMMARY_DIR, Executor, Job, Options, Progress, Target, task_branch,
 };
 pub use grpc::TASK_ERROR_METADATA;
-pub use phase::{PhaseTask, load_phase, waves};
 pub use prompt::UpstreamNote;
 pub use spec::{DEFAULT_AGENT_TIMEOUT, ScopePolicy, TaskSpec, struct_to_json};
 pub use worker::ExecuteHandler;
