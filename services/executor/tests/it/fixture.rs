@@ -243,3 +243,15 @@ pub(crate) fn exists(repo: &Path, rev: &str) -> bool {
 pub(crate) fn show(repo: &Path, rev: &str, path: &str) -> Option<String> {
     git(repo, &["show", &format!("{rev}:{path}")]).ok()
 }
+
+/// An executor whose agents may write their run counts to `log`.
+pub(crate) fn executor_logging_to(data: PathBuf, log: &Path) -> troupe_executor::Executor {
+    let options = troupe_executor::Options {
+        sandbox: troupe_process::sandbox::SandboxArgs {
+            write_paths: vec![log.to_path_buf()],
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    troupe_executor::Executor::with_options(data, Default::default(), options)
+}

@@ -9,7 +9,7 @@ use tonic::Code;
 use troupe_proto::v1::ErrorKind;
 use troupe_testkit::git;
 
-use crate::fixture::{Fixture, exists, report, show, task_error};
+use crate::fixture::{Fixture, executor_logging_to, exists, report, show, task_error};
 
 async fn fixture() -> Fixture {
     Fixture::start(None, None).await
@@ -303,18 +303,6 @@ fn session_job(f: &Fixture, spec: Value, attempt: u32) -> troupe_executor::Job {
         fencing_token: 0,
         context: Vec::new(),
     }
-}
-
-/// An executor whose agents may write their run counts to `log`.
-fn executor_logging_to(data: PathBuf, log: &Path) -> troupe_executor::Executor {
-    let options = troupe_executor::Options {
-        sandbox: troupe_process::sandbox::SandboxArgs {
-            write_paths: vec![log.to_path_buf()],
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    troupe_executor::Executor::with_options(data, Default::default(), options)
 }
 
 #[tokio::test]
