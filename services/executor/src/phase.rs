@@ -486,14 +486,22 @@ mod tests {
 
         assert!(run(json!({"id": "IMPL-1", "phase": 1})).is_none());
         assert!(run(json!({"id": "EXEC-1"})).is_none());
-        let err = run(json!({"id": "EXEC-1", "phase": 1})).expect("a phase").expect_err("no tasks");
-        assert!(err.contains("phase `phase-1` came without its tasks"), "{err}");
+        let err = run(json!({"id": "EXEC-1", "phase": 1}))
+            .expect("a phase")
+            .expect_err("no tasks");
+        assert!(
+            err.contains("phase `phase-1` came without its tasks"),
+            "{err}"
+        );
         let err = run(json!({"id": "EXEC-1", "phase": "../x", "phase_tasks": []}))
             .expect("a phase")
             .expect_err("escapes");
         assert!(err.contains("inside the plan directory"), "{err}");
         let cyclic = json!({"id": "EXEC-1", "phase_tasks": [task("IMPL-2", &["IMPL-3"]), task("IMPL-3", &["IMPL-2"])]});
         let err = run(cyclic).expect("a phase").expect_err("cycle");
-        assert!(err.contains("dependency cycle: IMPL-2 -> IMPL-3 -> IMPL-2"), "{err}");
+        assert!(
+            err.contains("dependency cycle: IMPL-2 -> IMPL-3 -> IMPL-2"),
+            "{err}"
+        );
     }
 }

@@ -24,7 +24,11 @@ pub fn directory(spec: &Map<String, Value>) -> Option<Result<String, String>> {
             format!("phase-{s}")
         }
         Value::String(s) if !s.trim().is_empty() => s.trim().trim_end_matches('/').to_owned(),
-        _ => return Some(Err("`phase` must be a phase number or a directory".to_owned())),
+        _ => {
+            return Some(Err(
+                "`phase` must be a phase number or a directory".to_owned()
+            ));
+        }
     };
     if crate::validate::escapes_root(&relative) || relative.contains('\\') {
         return Some(Err(format!(
@@ -80,7 +84,10 @@ impl Phase {
             })
         };
         if specs.is_empty() {
-            problem(ProblemKind::MissingField, "the phase has no tasks".to_owned());
+            problem(
+                ProblemKind::MissingField,
+                "the phase has no tasks".to_owned(),
+            );
         }
         let ids: Vec<&str> = specs
             .iter()
@@ -343,14 +350,23 @@ mod tests {
         let text = err.to_string();
         assert!(err.has(ProblemKind::Cycle), "{text}");
         assert!(
-            text.contains("task EXEC-1: `phase_tasks`: dependency cycle: IMPL-2 -> IMPL-3 -> IMPL-2"),
+            text.contains(
+                "task EXEC-1: `phase_tasks`: dependency cycle: IMPL-2 -> IMPL-3 -> IMPL-2"
+            ),
             "{text}"
         );
-        assert!(text.contains("IMPL-5: missing required field `title`"), "{text}");
+        assert!(
+            text.contains("IMPL-5: missing required field `title`"),
+            "{text}"
+        );
         assert!(text.contains("IMPL-4: repo \"other\""), "{text}");
         // Roles are checked once the phase parses.
-        let err = Phase::from_specs("EXEC-1", "app", &[json!({"id": "VALIDATE-1", "title": "c"})])
-            .expect_err("not an executor task");
+        let err = Phase::from_specs(
+            "EXEC-1",
+            "app",
+            &[json!({"id": "VALIDATE-1", "title": "c"})],
+        )
+        .expect_err("not an executor task");
         assert!(err.has(ProblemKind::UnknownRole), "{err}");
     }
 
@@ -362,7 +378,10 @@ mod tests {
         };
         assert_eq!(dir(json!(2)), Some(Ok("phase-2".to_owned())));
         assert_eq!(dir(json!("3")), Some(Ok("phase-3".to_owned())));
-        assert_eq!(dir(json!("phases/auth")), Some(Ok("phases/auth".to_owned())));
+        assert_eq!(
+            dir(json!("phases/auth")),
+            Some(Ok("phases/auth".to_owned()))
+        );
         assert!(matches!(dir(json!("../x")), Some(Err(_))));
         assert!(matches!(dir(json!("/etc")), Some(Err(_))));
         assert!(matches!(dir(json!(true)), Some(Err(_))));
@@ -393,13 +412,25 @@ mod tests {
         };
         let err = attach(&mut plan.clone(), read).expect_err("phase 2 is empty");
         assert_eq!(err.problems.len(), 1, "{err}");
-        assert!(err.to_string().contains("task EXEC-2: phase `phase-2` has no task files"));
+        assert!(
+            err.to_string()
+                .contains("task EXEC-2: phase `phase-2` has no task files")
+        );
 
         plan.tasks.retain(|task| task.id != "EXEC-2");
         attach(&mut plan, read).expect("attached");
         let exec = plan.task("EXEC-1").expect("EXEC-1");
         assert_eq!(exec.spec[PHASE_TASKS][0]["id"], "IMPL-101");
-        assert_eq!(plan.task("EXEC-3").expect("EXEC-3").spec[PHASE_TASKS][0]["id"], "IMPL-9");
-        assert!(!plan.task("IMPL-1").expect("IMPL-1").spec.contains_key(PHASE_TASKS));
+        assert_eq!(
+            plan.task("EXEC-3").expect("EXEC-3").spec[PHASE_TASKS][0]["id"],
+            "IMPL-9"
+        );
+        assert!(
+            !plan
+                .task("IMPL-1")
+                .expect("IMPL-1")
+                .spec
+                .contains_key(PHASE_TASKS)
+        );
     }
 }

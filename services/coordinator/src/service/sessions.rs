@@ -42,7 +42,10 @@ impl Coordinator {
         // task files and the plan-level execution hints (no worker reads that directory).
         let phase_files = phase_files(&plan, &request.assets, &request.base_dir).await;
         troupe_plan::phase::attach(&mut plan, |dir| {
-            phase_files.get(dir).cloned().unwrap_or_else(|| Ok(Vec::new()))
+            phase_files
+                .get(dir)
+                .cloned()
+                .unwrap_or_else(|| Ok(Vec::new()))
         })?;
         troupe_plan::execution::attach(&mut plan, &request.plan_json);
         // The files the plan brings: checked here, stored with the session.
@@ -316,7 +319,9 @@ async fn phase_files(
     let dirs: BTreeSet<String> = plan
         .tasks
         .iter()
-        .filter(|task| troupe_plan::TaskKind::from_id(&task.id) == Some(troupe_plan::TaskKind::Exec))
+        .filter(|task| {
+            troupe_plan::TaskKind::from_id(&task.id) == Some(troupe_plan::TaskKind::Exec)
+        })
         .filter(|task| !task.spec.contains_key(phase::PHASE_TASKS))
         .filter_map(|task| phase::directory(&task.spec)?.ok())
         .collect();

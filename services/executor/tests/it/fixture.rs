@@ -8,7 +8,9 @@ use prost::Message;
 use serde_json::{Value, json};
 use troupe_executor::{Config, TASK_ERROR_METADATA};
 use troupe_proto::v1::executor_client::ExecutorClient;
-use troupe_proto::v1::{ExecuteTaskRequest, ImplementationReport, TaskError, TaskResult, task_result};
+use troupe_proto::v1::{
+    ExecuteTaskRequest, ImplementationReport, TaskError, TaskResult, task_result,
+};
 use troupe_testkit::{TestService, git, git_repo};
 
 /// Agent for these tests: `agent.py WORKTREE LOG TASK [flags] path=content...`. It logs
@@ -83,7 +85,10 @@ pub(crate) struct Fixture {
 impl Fixture {
     /// Starts an executor that self-validates through `validator_url` when given, with the
     /// backend configuration file `backends_toml` when given.
-    pub(crate) async fn start(validator_url: Option<String>, backends_toml: Option<String>) -> Self {
+    pub(crate) async fn start(
+        validator_url: Option<String>,
+        backends_toml: Option<String>,
+    ) -> Self {
         let root = tempfile::tempdir().expect("tempdir");
         let repo = root.path().join("app");
         git_repo(&repo, &[("README.md", "app\n")]).expect("repo");
@@ -183,7 +188,10 @@ impl Fixture {
                     .expect("json")
             })
             .collect();
-        object.insert(troupe_plan::phase::PHASE_TASKS.to_owned(), Value::Array(specs));
+        object.insert(
+            troupe_plan::phase::PHASE_TASKS.to_owned(),
+            Value::Array(specs),
+        );
         task
     }
 

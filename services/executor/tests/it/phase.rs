@@ -287,7 +287,11 @@ async fn a_conflict_inside_a_wave_is_run_again_from_the_new_head() {
 /// A session job for `Executor::execute`, as the worker builds it from a claim.
 fn session_job(f: &Fixture, spec: Value, attempt: u32) -> troupe_executor::Job {
     troupe_executor::Job {
-        spec: f.with_phase_tasks(spec).as_object().expect("object").clone(),
+        spec: f
+            .with_phase_tasks(spec)
+            .as_object()
+            .expect("object")
+            .clone(),
         remote: troupe_workspace::Remote::from_path(&f.repo).expect("remote"),
         repo_name: "app".to_owned(),
         session_id: "s1".to_owned(),

@@ -108,7 +108,6 @@ async fn self_validation_feeds_syntax_errors_back_and_fills_convergence() {
     assert_eq!(f.runs("IMPL-402"), 4);
 }
 
-
 #[tokio::test]
 async fn the_agent_backend_gets_syntax_errors_back_as_context() {
     // The scripted model writes broken Python, and fixes it once told what the check said.
