@@ -21,10 +21,12 @@ use tonic_health::ServingStatus;
 
 pub mod assets;
 pub mod auth;
+pub mod backoff;
 mod connect;
 pub mod status;
 pub mod worker;
 
+pub use backoff::Backoff;
 pub use connect::Connector;
 
 /// Fully qualified gRPC name of the health service, as health checks and grpcurl spell it.
