@@ -971,44 +971,40 @@ impl Executor {
                 claimed = true;
             }
         }
-        if let Some(parent) = worktree_path.parent() {
-            tokio::fs::create_dir_all(parent)
-                .await
-                .map_err(|err| io_failure(parent, &err))?;
-        }
-        if !claimed {
-            // A crashed earlier run may have left this exact worktree behind. (A claimed path
-            // is the empty directory just made: removing it would give the claim away.)
-            p.mirror
-                .repo()
-                .remove_worktree(&worktree_path)
-                .await
-                .map_err(workspace_failure)?;
-        }
         progress(format!("creating worktree at {}", short(&p.base)));
         // Detached: a worktree of a dead attempt never holds a branch another attempt needs.
-        let worktree = match p
-            .mirror
-            .repo()
-            .add_detached_worktree(&worktree_path, &p.base)
-            .await
-        {
-            Ok(worktree) => worktree,
-            Err(err) => {
-                // Give a claimed path back, or later resumes would find it taken.
-                if claimed && let Err(err) = tokio::fs::remove_dir(&worktree_path).await {
-                    warn!(path = %worktree_path.display(), error = %err, "could not release the parent's path");
-                }
-                return Err(workspace_failure(err));
-            }
+        let repo = p.mirror.repo();
+        let (attempt_dir, worktree_path) = (attempt_dir.as_path(), worktree_path.as_path());
+        let work = |worktree: Worktree| async move {
+            self.work_in(p, &worktree, worktree_path, attempt_dir, cancel, progress)
+                .await
         };
+        let outcome = if claimed {
+            repo.in_claimed_detached_worktree(worktree_path, &p.base, work)
+                .await
+        } else {
+            // A crashed earlier run may have left this exact worktree behind: it is replaced.
+            repo.in_detached_worktree(worktree_path, &p.base, work)
+                .await
+        };
+        outcome.map_err(workspace_failure)?
+    }
+
+    /// The attempt's work in its worktree: read-only context checkouts, pre_analysis, the
+    /// prompt, the backend; a change to a read-only repository fails it whatever else happened.
+    async fn work_in(
+        &self,
+        p: &Prepared,
+        worktree: &Worktree,
+        worktree_path: &Path,
+        attempt_dir: &Path,
+        cancel: &CancellationToken,
+        progress: Progress<'_>,
+    ) -> Result<Produced, TaskFailure> {
         let contexts = match self.check_out_context(p, progress).await {
             Ok(contexts) => contexts,
             Err(failure) => {
                 self.remove_context(p).await;
-                if let Err(err) = p.mirror.repo().remove_worktree(&worktree_path).await {
-                    warn!(path = %worktree_path.display(), error = %err, "could not remove worktree");
-                }
                 return Err(failure);
             }
         };
@@ -1069,7 +1065,6 @@ impl Executor {
                 .await
         }
         .await;
-        // A change to a read-only repository fails the task, whatever else happened.
         let result = match (result, changed_context(&contexts).await) {
             (Ok(_), Some(changed)) | (Err(_), Some(changed)) => Err(failure(
                 ErrorKind::OutOfScope,
@@ -1083,9 +1078,6 @@ impl Executor {
             (result, None) => result,
         };
         self.remove_context(p).await;
-        if let Err(err) = p.mirror.repo().remove_worktree(&worktree_path).await {
-            warn!(path = %worktree_path.display(), error = %err, "could not remove worktree");
-        }
         result
     }
 
