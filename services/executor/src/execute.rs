@@ -1061,7 +1061,7 @@ impl Executor {
             tokio::fs::write(&prompt_file, &prompt)
                 .await
                 .map_err(|err| io_failure(&prompt_file, &err))?;
-            self.run_in(p, &worktree, prompt, prompt_file, cancel, progress)
+            self.run_in(p, worktree, prompt, prompt_file, cancel, progress)
                 .await
         }
         .await;

@@ -22,6 +22,7 @@ use tonic_health::ServingStatus;
 pub mod assets;
 pub mod auth;
 pub mod backoff;
+pub mod boot;
 mod connect;
 pub mod status;
 pub mod worker;

@@ -2,8 +2,6 @@
 //! real executor. The phase's tasks come inline as `phase_tasks`, as intake stores them
 //! (tests/e2e has the self-validation tests, which need a validator, and the claimed EXEC task).
 
-use std::path::{Path, PathBuf};
-
 use serde_json::{Value, json};
 use tonic::Code;
 use troupe_proto::v1::ErrorKind;
