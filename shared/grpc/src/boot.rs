@@ -70,10 +70,10 @@ pub async fn serve<S: Service>(
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
     /// Telemetry could not start.
-    #[error("initialising telemetry: {0}")]
+    #[error("initialising telemetry")]
     Telemetry(#[from] troupe_telemetry::Error),
     /// The listen address could not be bound.
-    #[error("binding {addr}: {source}")]
+    #[error("binding {addr}")]
     Bind {
         /// The address.
         addr: SocketAddr,
@@ -82,7 +82,7 @@ pub enum BootError {
         source: std::io::Error,
     },
     /// The service failed.
-    #[error("{name} failed: {source}")]
+    #[error("{name} failed")]
     Service {
         /// The service's binary name.
         name: &'static str,
@@ -120,8 +120,20 @@ where
         }),
     };
     if let Err(err) = &result {
-        tracing::error!(error = %err, "stopped");
+        tracing::error!(error = %chain(err), "stopped");
     }
     telemetry.shutdown().await;
     result
+}
+
+/// `err` and its causes, `: `-separated.
+fn chain(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
 }
