@@ -175,17 +175,6 @@ impl App {
         })
     }
 
-    /// Adds the Coordinator gRPC service to a shared server.
-    pub fn mount(&self, services: &mut troupe_grpc::Services) {
-        services.add(grpc::server(Arc::clone(&self.inner)));
-    }
-
-    /// What a scrape of the metrics endpoint reads first: the tasks by state and the ready
-    /// depth per role, from the store.
-    pub fn metrics_refresh(&self) -> troupe_telemetry::metrics::Refresh {
-        metrics::refresh(self.inner.store().clone())
-    }
-
     /// Serves the read-only web view when `web` names an address, behind the tokens `security`
     /// accepts, until `shutdown`. Returns the address it serves on.
     pub async fn serve_web(
@@ -217,9 +206,24 @@ impl App {
         tracing::info!(addr = %bound, "serving the web view");
         Ok(Some(bound))
     }
+}
+
+impl troupe_grpc::boot::Service for App {
+    type Error = Error;
+
+    /// Adds the Coordinator gRPC service to a shared server.
+    fn mount(&mut self, services: &mut troupe_grpc::Services) {
+        services.add(grpc::server(Arc::clone(&self.inner)));
+    }
+
+    /// What a scrape of the metrics endpoint reads first: the tasks by state and the ready
+    /// depth per role, from the store.
+    fn metrics_refresh(&self) -> Vec<troupe_telemetry::metrics::Refresh> {
+        vec![metrics::refresh(self.inner.store().clone())]
+    }
 
     /// Runs the lease reaper until `shutdown`, then ends open event streams.
-    pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+    async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
         tokio::join!(
             self.inner.run_reaper(REAPER_INTERVAL, shutdown.clone()),
             self.inner.run_change_listener(shutdown.clone()),
@@ -269,21 +273,5 @@ pub async fn run_with_metrics(
     let security = config.security.clone();
     let app = App::open_tuned(config, tuning).await?;
     app.serve_web(web, &security, shutdown.clone()).await?;
-    troupe_telemetry::metrics::spawn(
-        metrics,
-        vec![app.metrics_refresh()],
-        shutdown.clone().cancelled_owned(),
-    )
-    .await
-    .map_err(|err| Error::InvalidArgument(err.to_string()))?;
-    let mut services = troupe_grpc::Services::new();
-    app.mount(&mut services);
-    troupe_grpc::serve_with_background(
-        listener,
-        services,
-        shutdown,
-        troupe_grpc::ServeOptions::with_auth(auth),
-        |stop| app.run_background(stop),
-    )
-    .await
+    troupe_grpc::boot::serve(app, auth, metrics, listener, shutdown).await
 }

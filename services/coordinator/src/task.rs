@@ -184,13 +184,13 @@ pub(crate) fn session_outcome(tasks: &[Task]) -> Option<SessionState> {
     }
 }
 
-/// Returns the delay before retry number `attempt` (the attempt that just failed, 1-based):
-/// 1 s · 2^(attempt-1), capped at 60 s, with ±20 % jitter so retries do not march in step.
+/// How long a failed task waits before its next attempt: 1 s · 2^(attempt-1), capped at 60 s,
+/// with jitter so retries do not march in step.
+const RETRY: troupe_grpc::Backoff = troupe_grpc::Backoff::new(Duration::from_secs(1), BACKOFF_CAP);
+
+/// Returns the delay before retry number `attempt` (the attempt that just failed, 1-based).
 pub(crate) fn backoff(attempt: u32, rng: &mut impl Rng) -> Duration {
-    let exponent = attempt.saturating_sub(1).min(16);
-    let base = Duration::from_secs(1u64 << exponent).min(BACKOFF_CAP);
-    let jitter: f64 = rng.random_range(0.8..=1.2);
-    base.mul_f64(jitter).min(BACKOFF_CAP)
+    RETRY.delay_with(attempt.saturating_sub(1), rng)
 }
 
 /// A task that cannot make progress, and why.

@@ -503,17 +503,14 @@ impl Executor {
         &self.options
     }
 
-    /// The phase directory when `job` is an EXEC task naming a `phase`.
-    fn phase_of(job: &Job) -> Option<Result<PathBuf, String>> {
+    /// The phase `job` runs when it is an EXEC task carrying one.
+    fn phase_of(job: &Job) -> Option<Result<crate::phase::PhaseRun, String>> {
         let id = job
             .task_id
             .as_deref()
             .filter(|id| !id.is_empty())
             .or_else(|| job.spec.get("id").and_then(Value::as_str))?;
-        if troupe_plan::TaskKind::from_id(id) != Some(troupe_plan::TaskKind::Exec) {
-            return None;
-        }
-        crate::phase::phase_dir(&job.spec, job.plan_dir.as_deref())
+        crate::phase::phase_of(&job.spec, id, &job.repo_name)
     }
 
     /// The backend configuration.
@@ -572,7 +569,7 @@ impl Executor {
         let task_id = job_task_id(&job);
         let phase = match Self::phase_of(&job) {
             Some(Err(message)) => return Err(failure(ErrorKind::InvalidTask, message, false)),
-            Some(Ok(dir)) => Some(dir),
+            Some(Ok(run)) => Some(run),
             None => None,
         };
         progress("claiming the task's fence".to_owned());
@@ -588,9 +585,9 @@ impl Executor {
                     .await;
             }
         };
-        if let Some(dir) = phase {
+        if let Some(run) = phase {
             return self
-                .execute_phase(job, dir, session_branch, &mirror, &held, cancel, progress)
+                .execute_phase(job, run, session_branch, &mirror, &held, cancel, progress)
                 .await;
         }
         let base = session_start(&mirror, &job.session_id, &session_branch, base.as_ref()).await?;
@@ -775,13 +772,14 @@ impl Executor {
             });
         }
         let base = mirror.fetch_rev(&base_ref).await?;
-        if let Some(Err(message)) = Self::phase_of(&job) {
-            return Err(Error::InvalidArgument(message));
-        }
-        if let Some(Ok(dir)) = Self::phase_of(&job) {
-            return self
-                .execute_direct_phase(job, dir, branch, &mirror, base, cancel)
-                .await;
+        match Self::phase_of(&job) {
+            Some(Err(message)) => return Err(Error::InvalidArgument(message)),
+            Some(Ok(run)) => {
+                return self
+                    .execute_direct_phase(job, run, branch, &mirror, base, cancel)
+                    .await;
+            }
+            None => {}
         }
         let prepared = self
             .prepare(job, &mirror, base, None, move |_, _, _| branch.clone())
@@ -825,7 +823,7 @@ impl Executor {
     async fn execute_direct_phase(
         &self,
         job: Job,
-        dir: PathBuf,
+        run: crate::phase::PhaseRun,
         branch: String,
         mirror: &Mirror,
         base: Oid,
@@ -853,7 +851,7 @@ impl Executor {
         let result = self
             .execute_phase(
                 session_job,
-                dir,
+                run,
                 branch.clone(),
                 mirror,
                 &held,
@@ -901,8 +899,8 @@ impl Executor {
             .clone()
             .filter(|id| !id.is_empty())
             .unwrap_or_else(|| spec.id.clone());
-        let plan = mode::load_plan(job.plan_dir.as_deref());
-        let resolved = mode::resolve(&job.spec, plan.as_ref(), &self.config)
+        let hints = job.spec.get(troupe_plan::execution::PLAN_HINTS);
+        let resolved = mode::resolve(&job.spec, hints, &self.config)
             .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
         let read_only = job
             .spec
@@ -990,44 +988,40 @@ impl Executor {
                 claimed = true;
             }
         }
-        if let Some(parent) = worktree_path.parent() {
-            tokio::fs::create_dir_all(parent)
-                .await
-                .map_err(|err| io_failure(parent, &err))?;
-        }
-        if !claimed {
-            // A crashed earlier run may have left this exact worktree behind. (A claimed path
-            // is the empty directory just made: removing it would give the claim away.)
-            p.mirror
-                .repo()
-                .remove_worktree(&worktree_path)
-                .await
-                .map_err(workspace_failure)?;
-        }
         progress(format!("creating worktree at {}", short(&p.base)));
         // Detached: a worktree of a dead attempt never holds a branch another attempt needs.
-        let worktree = match p
-            .mirror
-            .repo()
-            .add_detached_worktree(&worktree_path, &p.base)
-            .await
-        {
-            Ok(worktree) => worktree,
-            Err(err) => {
-                // Give a claimed path back, or later resumes would find it taken.
-                if claimed && let Err(err) = tokio::fs::remove_dir(&worktree_path).await {
-                    warn!(path = %worktree_path.display(), error = %err, "could not release the parent's path");
-                }
-                return Err(workspace_failure(err));
-            }
+        let repo = p.mirror.repo();
+        let (attempt_dir, worktree_path) = (attempt_dir.as_path(), worktree_path.as_path());
+        let work = |worktree: Worktree| async move {
+            self.work_in(p, &worktree, worktree_path, attempt_dir, cancel, progress)
+                .await
         };
+        let outcome = if claimed {
+            repo.in_claimed_detached_worktree(worktree_path, &p.base, work)
+                .await
+        } else {
+            // A crashed earlier run may have left this exact worktree behind: it is replaced.
+            repo.in_detached_worktree(worktree_path, &p.base, work)
+                .await
+        };
+        outcome.map_err(workspace_failure)?
+    }
+
+    /// The attempt's work in its worktree: read-only context checkouts, pre_analysis, the
+    /// prompt, the backend; a change to a read-only repository fails it whatever else happened.
+    async fn work_in(
+        &self,
+        p: &Prepared,
+        worktree: &Worktree,
+        worktree_path: &Path,
+        attempt_dir: &Path,
+        cancel: &CancellationToken,
+        progress: Progress<'_>,
+    ) -> Result<Produced, TaskFailure> {
         let contexts = match self.check_out_context(p, progress).await {
             Ok(contexts) => contexts,
             Err(failure) => {
                 self.remove_context(p).await;
-                if let Err(err) = p.mirror.repo().remove_worktree(&worktree_path).await {
-                    warn!(path = %worktree_path.display(), error = %err, "could not remove worktree");
-                }
                 return Err(failure);
             }
         };
@@ -1084,11 +1078,10 @@ impl Executor {
             tokio::fs::write(&prompt_file, &prompt)
                 .await
                 .map_err(|err| io_failure(&prompt_file, &err))?;
-            self.run_in(p, &worktree, prompt, prompt_file, cancel, progress)
+            self.run_in(p, worktree, prompt, prompt_file, cancel, progress)
                 .await
         }
         .await;
-        // A change to a read-only repository fails the task, whatever else happened.
         let result = match (result, changed_context(&contexts).await) {
             (Ok(_), Some(changed)) | (Err(_), Some(changed)) => Err(failure(
                 ErrorKind::OutOfScope,
@@ -1102,9 +1095,6 @@ impl Executor {
             (result, None) => result,
         };
         self.remove_context(p).await;
-        if let Err(err) = p.mirror.repo().remove_worktree(&worktree_path).await {
-            warn!(path = %worktree_path.display(), error = %err, "could not remove worktree");
-        }
         result
     }
 

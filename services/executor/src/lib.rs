@@ -26,16 +26,16 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use troupe_grpc::Services;
 use troupe_grpc::worker::{TaskFailure, WorkerSettings, run_worker_if_configured};
-use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::executor_server::ExecutorServer;
+use troupe_telemetry::metrics::MetricsArgs;
 
 pub use execute::{
     ContextRepo, DEFAULT_SUMMARY_DIR, Executor, Job, Options, Progress, Target, task_branch,
 };
 pub use grpc::TASK_ERROR_METADATA;
-pub use phase::{PhaseTask, load_phase, waves};
 pub use prompt::UpstreamNote;
 pub use spec::{DEFAULT_AGENT_TIMEOUT, ScopePolicy, TaskSpec, struct_to_json};
 pub use worker::ExecuteHandler;
@@ -209,9 +209,13 @@ impl App {
     pub fn executor(&self) -> Arc<Executor> {
         Arc::clone(&self.executor)
     }
+}
+
+impl troupe_grpc::boot::Service for App {
+    type Error = Error;
 
     /// Adds `troupe.v1.Executor` to a shared server.
-    pub fn mount(&mut self, services: &mut Services) {
+    fn mount(&mut self, services: &mut Services) {
         self.health = Some(services.health_of(
             <ExecutorServer<grpc::ExecutorService> as tonic::server::NamedService>::NAME,
         ));
@@ -221,7 +225,7 @@ impl App {
     }
 
     /// Runs the executor worker loop when a coordinator is configured, else waits for shutdown.
-    pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+    async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
         let settings = WorkerSettings {
             coordinator_url: self.config.coordinator_url.clone(),
             worker_id: self.config.worker_id.clone(),
@@ -248,16 +252,16 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    run_with_metrics(config, &MetricsArgs::default(), listener, shutdown).await
+}
+
+/// [`run`], serving metrics as `metrics` says.
+pub async fn run_with_metrics(
+    config: Config,
+    metrics: &MetricsArgs,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
     let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
-    let mut app = App::open(config).await?;
-    let mut services = Services::new();
-    app.mount(&mut services);
-    troupe_grpc::serve_with_background(
-        listener,
-        services,
-        shutdown,
-        ServeOptions::with_auth(auth),
-        |stop| app.run_background(stop),
-    )
-    .await
+    troupe_grpc::boot::serve(App::open(config).await?, auth, metrics, listener, shutdown).await
 }

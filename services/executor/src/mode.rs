@@ -1,8 +1,6 @@
 //! Which backend runs a task, and why (CCW executor execution-mode resolution, ccw-reference
 //! §1.B.3), plus the backends to fall back to and the native session to continue (§3.6).
 
-use std::path::Path;
-
 use serde_json::{Map, Value};
 use troupe_backends::{BACKEND_NAMES, BackendsConfig, ErrorKind};
 
@@ -35,16 +33,9 @@ fn complexity(spec: &Map<String, Value>, plan: Option<&Value>) -> Option<String>
         .map(str::to_ascii_lowercase)
 }
 
-/// Reads `<plan_dir>/plan.json` when there is one (plan-level `recommended_execution` and
-/// `complexity`).
-pub(crate) fn load_plan(plan_dir: Option<&Path>) -> Option<Value> {
-    let text = std::fs::read_to_string(plan_dir?.join("plan.json")).ok()?;
-    serde_json::from_str(&text).ok()
-}
-
 /// Resolves the backend in CCW's priority order: the task (`Executor:` in the description,
 /// `agent.backend`, `agent.command`) → `meta.execution_config` → the plan's
-/// `recommended_execution` → auto (Low complexity → `agent`, else the configured auto backend).
+/// `recommended_execution` (`plan`: the task's `plan_hints`, from its plan at intake) → auto (Low complexity → `agent`, else the configured auto backend).
 pub(crate) fn resolve(
     spec: &Map<String, Value>,
     plan: Option<&Value>,

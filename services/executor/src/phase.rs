@@ -1,16 +1,16 @@
-//! EXEC-* phases (CCW roadmap mode, ccw-reference §1.B.2, 11–16): an EXEC task with a `phase`
-//! runs the phase's task files `<plan_dir>/phase-<N>/.task/IMPL-*.json` in waves.
-//!
-//! Waves come from the tasks' `depends_on` (wave 1: no dependency inside the phase; wave N:
-//! every dependency in an earlier wave; dependencies outside the phase are earlier phases' and
-//! count as met). Unlike CCW, which force-assigns a task of a cycle to a wave, a cycle is an
-//! error and nothing runs. Waves run one after another; a wave's tasks run at once up to the
-//! phase concurrency, each exactly like an IMPL task (own worktree, self-validation, summary,
-//! integration into the session branch), with the summaries of every earlier task of the
-//! phase (and the EXEC task's own upstream) as context. Failed runs are retried as for any
-//! task (backend retries and fallbacks, CCW §1.B.16 "retry once"); a task whose integration
-//! conflicts with a task of the same wave is run once more from the new session head. A
-//! failed task does not stop its wave or later waves,
+//! EXEC-* phases (CCW roadmap mode, ccw-reference §1.B.2, 11–16): an EXEC task runs the tasks
+//! of its phase in waves. They come in the task itself, as `phase_tasks`: the coordinator reads
+//! the plan's `phase-N/.task/IMPL-*.json` once, at intake, so no executor reads the plan's
+//! directory. `troupe_plan::phase` validates them and computes the waves (wave 1: no
+//! dependency inside the phase; wave N: every dependency in an earlier wave; dependencies
+//! outside the phase are earlier phases' and count as met). Unlike CCW, which force-assigns a
+//! task of a cycle to a wave, a cycle is an error and nothing runs. Waves run one after
+//! another; a wave's tasks run at once up to the phase concurrency, each exactly like an IMPL
+//! task (own worktree, self-validation, summary, integration into the session branch), with the
+//! summaries of every earlier task of the phase (and the EXEC task's own upstream) as context.
+//! Failed runs are retried as for any task (backend retries and fallbacks, CCW §1.B.16 "retry
+//! once"); a task whose integration conflicts with a task of the same wave is run once more
+//! from the new session head. A failed task does not stop its wave or later waves,
 //! but every task depending on it (directly or not) is skipped; the phase then fails, naming
 //! the failed and skipped tasks. Every task lands under the EXEC task's fence on the remote,
 //! which records it as a part, so a retry of the EXEC task (on any executor) skips the tasks an
@@ -19,8 +19,7 @@
 // `TaskFailure` is the worker protocol's error; see execute.rs.
 #![allow(clippy::result_large_err)]
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::{Component, Path, PathBuf};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 use futures::StreamExt;
@@ -28,6 +27,8 @@ use serde_json::{Map, Value};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use troupe_grpc::worker::TaskFailure;
+use troupe_plan::phase::{self, Phase};
+use troupe_plan::{TaskKind, execution::PLAN_HINTS};
 use troupe_proto::v1::{
     ErrorKind, ImplementationReport, PhaseTaskOutcome, TaskError, TaskResult, Usage, task_result,
 };
@@ -36,166 +37,53 @@ use troupe_workspace::{Held, Landed, Mirror};
 use crate::execute::{job_task_id, session_start};
 use crate::{Executor, Job, Progress, Target, UpstreamNote};
 
-/// One task file of a phase.
-#[derive(Debug, Clone, PartialEq)]
-pub struct PhaseTask {
-    /// Its `id`.
-    pub id: String,
-    /// Its `depends_on`.
-    pub depends_on: Vec<String>,
-    /// The whole task object.
-    pub spec: Map<String, Value>,
+/// The phase an EXEC task runs: its name (the directory its task files came from) and its
+/// tasks, validated and in waves by `troupe-plan`.
+#[derive(Debug)]
+pub(crate) struct PhaseRun {
+    pub(crate) name: String,
+    pub(crate) phase: Phase,
 }
 
-/// The phase directory an EXEC task names: `phase: N` → `<plan_dir>/phase-N`, `phase: "dir"`
-/// → `<plan_dir>/dir` (inside the plan directory). `None` when the task names no phase.
-pub(crate) fn phase_dir(
+/// The phase task `task_id` runs when it is an EXEC task with `phase_tasks` (which intake
+/// fills in from the plan's `phase-N/.task/IMPL-*.json`); `None` for any other task.
+pub(crate) fn phase_of(
     spec: &Map<String, Value>,
-    plan_dir: Option<&Path>,
-) -> Option<Result<PathBuf, String>> {
-    let phase = spec.get("phase").filter(|v| !v.is_null())?;
-    let relative = match phase {
-        Value::Number(n) if n.as_u64().is_some() => format!("phase-{n}"),
-        Value::String(s) if s.chars().all(|c| c.is_ascii_digit()) && !s.is_empty() => {
-            format!("phase-{s}")
+    task_id: &str,
+    repo: &str,
+) -> Option<Result<PhaseRun, String>> {
+    if TaskKind::from_id(task_id) != Some(TaskKind::Exec) {
+        return None;
+    }
+    let name = match phase::directory(spec) {
+        None => None,
+        Some(Ok(dir)) => Some(dir),
+        Some(Err(message)) => return Some(Err(message)),
+    };
+    let specs = match spec.get(phase::PHASE_TASKS) {
+        Some(Value::Array(specs)) => specs,
+        Some(_) => {
+            return Some(Err(format!(
+                "`{}` must be an array of task objects",
+                phase::PHASE_TASKS
+            )));
         }
-        Value::String(s) if !s.trim().is_empty() => s.trim().to_owned(),
-        _ => {
-            return Some(Err(
-                "`phase` must be a phase number or a directory".to_owned()
-            ));
+        None => {
+            let dir = name?;
+            return Some(Err(format!(
+                "phase `{dir}` came without its tasks: the coordinator puts {dir}/.task/IMPL-*.json in the task's `{}` at intake, and an ExecuteTask call gives them there itself",
+                phase::PHASE_TASKS
+            )));
         }
     };
-    let Some(plan_dir) = plan_dir else {
-        return Some(Err(
-            "an EXEC phase needs the plan directory its task files live in".to_owned(),
-        ));
-    };
-    let relative = Path::new(&relative);
-    if !relative
-        .components()
-        .all(|c| matches!(c, Component::Normal(_) | Component::CurDir))
-    {
-        return Some(Err(format!(
-            "phase directory `{}` must stay inside the plan directory",
-            relative.display()
-        )));
-    }
-    Some(Ok(plan_dir.join(relative)))
-}
-
-/// Loads `<dir>/.task/IMPL-*.json`, sorted by file name.
-pub fn load_phase(dir: &Path) -> Result<Vec<PhaseTask>, String> {
-    let task_dir = dir.join(".task");
-    let entries = std::fs::read_dir(&task_dir)
-        .map_err(|err| format!("cannot read {}: {err}", task_dir.display()))?;
-    let mut paths: Vec<PathBuf> = entries
-        .flatten()
-        .map(|entry| entry.path())
-        .filter(|path| {
-            path.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| n.starts_with("IMPL-") && n.ends_with(".json"))
-        })
-        .collect();
-    paths.sort();
-    if paths.is_empty() {
-        return Err(format!(
-            "{} holds no IMPL-*.json task files",
-            task_dir.display()
-        ));
-    }
-    let mut tasks = Vec::new();
-    let mut seen = BTreeSet::new();
-    for path in paths {
-        let text = std::fs::read_to_string(&path)
-            .map_err(|err| format!("cannot read {}: {err}", path.display()))?;
-        let Value::Object(spec) = serde_json::from_str::<Value>(&text)
-            .map_err(|err| format!("{} is not valid JSON: {err}", path.display()))?
-        else {
-            return Err(format!("{} is not a JSON object", path.display()));
-        };
-        let id = spec
-            .get("id")
-            .and_then(Value::as_str)
-            .filter(|id| !id.trim().is_empty())
-            .ok_or_else(|| format!("{} has no `id`", path.display()))?
-            .to_owned();
-        if troupe_plan::TaskKind::from_id(&id) == Some(troupe_plan::TaskKind::Exec) {
-            return Err(format!(
-                "{} is an EXEC task; a phase cannot hold another phase",
-                path.display()
-            ));
-        }
-        if !seen.insert(id.clone()) {
-            return Err(format!("task id {id} appears twice in the phase"));
-        }
-        let depends_on = spec
-            .get("depends_on")
-            .and_then(Value::as_array)
-            .map(|list| {
-                list.iter()
-                    .filter_map(Value::as_str)
-                    .map(str::to_owned)
-                    .collect()
+    Some(
+        Phase::from_specs(task_id, repo, specs)
+            .map(|phase| PhaseRun {
+                name: name.unwrap_or_else(|| "phase".to_owned()),
+                phase,
             })
-            .unwrap_or_default();
-        tasks.push(PhaseTask {
-            id,
-            depends_on,
-            spec,
-        });
-    }
-    Ok(tasks)
-}
-
-/// Groups task indices into waves; a dependency cycle is an error naming its tasks.
-pub fn waves(tasks: &[PhaseTask]) -> Result<Vec<Vec<usize>>, String> {
-    let index: HashMap<&str, usize> = tasks
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.id.as_str(), i))
-        .collect();
-    let mut wave_of: Vec<Option<usize>> = vec![None; tasks.len()];
-    let mut waves: Vec<Vec<usize>> = Vec::new();
-    loop {
-        let ready: Vec<usize> = (0..tasks.len())
-            .filter(|&i| wave_of[i].is_none())
-            .filter(|&i| {
-                tasks[i]
-                    .depends_on
-                    .iter()
-                    .all(|dep| match index.get(dep.as_str()) {
-                        // Outside the phase: an earlier phase's task.
-                        None => true,
-                        Some(&j) => wave_of[j].is_some_and(|w| w < waves.len()),
-                    })
-            })
-            .collect();
-        if ready.is_empty() {
-            break;
-        }
-        for &i in &ready {
-            wave_of[i] = Some(waves.len());
-        }
-        waves.push(ready);
-    }
-    let stuck: Vec<&str> = (0..tasks.len())
-        .filter(|&i| wave_of[i].is_none())
-        .map(|i| tasks[i].id.as_str())
-        .collect();
-    if stuck.is_empty() {
-        Ok(waves)
-    } else {
-        Err(format!(
-            "the phase's depends_on has a cycle among {}; nothing was run",
-            stuck.join(", ")
-        ))
-    }
-}
-
-fn invalid(message: String) -> TaskFailure {
-    TaskFailure::new(ErrorKind::InvalidTask, message, false)
+            .map_err(|err| err.to_string()),
+    )
 }
 
 fn report_of(result: &TaskResult) -> Option<&ImplementationReport> {
@@ -254,12 +142,12 @@ impl Executor {
     }
 
     /// Runs an EXEC phase into the session branch `branch`.
-    #[tracing::instrument(skip_all, fields(session_id = %job.session_id, task_id = job.task_id.as_deref().unwrap_or_default(), phase = %dir.display()))]
+    #[tracing::instrument(skip_all, fields(session_id = %job.session_id, task_id = job.task_id.as_deref().unwrap_or_default(), phase = %run.name))]
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn execute_phase(
         &self,
         job: Job,
-        dir: PathBuf,
+        run: PhaseRun,
         branch: String,
         mirror: &Mirror,
         held: &Held,
@@ -268,13 +156,14 @@ impl Executor {
     ) -> Result<TaskResult, TaskFailure> {
         let started = std::time::Instant::now();
         let exec_id = job_task_id(&job);
-        let tasks = load_phase(&dir).map_err(invalid)?;
-        let waves = waves(&tasks).map_err(invalid)?;
+        let waves = run.phase.waves();
+        let tasks = &run.phase.tasks;
         let session_base = match &job.target {
             Target::Session { base, .. } => base.clone(),
             Target::Direct { .. } => None,
         };
         let phase_value = job.spec.get("phase").cloned();
+        let hints = job.spec.get(PLAN_HINTS).cloned();
         let concurrency = self.options().phase_concurrency.max(1);
         let total = waves.len();
         info!(
@@ -339,6 +228,9 @@ impl Executor {
                 let mut spec = task.spec.clone();
                 if let Some(phase) = &phase_value {
                     spec.entry("phase").or_insert_with(|| phase.clone());
+                }
+                if let Some(hints) = &hints {
+                    spec.entry(PLAN_HINTS).or_insert_with(|| hints.clone());
                 }
                 let job = Job {
                     spec,
@@ -511,7 +403,7 @@ impl Executor {
             backend: backends.join(","),
             backend_reason: format!(
                 "EXEC phase {}: {} task(s) in {total} wave(s), up to {concurrency} at once",
-                dir.display(),
+                run.name,
                 tasks.len()
             ),
             fallbacks,
@@ -530,9 +422,7 @@ impl Executor {
             branch_depth,
             summary: format!(
                 "{exec_id}: phase {} ran {} task(s) in {total} wave(s): {completed} completed, {} failed, {} skipped",
-                dir.file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
+                run.name.rsplit('/').next().unwrap_or_default(),
                 tasks.len(),
                 failed.len(),
                 blocked.len()
@@ -578,51 +468,40 @@ mod tests {
 
     use super::*;
 
-    fn task(id: &str, deps: &[&str]) -> PhaseTask {
-        PhaseTask {
-            id: id.to_owned(),
-            depends_on: deps.iter().map(|d| (*d).to_owned()).collect(),
-            spec: Map::new(),
-        }
+    fn run(spec: Value) -> Option<Result<PhaseRun, String>> {
+        let spec = spec.as_object().cloned().expect("object");
+        let id = spec["id"].as_str().expect("id").to_owned();
+        phase_of(&spec, &id, "app")
     }
 
     #[test]
-    fn waves_follow_depends_on() {
-        let tasks = [
-            task("IMPL-101", &[]),
-            task("IMPL-102", &[]),
-            task("IMPL-103", &["IMPL-101"]),
-            task("IMPL-104", &["IMPL-101", "IMPL-102"]),
-            task("IMPL-105", &["IMPL-103", "IMPL-004"]),
-        ];
-        assert_eq!(
-            waves(&tasks).expect("acyclic"),
-            vec![vec![0, 1], vec![2, 3], vec![4]]
-        );
-        let cyclic = [
-            task("IMPL-1", &[]),
-            task("IMPL-2", &["IMPL-3"]),
-            task("IMPL-3", &["IMPL-2"]),
-        ];
-        let err = waves(&cyclic).expect_err("cycle");
-        assert!(err.contains("cycle among IMPL-2, IMPL-3"), "{err}");
-    }
+    fn exec_tasks_run_the_phase_they_carry() {
+        let task = |id: &str, deps: &[&str]| json!({"id": id, "title": id, "depends_on": deps});
+        let spec = json!({"id": "EXEC-1", "phase": 2, "phase_tasks": [
+            task("IMPL-1", &[]), task("IMPL-2", &["IMPL-1"])
+        ]});
+        let phase = run(spec).expect("a phase").expect("valid");
+        assert_eq!(phase.name, "phase-2");
+        assert_eq!(phase.phase.waves(), [vec![0], vec![1]]);
 
-    #[test]
-    fn phase_dirs_stay_in_the_plan() {
-        let plan = Path::new("/plans/p");
-        let dir = |v: Value| {
-            let spec = json!({"phase": v});
-            phase_dir(spec.as_object().expect("object"), Some(plan))
-        };
-        assert_eq!(dir(json!(2)), Some(Ok(plan.join("phase-2"))));
-        assert_eq!(dir(json!("3")), Some(Ok(plan.join("phase-3"))));
-        assert_eq!(
-            dir(json!("phases/auth")),
-            Some(Ok(plan.join("phases/auth")))
+        assert!(run(json!({"id": "IMPL-1", "phase": 1})).is_none());
+        assert!(run(json!({"id": "EXEC-1"})).is_none());
+        let err = run(json!({"id": "EXEC-1", "phase": 1}))
+            .expect("a phase")
+            .expect_err("no tasks");
+        assert!(
+            err.contains("phase `phase-1` came without its tasks"),
+            "{err}"
         );
-        assert!(matches!(dir(json!("../x")), Some(Err(_))));
-        assert!(matches!(dir(json!("/etc")), Some(Err(_))));
-        assert_eq!(phase_dir(&Map::new(), Some(plan)), None);
+        let err = run(json!({"id": "EXEC-1", "phase": "../x", "phase_tasks": []}))
+            .expect("a phase")
+            .expect_err("escapes");
+        assert!(err.contains("inside the plan directory"), "{err}");
+        let cyclic = json!({"id": "EXEC-1", "phase_tasks": [task("IMPL-2", &["IMPL-3"]), task("IMPL-3", &["IMPL-2"])]});
+        let err = run(cyclic).expect("a phase").expect_err("cycle");
+        assert!(
+            err.contains("dependency cycle: IMPL-2 -> IMPL-3 -> IMPL-2"),
+            "{err}"
+        );
     }
 }

@@ -40,10 +40,11 @@ use std::sync::Arc;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use troupe_grpc::Services;
 use troupe_grpc::worker::{WorkerSettings, run_worker_if_configured};
-use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::test_runner_server::TestRunnerServer;
+use troupe_telemetry::metrics::MetricsArgs;
 
 pub use fix::{DEFAULT_AGENT_TIMEOUT, DEFAULT_MAX_ITERATIONS, FixSpec, PASS_RATE_TARGET};
 pub use runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner};
@@ -219,9 +220,13 @@ impl App {
     pub fn runner(&self) -> Arc<Runner> {
         Arc::clone(&self.runner)
     }
+}
+
+impl troupe_grpc::boot::Service for App {
+    type Error = Error;
 
     /// Adds `troupe.v1.TestRunner` to a shared server.
-    pub fn mount(&mut self, services: &mut Services) {
+    fn mount(&mut self, services: &mut Services) {
         self.health = Some(services.health_of(
             <TestRunnerServer<grpc::TestRunnerService> as tonic::server::NamedService>::NAME,
         ));
@@ -231,7 +236,7 @@ impl App {
     }
 
     /// Runs the TESTRUN-* worker loop when a coordinator is configured, else waits for shutdown.
-    pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+    async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
         let mut handler = TestRunHandler::new(self.runner());
         if let Some(url) = &self.config.coordinator_url {
             // Results also go to the bus (state_update, tests_passed / tests_failed).
@@ -261,16 +266,16 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
+    run_with_metrics(config, &MetricsArgs::default(), listener, shutdown).await
+}
+
+/// [`run`], serving metrics as `metrics` says.
+pub async fn run_with_metrics(
+    config: Config,
+    metrics: &MetricsArgs,
+    listener: TcpListener,
+    shutdown: CancellationToken,
+) -> Result<(), Error> {
     let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
-    let mut app = App::open(config).await?;
-    let mut services = Services::new();
-    app.mount(&mut services);
-    troupe_grpc::serve_with_background(
-        listener,
-        services,
-        shutdown,
-        ServeOptions::with_auth(auth),
-        |stop| app.run_background(stop),
-    )
-    .await
+    troupe_grpc::boot::serve(App::open(config).await?, auth, metrics, listener, shutdown).await
 }

@@ -1,6 +1,5 @@
 //! `troupe-test-runner`: runs test suites for troupe (RPC and TESTRUN-* worker).
 
-use anyhow::Context;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -19,24 +18,10 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let telemetry =
-        troupe_telemetry::init("troupe-test-runner").context("initialising telemetry")?;
-    let shutdown = troupe_grpc::shutdown_token();
-    let result = async {
-        let listener = tokio::net::TcpListener::bind(cli.config.listen)
-            .await
-            .with_context(|| format!("binding {}", cli.config.listen))?;
-        troupe_telemetry::metrics::spawn(
-            &cli.metrics,
-            Vec::new(),
-            shutdown.clone().cancelled_owned(),
-        )
-        .await?;
-        troupe_test_runner::run(cli.config, listener, shutdown)
-            .await
-            .context("test-runner failed")
-    }
-    .await;
-    telemetry.shutdown().await;
-    result
+    let listen = cli.config.listen;
+    troupe_grpc::boot::run_binary("troupe-test-runner", listen, |listener, shutdown| {
+        troupe_test_runner::run_with_metrics(cli.config, &cli.metrics, listener, shutdown)
+    })
+    .await?;
+    Ok(())
 }

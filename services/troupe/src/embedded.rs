@@ -17,6 +17,7 @@ use anyhow::Context;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use troupe_grpc::boot::Service as _;
 
 /// Settings of the embedded server.
 #[derive(Clone, Debug)]
@@ -62,7 +63,7 @@ impl Embedded {
         let sandbox =
             troupe_process::sandbox::SandboxArgs::from_env().map_err(anyhow::Error::msg)?;
 
-        let coordinator = troupe_coordinator::App::open(troupe_coordinator::Config {
+        let mut coordinator = troupe_coordinator::App::open(troupe_coordinator::Config {
             listen: addr,
             data_dir: data_dir.clone(),
             database_url: None,
@@ -171,7 +172,7 @@ impl Embedded {
 
     /// What a metrics endpoint for this process runs before each scrape.
     pub fn metrics_refresh(&self) -> Vec<troupe_telemetry::metrics::Refresh> {
-        vec![self.coordinator.metrics_refresh()]
+        self.coordinator.metrics_refresh()
     }
 
     /// Serves the coordinator's web view as `web` says, behind the tokens `security` accepts.

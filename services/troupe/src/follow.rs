@@ -23,9 +23,9 @@ use crate::report;
 
 /// Deadline of each unary call and of opening a watch: a stopped coordinator never answers.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
-/// First and longest wait between reconnects.
-const FIRST_DELAY: Duration = Duration::from_millis(200);
-const MAX_DELAY: Duration = Duration::from_secs(5);
+/// Waits between reconnects, and between polls of a stream that ended early.
+const RECONNECT: troupe_grpc::Backoff =
+    troupe_grpc::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
 
 /// The coordinator stayed unreachable for longer than the reconnect budget.
 #[derive(Debug, thiserror::Error)]
@@ -51,7 +51,7 @@ pub struct CallFailed(pub tonic::Status);
 #[derive(Debug)]
 struct Outage {
     since: Instant,
-    delay: Duration,
+    retries: troupe_grpc::backoff::Retries,
 }
 
 /// Talks to one coordinator across its restarts (see the module docs).
@@ -92,7 +92,7 @@ impl Follower {
             );
             Outage {
                 since: now,
-                delay: FIRST_DELAY,
+                retries: RECONNECT.retries(),
             }
         });
         let waited = now - outage.since;
@@ -103,8 +103,7 @@ impl Follower {
                 last: describe(status),
             });
         }
-        let delay = outage.delay.min(self.budget - waited);
-        outage.delay = (outage.delay * 2).min(MAX_DELAY);
+        let delay = outage.retries.next_delay().min(self.budget - waited);
         tokio::time::sleep(delay).await;
         Ok(())
     }
@@ -179,7 +178,7 @@ impl Follower {
         view: &mut dyn crate::live::View,
     ) -> anyhow::Result<u64> {
         let mut cursor = after;
-        let mut ended_early = FIRST_DELAY;
+        let mut ended_early = RECONNECT.retries();
         loop {
             let request = WatchSessionRequest {
                 session_id: session_id.to_owned(),
@@ -211,7 +210,7 @@ impl Follower {
                             continue;
                         }
                         cursor = event.sequence;
-                        ended_early = FIRST_DELAY;
+                        ended_early.reset();
                         view.event(&event);
                     }
                     Some(Err(status)) => break Some(status),
@@ -237,8 +236,7 @@ impl Follower {
                     {
                         return Ok(cursor);
                     }
-                    tokio::time::sleep(ended_early).await;
-                    ended_early = (ended_early * 2).min(MAX_DELAY);
+                    tokio::time::sleep(ended_early.next_delay()).await;
                 }
             }
         }

@@ -31,10 +31,11 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
+use troupe_grpc::Services;
 use troupe_grpc::worker::{WorkerSettings, run_worker_if_configured};
-use troupe_grpc::{ServeOptions, Services};
 use troupe_proto::v1::Role;
 use troupe_proto::v1::validator_server::ValidatorServer;
+use troupe_telemetry::metrics::MetricsArgs;
 
 pub use judge::JudgeConfig;
 pub use review::LONG_FILE_LINES;
@@ -245,9 +246,13 @@ impl App {
     pub fn validator(&self) -> Arc<Validator> {
         Arc::clone(&self.validator)
     }
+}
+
+impl troupe_grpc::boot::Service for App {
+    type Error = Error;
 
     /// Adds `troupe.v1.Validator` to a shared server.
-    pub fn mount(&mut self, services: &mut Services) {
+    fn mount(&mut self, services: &mut Services) {
         self.health = Some(services.health_of(
             <ValidatorServer<grpc::ValidatorService> as tonic::server::NamedService>::NAME,
         ));
@@ -257,7 +262,7 @@ impl App {
     }
 
     /// Runs the VALIDATE-* worker loop when a coordinator is configured, else waits for shutdown.
-    pub async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+    async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
         let settings = WorkerSettings {
             coordinator_url: self.config.coordinator_url.clone(),
             worker_id: self.config.worker_id.clone(),
@@ -285,26 +290,26 @@ pub async fn run(
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
-    run_with(config, CheckConfig::from_env()?, listener, shutdown).await
+    let metrics = MetricsArgs::default();
+    run_with(
+        config,
+        CheckConfig::from_env()?,
+        &metrics,
+        listener,
+        shutdown,
+    )
+    .await
 }
 
-/// [`run`] with explicit check settings.
+/// [`run`] with explicit check settings, serving metrics as `metrics` says.
 pub async fn run_with(
     config: Config,
     checks: CheckConfig,
+    metrics: &MetricsArgs,
     listener: TcpListener,
     shutdown: CancellationToken,
 ) -> Result<(), Error> {
     let auth = troupe_grpc::auth::ServerAuth::load(&config.security).await?;
-    let mut app = App::open_with(config, checks).await?;
-    let mut services = Services::new();
-    app.mount(&mut services);
-    troupe_grpc::serve_with_background(
-        listener,
-        services,
-        shutdown,
-        ServeOptions::with_auth(auth),
-        |stop| app.run_background(stop),
-    )
-    .await
+    let app = App::open_with(config, checks).await?;
+    troupe_grpc::boot::serve(app, auth, metrics, listener, shutdown).await
 }

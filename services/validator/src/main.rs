@@ -1,6 +1,5 @@
 //! `troupe-validator`: checks task results for troupe (RPC and VALIDATE-* worker).
 
-use anyhow::Context;
 use clap::Parser;
 
 #[derive(Debug, Parser)]
@@ -21,23 +20,10 @@ struct Cli {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let telemetry = troupe_telemetry::init("troupe-validator").context("initialising telemetry")?;
-    let shutdown = troupe_grpc::shutdown_token();
-    let result = async {
-        let listener = tokio::net::TcpListener::bind(cli.config.listen)
-            .await
-            .with_context(|| format!("binding {}", cli.config.listen))?;
-        troupe_telemetry::metrics::spawn(
-            &cli.metrics,
-            Vec::new(),
-            shutdown.clone().cancelled_owned(),
-        )
-        .await?;
-        troupe_validator::run_with(cli.config, cli.checks, listener, shutdown)
-            .await
-            .context("validator failed")
-    }
-    .await;
-    telemetry.shutdown().await;
-    result
+    let listen = cli.config.listen;
+    troupe_grpc::boot::run_binary("troupe-validator", listen, |listener, shutdown| {
+        troupe_validator::run_with(cli.config, cli.checks, &cli.metrics, listener, shutdown)
+    })
+    .await?;
+    Ok(())
 }

@@ -21,10 +21,13 @@ use tonic_health::ServingStatus;
 
 pub mod assets;
 pub mod auth;
+pub mod backoff;
+pub mod boot;
 mod connect;
 pub mod status;
 pub mod worker;
 
+pub use backoff::Backoff;
 pub use connect::Connector;
 
 /// Fully qualified gRPC name of the health service, as health checks and grpcurl spell it.

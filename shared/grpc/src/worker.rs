@@ -457,7 +457,7 @@ pub async fn run_worker<H: TaskHandler>(
     });
     let config = &slot.config;
     let mut running: JoinSet<()> = JoinSet::new();
-    let mut backoff = Backoff::new();
+    let mut backoff = RECONNECT.retries();
     let mut failed_claims = 0u32;
     tracing::info!(worker_id = %config.worker_id, roles = ?config.roles, coordinator = %config.coordinator_url, lease = ?config.lease, rpc_timeout = ?config.rpc_timeout, "worker started");
 
@@ -505,7 +505,7 @@ pub async fn run_worker<H: TaskHandler>(
                 }
             }
             Err(status) => {
-                let delay = backoff.next();
+                let delay = backoff.next_delay();
                 tracing::warn!(code = ?status.code(), error = %status.message(), retry_in = ?delay, "claim failed");
                 failed_claims = failed_claims.saturating_add(1);
                 if failed_claims == UNREACHABLE_AFTER {
@@ -752,7 +752,7 @@ where
     F: FnMut(Duration) -> Fut,
     Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
 {
-    let mut backoff = Backoff::new();
+    let mut backoff = RECONNECT.retries();
     loop {
         let sent = Instant::now();
         let Some(left) = lease.clock().remaining(sent) else {
@@ -769,7 +769,7 @@ where
             Ok(answer) => return Some((answer, sent)),
             Err(status) if is_transient(&status) => {
                 let delay = backoff
-                    .next()
+                    .next_delay()
                     .min(lease.clock().remaining(Instant::now()).unwrap_or_default());
                 tracing::warn!(rpc, code = ?status.code(), error = %status.message(), retry_in = ?delay, "report failed, retrying while the lease lasts");
                 tokio::time::sleep(delay).await;
@@ -789,7 +789,7 @@ where
 /// the local deadline passing without a confirmation, or a loss [`TaskContext::confirm_lease`]
 /// saw; the caller drops it when the task finishes first.
 async fn keep_lease(lease: &LeaseState, ctx: &TaskContext) -> LeaseLost {
-    let mut backoff = Backoff::new();
+    let mut backoff = RECONNECT.retries();
     let mut next = lease.clock().next_beat();
     loop {
         tokio::select! {
@@ -821,7 +821,7 @@ async fn keep_lease(lease: &LeaseState, ctx: &TaskContext) -> LeaseLost {
             }
             Beat::Transient(status) => {
                 ctx.restore_progress(progress);
-                let delay = backoff.next();
+                let delay = backoff.next_delay();
                 tracing::warn!(code = ?status.code(), error = %status.message(), retry_in = ?delay, "heartbeat failed; the lease holds until its deadline");
                 next = Instant::now() + delay;
             }
@@ -837,31 +837,9 @@ fn duration_proto(duration: Duration) -> prost_types::Duration {
     }
 }
 
-/// Capped exponential backoff with jitter, for reconnecting to the coordinator.
-#[derive(Debug)]
-struct Backoff {
-    next: Duration,
-}
-
-impl Backoff {
-    const FIRST: Duration = Duration::from_millis(200);
-    const MAX: Duration = Duration::from_secs(5);
-
-    fn new() -> Self {
-        Self { next: Self::FIRST }
-    }
-
-    fn reset(&mut self) {
-        self.next = Self::FIRST;
-    }
-
-    fn next(&mut self) -> Duration {
-        let base = self.next;
-        self.next = (self.next * 2).min(Self::MAX);
-        let jitter = rand::random_range(0.8..1.2);
-        base.mul_f64(jitter)
-    }
-}
+/// How a worker waits between failed calls to the coordinator.
+pub(crate) const RECONNECT: crate::Backoff =
+    crate::Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
 
 /// `message` with every known secret masked (same length, so the encoding stays valid): an
 /// agent that printed its API key does not put it in the store, a summary or an export.
@@ -876,19 +854,6 @@ fn without_secrets<M: prost::Message + Default>(message: M) -> M {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn backoff_grows_to_its_cap_and_resets() {
-        let mut backoff = Backoff::new();
-        let first = backoff.next();
-        assert!(first >= Duration::from_millis(160) && first <= Duration::from_millis(240));
-        for _ in 0..10 {
-            backoff.next();
-        }
-        assert!(backoff.next() <= Backoff::MAX.mul_f64(1.2));
-        backoff.reset();
-        assert!(backoff.next() <= Duration::from_millis(240));
-    }
 
     #[tokio::test]
     async fn a_context_outside_any_lease_always_confirms() {

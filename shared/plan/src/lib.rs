@@ -10,7 +10,9 @@
 
 mod approval;
 pub mod ccw;
+pub mod execution;
 mod kind;
+pub mod phase;
 pub mod spec;
 mod validate;
 

@@ -509,7 +509,7 @@ impl Repo {
     /// Runs `work` in a detached worktree of `oid` at `path` (replacing whatever a crashed
     /// run left there), then removes it whatever `work` returned. A failed removal is logged,
     /// not returned: the next run at that path replaces it. The one lifecycle of the
-    /// validator's and test-runner's checkouts.
+    /// executor's, validator's and test-runner's checkouts.
     pub async fn in_detached_worktree<T, F, Fut>(
         &self,
         path: &Path,
@@ -530,11 +530,46 @@ impl Repo {
         }
         self.remove_worktree(path).await?;
         let worktree = self.add_detached_worktree(path, oid).await?;
+        Ok(self.run_then_remove(worktree, work).await)
+    }
+
+    /// [`Repo::in_detached_worktree`] at a path the caller claimed by creating it, empty (of
+    /// several runs wanting one path, the one whose `mkdir` succeeded): nothing stale is there
+    /// to replace, and removing it first would give the claim away. If the worktree cannot be
+    /// added, the path is released again.
+    pub async fn in_claimed_detached_worktree<T, F, Fut>(
+        &self,
+        path: &Path,
+        oid: &Oid,
+        work: F,
+    ) -> Result<T, Error>
+    where
+        F: FnOnce(Worktree) -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        let worktree = match self.add_detached_worktree(path, oid).await {
+            Ok(worktree) => worktree,
+            Err(err) => {
+                if let Err(release) = tokio::fs::remove_dir(path).await {
+                    tracing::warn!(path = %path.display(), error = %release, "cannot release a claimed worktree path");
+                }
+                return Err(err);
+            }
+        };
+        Ok(self.run_then_remove(worktree, work).await)
+    }
+
+    async fn run_then_remove<T, F, Fut>(&self, worktree: Worktree, work: F) -> T
+    where
+        F: FnOnce(Worktree) -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        let path = worktree.path().to_owned();
         let output = work(worktree).await;
-        if let Err(err) = self.remove_worktree(path).await {
+        if let Err(err) = self.remove_worktree(&path).await {
             tracing::warn!(worktree = %path.display(), error = %err, "cannot remove worktree");
         }
-        Ok(output)
+        output
     }
 
     /// Runs `git worktree add`. Git's worktree bookkeeping is not safe against concurrent

@@ -1,7 +1,8 @@
 //! Sessions: intake (`CreateSession`), reading them, and CCW's session commands (`check`,
 //! `resume`, `pause`, `cancel`).
 
-use std::path::PathBuf;
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
 
 use rand::Rng;
 use troupe_plan::Plan;
@@ -37,6 +38,16 @@ impl Coordinator {
         mut request: pb::CreateSessionRequest,
     ) -> Result<SessionView, Error> {
         let mut plan = Plan::from_json(&request.plan_json)?;
+        // What workers need of the plan's directory travels in the stored plan: EXEC phases'
+        // task files and the plan-level execution hints (no worker reads that directory).
+        let phase_files = phase_files(&plan, &request.assets, &request.base_dir).await;
+        troupe_plan::phase::attach(&mut plan, |dir| {
+            phase_files
+                .get(dir)
+                .cloned()
+                .unwrap_or_else(|| Ok(Vec::new()))
+        })?;
+        troupe_plan::execution::attach(&mut plan, &request.plan_json);
         // The files the plan brings: checked here, stored with the session.
         let assets = match request.assets.len() {
             0 => None,
@@ -314,6 +325,68 @@ fn imported_result(spec: &serde_json::Map<String, serde_json::Value>) -> Option<
 
 /// Builds the stored rows of a plan's tasks (topological order): pending, or completed when
 /// the plan says so (CCW runtime `status`).
+/// The task files of every phase directory an EXEC task of `plan` names without giving its
+/// `phase_tasks` inline, by directory: from the plan's files when it brought some (`troupe run`
+/// sends them), else from the submitting machine's `base_dir` when this machine can read it.
+async fn phase_files(
+    plan: &Plan,
+    assets: &[pb::PlanAsset],
+    base_dir: &str,
+) -> HashMap<String, Result<Vec<(String, Vec<u8>)>, String>> {
+    use troupe_plan::phase;
+    let dirs: BTreeSet<String> = plan
+        .tasks
+        .iter()
+        .filter(|task| {
+            troupe_plan::TaskKind::from_id(&task.id) == Some(troupe_plan::TaskKind::Exec)
+        })
+        .filter(|task| !task.spec.contains_key(phase::PHASE_TASKS))
+        .filter_map(|task| phase::directory(&task.spec)?.ok())
+        .collect();
+    let mut out = HashMap::new();
+    for dir in dirs {
+        let files = if !assets.is_empty() {
+            let mut files: Vec<(String, Vec<u8>)> = assets
+                .iter()
+                .filter(|asset| phase::is_task_file(&dir, &asset.path))
+                .map(|asset| (asset.path.clone(), asset.content.clone()))
+                .collect();
+            files.sort();
+            Ok(files)
+        } else if base_dir.is_empty() {
+            Err("its task files did not come with the plan: send them as plan assets (`troupe run` does) or give a base_dir this coordinator can read".to_owned())
+        } else {
+            read_phase_dir(Path::new(base_dir), &dir).await
+        };
+        out.insert(dir, files);
+    }
+    out
+}
+
+/// Reads `<base_dir>/<dir>/.task/IMPL-*.json`, sorted by path.
+async fn read_phase_dir(base_dir: &Path, dir: &str) -> Result<Vec<(String, Vec<u8>)>, String> {
+    let task_dir = base_dir.join(dir).join(".task");
+    let mut entries = tokio::fs::read_dir(&task_dir)
+        .await
+        .map_err(|err| format!("cannot read {}: {err}", task_dir.display()))?;
+    let mut files = Vec::new();
+    while let Some(entry) = entries
+        .next_entry()
+        .await
+        .map_err(|err| format!("cannot read {}: {err}", task_dir.display()))?
+    {
+        let path = format!("{dir}/.task/{}", entry.file_name().to_string_lossy());
+        if troupe_plan::phase::is_task_file(dir, &path) {
+            let bytes = tokio::fs::read(entry.path())
+                .await
+                .map_err(|err| format!("cannot read {}: {err}", entry.path().display()))?;
+            files.push((path, bytes));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<Task> {
     plan.tasks
         .iter()

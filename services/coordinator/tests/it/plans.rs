@@ -210,10 +210,101 @@ async fn repo_paths_override_the_default_repo(db: Db) {
     harness.stop().await;
 }
 
+/// An EXEC phase's task files are read at intake, from the plan's files when it sends them,
+/// else from its base directory, and stored in the EXEC task as `phase_tasks` with the plan's
+/// execution hints; a bad phase is refused with every problem, and nothing is stored.
+async fn exec_phases_are_checked_and_stored_at_intake(db: Db) {
+    let harness = Harness::start(db).await;
+    let phase = harness.base_dir.join("phase-1/.task");
+    std::fs::create_dir_all(&phase).expect("phase dir");
+    let write = |id: &str, deps: &[&str]| {
+        std::fs::write(phase.join(format!("{id}.json")), t(id, deps).to_string())
+            .expect("task file")
+    };
+    write("IMPL-101", &[]);
+    write("IMPL-102", &["IMPL-103"]);
+    write("IMPL-103", &["IMPL-102"]);
+    std::fs::write(phase.join("notes.md"), "not a task").expect("notes");
+    let plan = json!({"name": "phased", "recommended_execution": "Agent", "repos": {"app": {"path": "repo"}}, "tasks": [
+        {"id": "EXEC-1", "title": "phase 1", "phase": 1},
+        {"id": "EXEC-2", "title": "phase 2", "phase": 2},
+        {"id": "EXEC-3", "title": "elsewhere", "phase": "../up"},
+    ]});
+    let message = assert_code(
+        harness.try_create(&plan).await,
+        Code::InvalidArgument,
+        "invalid plan",
+    );
+    for needle in [
+        "task EXEC-1: `phase_tasks`: dependency cycle: IMPL-102 -> IMPL-103 -> IMPL-102",
+        "task EXEC-2: phase `phase-2`: cannot read",
+        "task EXEC-3: phase directory `../up` must stay inside the plan directory",
+    ] {
+        assert!(
+            message.contains(needle),
+            "`{needle}` missing from:\n{message}"
+        );
+    }
+    let listed = harness
+        .client()
+        .list_sessions(pb::ListSessionsRequest::default())
+        .await
+        .expect("list")
+        .into_inner();
+    assert!(listed.sessions.is_empty(), "{:?}", listed.sessions);
+
+    // Fixed on disk: read from the base directory.
+    write("IMPL-103", &["IMPL-101"]);
+    let plan = json!({"name": "phased", "recommended_execution": "Agent", "repos": {"app": {"path": "repo"}}, "tasks": [
+        {"id": "EXEC-1", "title": "phase 1", "phase": 1},
+        t("VALIDATE-1", &["EXEC-1"]),
+    ]});
+    let created = harness.try_create(&plan).await.expect("created");
+    let spec = crate::support::spec_json(task(&created.tasks, "EXEC-1"));
+    let ids: Vec<&str> = spec["phase_tasks"]
+        .as_array()
+        .expect("phase_tasks")
+        .iter()
+        .map(|task| task["id"].as_str().expect("id"))
+        .collect();
+    assert_eq!(ids, ["IMPL-101", "IMPL-102", "IMPL-103"]);
+    assert_eq!(
+        spec["plan_hints"],
+        json!({"recommended_execution": "Agent"})
+    );
+    let validate = crate::support::spec_json(task(&created.tasks, "VALIDATE-1"));
+    assert!(validate.get("plan_hints").is_none(), "{validate}");
+
+    // Sent as plan assets, they are read from there, not from the base directory.
+    let asset = |path: &str, task: serde_json::Value| pb::PlanAsset {
+        path: path.to_owned(),
+        content: task.to_string().into_bytes(),
+        executable: false,
+    };
+    let created = harness
+        .client()
+        .create_session(pb::CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: harness.base_dir.display().to_string(),
+            assets: vec![
+                asset("phase-1/.task/IMPL-201.json", t("IMPL-201", &[])),
+                asset("phase-1/.task/sub/IMPL-9.json", t("IMPL-9", &[])),
+            ],
+            ..Default::default()
+        })
+        .await
+        .expect("created from assets")
+        .into_inner();
+    let spec = crate::support::spec_json(task(&created.tasks, "EXEC-1"));
+    assert_eq!(spec["phase_tasks"], json!([t("IMPL-201", &[])]));
+    harness.stop().await;
+}
+
 db_tests!(
     create_session_stores_tasks_and_makes_the_session_branch,
     bad_plans_are_refused_with_every_problem_and_nothing_is_stored,
     dry_run_validates_and_stores_nothing,
     template_repo_is_imported_once_and_reused,
     repo_paths_override_the_default_repo,
+    exec_phases_are_checked_and_stored_at_intake,
 );

@@ -389,7 +389,8 @@ async fn expired_leases_are_redispatched_then_time_out(db: Db) {
     let mut config = troupe_coordinator::Config::new(harness.dir.path().join("data"));
     config.database_url.clone_from(&harness.database_url);
     let other = troupe_coordinator::App::open(config).await.expect("open");
-    other.metrics_refresh()().await.expect("refresh");
+    let refresh = troupe_grpc::boot::Service::metrics_refresh(&other);
+    refresh[0]().await.expect("refresh");
     let count = |state: &str| {
         metric(&format!(
             r#"troupe_tasks{{role="executor",state="{state}"}}"#

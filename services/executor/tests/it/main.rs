@@ -3,12 +3,10 @@
 mod clis;
 mod credentials;
 mod direct;
+pub(crate) mod fixture;
 mod phase;
 mod session;
 
-use std::path::Path;
-
-use prost_types::value::Kind;
 use serde_json::Value;
 
 /// A plan directory with one agent script, `agent.py`, which applies the edits listed in its
@@ -56,29 +54,7 @@ print("edited", len(args), "files")
 
 /// A JSON object as a protobuf `Struct`.
 pub(crate) fn to_struct(value: &Value) -> prost_types::Struct {
-    let Value::Object(map) = value else {
-        panic!("expected an object")
-    };
-    prost_types::Struct {
-        fields: map.iter().map(|(k, v)| (k.clone(), to_value(v))).collect(),
-    }
+    troupe_proto::json::to_struct(value)
 }
 
-fn to_value(value: &Value) -> prost_types::Value {
-    let kind = match value {
-        Value::Null => Kind::NullValue(0),
-        Value::Bool(b) => Kind::BoolValue(*b),
-        Value::Number(n) => Kind::NumberValue(n.as_f64().expect("finite")),
-        Value::String(s) => Kind::StringValue(s.clone()),
-        Value::Array(items) => Kind::ListValue(prost_types::ListValue {
-            values: items.iter().map(to_value).collect(),
-        }),
-        Value::Object(_) => Kind::StructValue(to_struct(value)),
-    };
-    prost_types::Value { kind: Some(kind) }
-}
-
-/// `git show <rev>:<path>`, or `None` when absent.
-pub(crate) fn show(repo: &Path, rev: &str, path: &str) -> Option<String> {
-    troupe_testkit::git(repo, &["show", &format!("{rev}:{path}")]).ok()
-}
+pub(crate) use fixture::show;

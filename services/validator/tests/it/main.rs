@@ -111,8 +111,9 @@ async fn start_with(
         judge_timeout_seconds: 30,
         sandbox: Default::default(),
     };
-    let service = TestService::spawn(move |listener, shutdown| {
-        troupe_validator::run_with(config, checks, listener, shutdown)
+    let service = TestService::spawn(move |listener, shutdown| async move {
+        let metrics = Default::default();
+        troupe_validator::run_with(config, checks, &metrics, listener, shutdown).await
     })
     .await;
     (service, data)

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use troupe_proto::v1::HeartbeatRequest;
 
-use super::{Backoff, duration_proto};
+use super::{RECONNECT, duration_proto};
 use crate::{CoordinatorClient, is_transient, timed, within};
 
 /// The shortest and longest lease the coordinator grants (`ClaimTasksRequest.lease_duration`
@@ -296,7 +296,7 @@ impl LeaseState {
     /// when the coordinator's lease has surely lapsed.
     pub(crate) async fn revalidate(&self) -> Result<(), LeaseLost> {
         let give_up = Instant::now() + self.clock().length();
-        let mut backoff = Backoff::new();
+        let mut backoff = RECONNECT.retries();
         loop {
             let sent = Instant::now();
             let Some(left) = give_up
@@ -313,7 +313,7 @@ impl LeaseState {
                 Beat::Answered { cancel: true } => return Err(self.mark_lost(LeaseLost::Cancelled)),
                 Beat::Lost(lost) => return Err(lost),
                 Beat::Transient(status) => {
-                    let delay = backoff.next().min(left);
+                    let delay = backoff.next_delay().min(left);
                     tracing::warn!(code = ?status.code(), error = %status.message(), retry_in = ?delay, "confirming a late claim failed, retrying");
                     tokio::time::sleep(delay).await;
                 }
@@ -324,7 +324,7 @@ impl LeaseState {
     /// Confirms the lease with the coordinator now, retrying transient errors while the lease
     /// lasts; see [`super::TaskContext::confirm_lease`].
     pub(crate) async fn confirm(&self, cancel: &CancellationToken) -> Result<Instant, LeaseLost> {
-        let mut backoff = Backoff::new();
+        let mut backoff = RECONNECT.retries();
         let mut last_error = None;
         loop {
             match self.heartbeat(String::new()).await {
@@ -342,7 +342,7 @@ impl LeaseState {
                 Beat::Lost(lost) => return Err(lost),
                 Beat::Transient(status) => {
                     let left = self.clock().remaining(Instant::now()).unwrap_or_default();
-                    let delay = backoff.next().min(left);
+                    let delay = backoff.next_delay().min(left);
                     tracing::warn!(code = ?status.code(), error = %status.message(), retry_in = ?delay, "confirming the lease failed, retrying");
                     last_error = Some(format!("{:?}: {}", status.code(), status.message()));
                     tokio::time::sleep(delay).await;

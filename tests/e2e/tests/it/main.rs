@@ -8,6 +8,10 @@ mod distributed;
 mod docs;
 mod exactly_once;
 mod exec_phase;
+// The executor's phase fixture, shared with its own tests rather than copied.
+#[path = "../../../../services/executor/tests/it/fixture.rs"]
+#[allow(dead_code)]
+mod executor_fixture;
 mod gates;
 mod grpcurl;
 mod hosts;
@@ -22,6 +26,7 @@ mod reconnect;
 mod remotes;
 mod sandbox;
 mod secrets;
+mod self_validation;
 mod shutdown;
 mod support;
 // The test-runner's fixture helpers, shared with its own tests rather than copied.
