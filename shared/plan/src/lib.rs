@@ -11,6 +11,7 @@
 pub mod ccw;
 mod kind;
 pub mod spec;
+mod task;
 mod validate;
 
 use std::collections::HashMap;
@@ -21,6 +22,7 @@ use troupe_proto::v1 as pb;
 
 pub use kind::{TaskKind, id_prefix};
 pub use spec::TaskBlocks;
+pub use task::TaskSpec;
 pub use validate::{Problem, ProblemKind};
 
 /// Default number of attempts per task when neither the plan nor the task sets one.
