@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use troupe_backends::{BackendError, BackendsConfig, ResumeFrom, RunOutcome, RunSpec};
@@ -51,8 +51,9 @@ pub enum Target {
 /// Everything one attempt needs.
 #[derive(Debug, Clone)]
 pub struct Job {
-    /// The plan task object.
-    pub spec: Map<String, Value>,
+    /// The task, typed once where the job was made (a claim, a direct call, a phase's task
+    /// file).
+    pub spec: TaskSpec,
     /// The repository's remote (a local path is a remote on this machine).
     pub remote: Remote,
     /// The plan's name for the repository (`{repo}`).
@@ -284,13 +285,7 @@ pub(crate) fn job_task_id(job: &Job) -> String {
     job.task_id
         .clone()
         .filter(|id| !id.is_empty())
-        .or_else(|| {
-            job.spec
-                .get("id")
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-        })
-        .unwrap_or_default()
+        .unwrap_or_else(|| job.spec.id.clone())
 }
 
 /// Where a session attempt starts: the session branch's head on the remote (the claim just
@@ -508,11 +503,11 @@ impl Executor {
             .task_id
             .as_deref()
             .filter(|id| !id.is_empty())
-            .or_else(|| job.spec.get("id").and_then(Value::as_str))?;
+            .unwrap_or(&job.spec.id);
         if troupe_plan::TaskKind::from_id(id) != Some(troupe_plan::TaskKind::Exec) {
             return None;
         }
-        crate::phase::phase_dir(&job.spec, job.plan_dir.as_deref())
+        crate::phase::phase_dir(&job.spec.object, job.plan_dir.as_deref())
     }
 
     /// The backend configuration.
@@ -872,28 +867,22 @@ impl Executor {
         attempt: Option<Attempt>,
         branch_for: impl FnOnce(&TaskSpec, &str, &str) -> String,
     ) -> Result<Prepared, TaskFailure> {
-        let spec = TaskSpec::parse(&job.spec).map_err(|problems| {
-            failure(
-                ErrorKind::InvalidTask,
-                format!("invalid task: {problems}"),
-                false,
-            )
-        })?;
+        let spec = job.spec;
         let task_id = job
             .task_id
             .clone()
             .filter(|id| !id.is_empty())
             .unwrap_or_else(|| spec.id.clone());
         let plan = mode::load_plan(job.plan_dir.as_deref());
-        let resolved = mode::resolve(&job.spec, plan.as_ref(), &self.config)
+        let resolved = mode::resolve(&spec.object, plan.as_ref(), &self.config)
             .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
-        let read_only = job
-            .spec
+        let read_only = spec
+            .object
             .get("mode")
-            .or_else(|| job.spec.get("agent").and_then(|a| a.get("mode")))
+            .or_else(|| spec.object.get("agent").and_then(|a| a.get("mode")))
             .and_then(Value::as_str)
             .is_some_and(|m| m.eq_ignore_ascii_case("analysis"));
-        let cli = mode::cli_execution(&job.spec);
+        let cli = mode::cli_execution(&spec.object);
         let branch = branch_for(&spec, &task_id, &job.session_id);
         let run_key =
             match &job.target {
@@ -1015,7 +1004,7 @@ impl Executor {
             }
         };
         let result = async {
-            let pre = if !p.spec.pre_analysis.is_empty() {
+            let pre = if !p.spec.blocks.pre_analysis.is_empty() {
                 progress("running pre_analysis".to_owned());
                 let mut sandbox = self
                     .base_sandbox(p, None)
@@ -1026,7 +1015,7 @@ impl Executor {
                     sandbox = sandbox.read(plan_dir);
                 }
                 crate::pre_analysis::run(
-                    &p.spec.pre_analysis,
+                    &p.spec.blocks.pre_analysis,
                     worktree.path(),
                     &sandbox,
                     cancel,
@@ -1288,12 +1277,17 @@ impl Executor {
         progress: Progress<'_>,
     ) -> Result<(RunOutcome, ImplementationReport, Option<String>), TaskFailure> {
         let spec = &p.spec;
+        let no_agent = troupe_plan::spec::AgentSpec::default();
+        let agent = spec.blocks.agent.as_ref().unwrap_or(&no_agent);
         let started = std::time::Instant::now();
         let attempt_dir = prompt_file
             .parent()
             .map_or_else(|| self.data_dir.clone(), Path::to_path_buf);
         let chain = mode::candidates(&p.resolved.backend, &self.config);
-        spec.env_allowed_for(&chain)
+        spec.blocks
+            .agent
+            .as_ref()
+            .map_or(Ok(()), |agent| agent.env_allowed_for(&chain))
             .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
         let mut fallbacks: Vec<String> = Vec::new();
         let mut last: Option<BackendError> = None;
@@ -1322,16 +1316,16 @@ impl Executor {
                     prompt: prompt.clone(),
                     prompt_file: prompt_file.clone(),
                     placeholders: p.placeholders.clone(),
-                    command: spec.agent.command.clone().unwrap_or_default(),
+                    command: agent.command.clone().unwrap_or_default(),
                     timeout: Some(
-                        spec.agent
+                        agent
                             .timeout
                             .or(spec.timeout)
                             .or(settings.timeout())
                             .unwrap_or(DEFAULT_AGENT_TIMEOUT),
                     ),
-                    idle_timeout: spec.agent.idle_timeout.or(settings.idle_timeout()),
-                    env: spec.agent.env.clone(),
+                    idle_timeout: agent.idle_timeout.or(settings.idle_timeout()),
+                    env: agent.env.clone(),
                     home: Some(home.clone()),
                     read_only: p.read_only,
                     resume: resume.clone(),
@@ -1493,7 +1487,7 @@ impl Executor {
                 .map_err(workspace_failure)?;
             // A feedback round that changed nothing keeps the previous commit.
             let Some(current) = made.or_else(|| commit.clone()) else {
-                if spec.allow_empty || p.read_only {
+                if spec.blocks.allow_empty || p.read_only {
                     return Ok(Produced {
                         commit: None,
                         files: Vec::new(),
@@ -1664,7 +1658,7 @@ impl Executor {
                 Ok(())
             }
             Some(outside) if outside.is_empty() => Ok(()),
-            Some(outside) => match p.spec.scope_policy {
+            Some(outside) => match p.spec.blocks.scope_policy {
                 ScopePolicy::Warn => {
                     let note = format!(
                         "changed outside the task's files/focus_paths: {}",
@@ -1718,6 +1712,8 @@ impl Executor {
         let validation = report.self_validation.as_ref();
         let criteria = p
             .spec
+            .blocks
+            .convergence
             .criteria
             .iter()
             .enumerate()
@@ -1729,7 +1725,7 @@ impl Executor {
             })
             .collect();
         let text = troupe_plan::ccw::summary::TaskSummary {
-            phase: p.spec.phase.clone(),
+            phase: p.spec.phase().cloned(),
             task: p.task_id.clone(),
             title: if p.spec.title.is_empty() {
                 p.task_id.clone()
@@ -1741,7 +1737,7 @@ impl Executor {
             key_files: p.spec.files.iter().map(|f| f.path.clone()).collect(),
             // The summary goes into that very commit, which therefore cannot name itself.
             commit: String::new(),
-            convergence_met: validation::convergence_met(validation),
+            convergence_met: validation::convergence_met(validation).to_owned(),
             duration_ms: Some(report.duration_ms),
             completed: Some(chrono::Utc::now().format("%Y-%m-%dT%H:%M:%S").to_string()),
             result: format!(

@@ -87,12 +87,16 @@ fn job_from_request(request: ExecuteTaskRequest) -> Result<Job, Error> {
         .as_ref()
         .map(struct_to_json)
         .ok_or_else(|| Error::InvalidArgument("task is required".to_owned()))?;
-    let task_id = spec
+    if spec
         .get("id")
         .and_then(serde_json::Value::as_str)
-        .filter(|id| !id.trim().is_empty())
-        .ok_or_else(|| Error::InvalidArgument("task.id is required".to_owned()))?
-        .to_owned();
+        .is_none_or(|id| id.trim().is_empty())
+    {
+        return Err(Error::InvalidArgument("task.id is required".to_owned()));
+    }
+    let spec = crate::spec::parse(&spec)
+        .map_err(|problems| Error::InvalidArgument(format!("invalid task: {problems}")))?;
+    let task_id = spec.id.clone();
     let branch = if request.branch.is_empty() {
         format!("troupe/direct/{task_id}")
     } else {

@@ -199,6 +199,14 @@ impl Mode {
             Self::Waves => "waves",
         }
     }
+
+    /// Returns the wire enum.
+    pub fn to_proto(self) -> pb::SessionMode {
+        match self {
+            Self::Eager => pb::SessionMode::Eager,
+            Self::Waves => pb::SessionMode::Waves,
+        }
+    }
 }
 
 /// What happens downstream of a task that failed for good.
@@ -226,6 +234,14 @@ impl OnFailure {
         match self {
             Self::Skip => "skip",
             Self::Block => "block",
+        }
+    }
+
+    /// Returns the wire enum.
+    pub fn to_proto(self) -> pb::OnFailure {
+        match self {
+            Self::Skip => pb::OnFailure::Skip,
+            Self::Block => pb::OnFailure::Block,
         }
     }
 }

@@ -374,7 +374,11 @@ fn gap_findings(gaps: &[pb::VerificationGap]) -> Vec<String> {
         .map(|gap| {
             format!(
                 "{} {} `{}`: expected {}, actual {}",
-                gap.task, gap.r#type, gap.item, gap.expected, gap.actual
+                gap.task,
+                troupe_proto::names::name(gap.r#type()),
+                gap.item,
+                gap.expected,
+                gap.actual
             )
         })
         .collect()
@@ -663,13 +667,14 @@ mod tests {
         let report = pb::TaskResult {
             detail: Some(pb::task_result::Detail::Validation(pb::ValidationReport {
                 verification: Some(pb::GoalVerification {
-                    status: "gaps_found".into(),
+                    status: pb::VerificationStatus::GapsFound as i32,
                     gaps: vec![pb::VerificationGap {
                         task: "IMPL-1".into(),
-                        r#type: "file".into(),
+                        r#type: pb::GapType::File as i32,
                         item: "src/a.py".into(),
                         expected: "exists".into(),
                         actual: "missing".into(),
+                        ..pb::VerificationGap::default()
                     }],
                     ..Default::default()
                 }),

@@ -68,9 +68,17 @@ async fn exec_phase_example_runs_three_waves_into_the_session_branch() -> anyhow
         ])
     );
     for outcome in &phase.phase_tasks {
-        assert_eq!(outcome.state, "completed", "{outcome:?}");
+        assert_eq!(
+            outcome.state(),
+            troupe_proto::v1::TaskState::Completed,
+            "{outcome:?}"
+        );
         // Self-validated through the validator mounted on the same server.
-        assert_eq!(outcome.convergence_met, "pass", "{outcome:?}");
+        assert_eq!(
+            outcome.convergence_met(),
+            troupe_proto::v1::ConvergenceMet::Pass,
+            "{outcome:?}"
+        );
     }
     assert_eq!(
         result.files_modified.len(),
