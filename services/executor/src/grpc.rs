@@ -94,8 +94,14 @@ fn job_from_request(request: ExecuteTaskRequest) -> Result<Job, Error> {
     {
         return Err(Error::InvalidArgument("task.id is required".to_owned()));
     }
-    let spec = crate::spec::parse(&spec)
-        .map_err(|problems| Error::InvalidArgument(format!("invalid task: {problems}")))?;
+    // A task the plan's rules refuse is an INVALID_TASK failure, typed like any other.
+    let spec = crate::spec::parse(&spec).map_err(|problems| {
+        Error::Task(Box::new(troupe_grpc::worker::TaskFailure::new(
+            ErrorKind::InvalidTask,
+            format!("invalid task: {problems}"),
+            false,
+        )))
+    })?;
     let task_id = spec.id.clone();
     let branch = if request.branch.is_empty() {
         format!("troupe/direct/{task_id}")

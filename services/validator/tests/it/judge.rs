@@ -335,7 +335,8 @@ async fn a_request_cannot_redirect_the_judges_endpoint_or_credentials() {
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{key}");
         assert!(
             status.message().contains(&format!(
-                "`{key}` of a judge comes from the validator's configuration"
+                "`judge_spec.{key}` is not a judge setting a plan may give: where a judge \
+                 connects and what it is given come from the validator's configuration"
             )),
             "{key}: {}",
             status.message()
