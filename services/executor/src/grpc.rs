@@ -43,10 +43,7 @@ impl From<Error> for Status {
                     | ErrorKind::MergeConflict => Code::Aborted,
                     ErrorKind::Internal | ErrorKind::Unspecified => Code::Internal,
                 };
-                let kind_name = kind
-                    .as_str_name()
-                    .trim_start_matches("ERROR_KIND_")
-                    .to_ascii_lowercase();
+                let kind_name = troupe_proto::names::name(kind);
                 let mut status = Status::new(code, format!("{kind_name}: {message}"));
                 // The typed error travels as metadata so clients can tell kinds apart exactly.
                 status.metadata_mut().insert_bin(

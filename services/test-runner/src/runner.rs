@@ -1423,11 +1423,15 @@ fn run_file_json(report: &TestRunReport, spec: &RunSpec, number: u32) -> serde_j
             "flaky_tests": f.flaky_tests,
             "usage": f.usage.map(|u| serde_json::json!({"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cached_input_tokens": u.cached_input_tokens})),
             "iterations": f.iterations.iter().map(|i| serde_json::json!({
-                "iteration": i.iteration, "strategy": i.strategy, "verdict": i.verdict,
+                "iteration": i.iteration, "strategy": troupe_proto::names::name(i.strategy()),
+                "verdict": troupe_proto::names::name(i.verdict()),
                 "commit": i.commit, "pass_rate": i.pass_rate, "coverage": i.coverage,
                 "out_of_scope_paths": i.out_of_scope_paths, "new_failures": i.new_failures,
                 "affected_command": i.affected_command, "detail": i.detail,
-                "backend": i.backend, "fallbacks": i.fallbacks, "error_kind": i.error_kind,
+                "backend": i.backend, "fallbacks": i.fallbacks, "error_kind": match i.error_kind() {
+                    troupe_proto::v1::ErrorKind::Unspecified => "",
+                    kind => troupe_proto::names::name(kind),
+                },
                 "usage": i.usage.map(|u| serde_json::json!({"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cached_input_tokens": u.cached_input_tokens})),
             })).collect::<Vec<_>>(),
         })),

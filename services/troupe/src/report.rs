@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use troupe_proto::v1::{
     ConvergenceMet, GetSessionResponse, RepoAccess, Session, SessionEvent, SessionRepo,
-    SessionState, Task, TaskResult, TaskState, TestOutcome, Verdict, session_event, task_result,
+    SessionState, Task, TaskResult, TaskState, session_event, task_result,
 };
 
 /// Returns a lowercase name for a task state (`completed`, `timed_out`, ...; see
@@ -292,37 +292,19 @@ fn render_result(text: &mut String, result: &TaskResult) {
             }
         }
         Some(task_result::Detail::Validation(validation)) => {
-            let verdict = Verdict::try_from(validation.verdict)
-                .map(|v| {
-                    v.as_str_name()
-                        .trim_start_matches("VERDICT_")
-                        .to_ascii_lowercase()
-                })
-                .unwrap_or_default();
+            let verdict = troupe_proto::names::name(validation.verdict());
             let _ = writeln!(
                 text,
                 "      verdict {verdict}, {} checks:",
                 validation.checks.len()
             );
             for check in &validation.checks {
-                let status = troupe_proto::v1::CheckStatus::try_from(check.status)
-                    .map(|s| {
-                        s.as_str_name()
-                            .trim_start_matches("CHECK_STATUS_")
-                            .to_ascii_lowercase()
-                    })
-                    .unwrap_or_default();
+                let status = troupe_proto::names::name(check.status());
                 let _ = writeln!(text, "        {status:<13} {}", check.name);
             }
         }
         Some(task_result::Detail::TestRun(run)) => {
-            let outcome = TestOutcome::try_from(run.outcome)
-                .map(|o| {
-                    o.as_str_name()
-                        .trim_start_matches("TEST_OUTCOME_")
-                        .to_ascii_lowercase()
-                })
-                .unwrap_or_default();
+            let outcome = troupe_proto::names::name(run.outcome());
             let totals = run.totals.unwrap_or_default();
             let _ = writeln!(
                 text,

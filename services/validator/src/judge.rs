@@ -223,17 +223,6 @@ enum Cited {
     },
 }
 
-fn status_name(status: CheckStatus) -> &'static str {
-    match status {
-        CheckStatus::Pass => "pass",
-        CheckStatus::Fail => "fail",
-        CheckStatus::ManualReview => "manual_review",
-        CheckStatus::Skipped => "skipped",
-        CheckStatus::Error => "error",
-        CheckStatus::Unspecified => "unspecified",
-    }
-}
-
 const ANSWER_FORMAT: &str = "one JSON object: {\"verdict\": \"pass\"|\"fail\", \"evidence\": [{\"file\": \"<repo-relative path>\", \"line\": <1-based>, \"end_line\": <optional>} or {\"command\": \"<command that was run>\", \"output\": \"<text it printed, quoted exactly>\"}], \"reason\": \"...\"}; a verdict without evidence that exists is not accepted";
 
 /// The prompt for an agent backend: the criterion, the context and the answer contract.
@@ -260,7 +249,7 @@ fn agent_prompt(criterion: &str, worktree: &Path, context: &JudgeContext<'_>) ->
             prompt.push_str(&format!(
                 "- {} [{}]: {}\n",
                 c.name,
-                status_name(c.status()),
+                troupe_proto::names::name(c.status()),
                 troupe_process::tail(&c.evidence, 5, 600).replace('\n', "\n  ")
             ));
         }
@@ -301,7 +290,7 @@ pub(crate) async fn ask(
             "worktree": worktree.display().to_string(),
             "files_changed": context.changed,
             "checks": context.checks.iter().map(|c| json!({
-                "name": c.name, "status": status_name(c.status()), "evidence": troupe_process::tail(&c.evidence, 10, 1500),
+                "name": c.name, "status": troupe_proto::names::name(c.status()), "evidence": troupe_process::tail(&c.evidence, 10, 1500),
             })).collect::<Vec<_>>(),
             "answer_format": format!("on stdout, {ANSWER_FORMAT}"),
         })

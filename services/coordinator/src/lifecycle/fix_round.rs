@@ -342,11 +342,7 @@ fn test_findings(report: &pb::TestRunReport) -> Vec<String> {
     // A run that crashed or could not load its tests names no failing test: the runner's
     // stderr is what the fixer needs.
     if report.failures.is_empty() {
-        let outcome = report
-            .outcome()
-            .as_str_name()
-            .trim_start_matches("TEST_OUTCOME_")
-            .to_lowercase();
+        let outcome = troupe_proto::names::name(report.outcome());
         findings.push(format!("outcome: {outcome}"));
         let tail: Vec<&str> = report.stderr_tail.lines().rev().take(15).collect();
         if !tail.is_empty() {
