@@ -121,12 +121,12 @@ pub(crate) fn attempt(task: &Task, took: Duration, outcome: &Outcome<'_>) {
             let framework = troupe_proto::names::name(report.framework());
             metrics
                 .pass_rate
-                .get_or_create(&labels([("framework", &framework)]))
+                .get_or_create(&labels([("framework", framework)]))
                 .set(report.pass_rate);
             if let Some(overall) = report.coverage.as_ref().and_then(|c| c.overall) {
                 metrics
                     .coverage
-                    .get_or_create(&labels([("framework", &framework)]))
+                    .get_or_create(&labels([("framework", framework)]))
                     .set(overall);
             }
         }
