@@ -4,23 +4,24 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-use troupe_proto::v1::{self as pb, SessionState, TaskState};
+use troupe_proto::v1::{self as pb, GraphStatus, SessionState, TaskState};
 
 use crate::convert::{opt_timestamp, struct_to_json};
 use crate::task::{self, Task};
 
-/// Returns the graph status word of a task state (CCW's done / running / ready / pending).
-pub(crate) fn status_word(state: TaskState) -> &'static str {
+/// Returns the graph status of a task state (CCW's done / running / ready / pending).
+pub(crate) fn graph_status(state: TaskState) -> GraphStatus {
     match state {
-        TaskState::Completed => "done",
-        TaskState::Running => "running",
-        TaskState::Ready => "ready",
-        TaskState::Pending | TaskState::Unspecified => "pending",
-        TaskState::Blocked => "blocked",
-        TaskState::Failed => "failed",
-        TaskState::TimedOut | TaskState::WaitingApproval => troupe_proto::names::task_state(state),
-        TaskState::Skipped => "skipped",
-        TaskState::Cancelled => "cancelled",
+        TaskState::Completed => GraphStatus::Done,
+        TaskState::Running => GraphStatus::Running,
+        TaskState::Ready => GraphStatus::Ready,
+        TaskState::Pending | TaskState::Unspecified => GraphStatus::Pending,
+        TaskState::Blocked => GraphStatus::Blocked,
+        TaskState::Failed => GraphStatus::Failed,
+        TaskState::TimedOut => GraphStatus::TimedOut,
+        TaskState::WaitingApproval => GraphStatus::WaitingApproval,
+        TaskState::Skipped => GraphStatus::Skipped,
+        TaskState::Cancelled => GraphStatus::Cancelled,
     }
 }
 
@@ -75,7 +76,7 @@ pub(crate) fn status(
             title: task.title.clone(),
             role: task.role as i32,
             state: task.state as i32,
-            status: status_word(task.state).to_owned(),
+            status: graph_status(task.state) as i32,
             wave: task.wave,
             depends_on: task.depends_on.clone(),
             waiting_on: task

@@ -82,16 +82,11 @@ pub(crate) fn metrics() -> &'static Metrics {
 
 /// A metric label for an error kind: `timeout`, `rate_limited`, ...
 pub(crate) fn kind_label(kind: pb::ErrorKind) -> String {
-    kind.as_str_name()
-        .trim_start_matches("ERROR_KIND_")
-        .to_ascii_lowercase()
+    troupe_proto::names::name(kind).to_owned()
 }
 
 fn state_label(state: TaskState) -> String {
-    state
-        .as_str_name()
-        .trim_start_matches("TASK_STATE_")
-        .to_ascii_lowercase()
+    troupe_proto::names::name(state).to_owned()
 }
 
 /// Reads the tasks by state and the ready depth from `store` into their gauges.

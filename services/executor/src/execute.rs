@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use troupe_backends::{BackendError, BackendsConfig, ResumeFrom, RunOutcome, RunSpec};
@@ -51,8 +51,9 @@ pub enum Target {
 /// Everything one attempt needs.
 #[derive(Debug, Clone)]
 pub struct Job {
-    /// The plan task object.
-    pub spec: Map<String, Value>,
+    /// The task, typed once where the job was made (a claim, a direct call, a phase's task
+    /// file).
+    pub spec: TaskSpec,
     /// The repository's remote (a local path is a remote on this machine).
     pub remote: Remote,
     /// The plan's name for the repository (`{repo}`).
@@ -285,13 +286,7 @@ pub(crate) fn job_task_id(job: &Job) -> String {
     job.task_id
         .clone()
         .filter(|id| !id.is_empty())
-        .or_else(|| {
-            job.spec
-                .get("id")
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-        })
-        .unwrap_or_default()
+        .unwrap_or_else(|| job.spec.id.clone())
 }
 
 /// Where a session attempt starts: the session branch's head on the remote (the claim just
@@ -509,8 +504,8 @@ impl Executor {
             .task_id
             .as_deref()
             .filter(|id| !id.is_empty())
-            .or_else(|| job.spec.get("id").and_then(Value::as_str))?;
-        crate::phase::phase_of(&job.spec, id, &job.repo_name)
+            .unwrap_or(&job.spec.id);
+        crate::phase::phase_of(&job.spec.object, id, &job.repo_name)
     }
 
     /// The backend configuration.
@@ -887,28 +882,22 @@ impl Executor {
         attempt: Option<Attempt>,
         branch_for: impl FnOnce(&TaskSpec, &str, &str) -> String,
     ) -> Result<Prepared, TaskFailure> {
-        let spec = TaskSpec::parse(&job.spec).map_err(|problems| {
-            failure(
-                ErrorKind::InvalidTask,
-                format!("invalid task: {problems}"),
-                false,
-            )
-        })?;
+        let spec = job.spec;
         let task_id = job
             .task_id
             .clone()
             .filter(|id| !id.is_empty())
             .unwrap_or_else(|| spec.id.clone());
-        let hints = job.spec.get(troupe_plan::execution::PLAN_HINTS);
-        let resolved = mode::resolve(&job.spec, hints, &self.config)
+        let hints = spec.object.get(troupe_plan::execution::PLAN_HINTS);
+        let resolved = mode::resolve(&spec.object, hints, &self.config)
             .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
-        let read_only = job
-            .spec
+        let read_only = spec
+            .object
             .get("mode")
-            .or_else(|| job.spec.get("agent").and_then(|a| a.get("mode")))
+            .or_else(|| spec.object.get("agent").and_then(|a| a.get("mode")))
             .and_then(Value::as_str)
             .is_some_and(|m| m.eq_ignore_ascii_case("analysis"));
-        let cli = mode::cli_execution(&job.spec);
+        let cli = mode::cli_execution(&spec.object);
         let branch = branch_for(&spec, &task_id, &job.session_id);
         let run_key =
             match &job.target {
@@ -1026,7 +1015,7 @@ impl Executor {
             }
         };
         let result = async {
-            let pre = if !p.spec.pre_analysis.is_empty() {
+            let pre = if !p.spec.blocks.pre_analysis.is_empty() {
                 progress("running pre_analysis".to_owned());
                 let mut sandbox = self
                     .base_sandbox(p, None)
@@ -1037,7 +1026,7 @@ impl Executor {
                     sandbox = sandbox.read(plan_dir);
                 }
                 crate::pre_analysis::run(
-                    &p.spec.pre_analysis,
+                    &p.spec.blocks.pre_analysis,
                     worktree.path(),
                     &sandbox,
                     cancel,
@@ -1295,12 +1284,17 @@ impl Executor {
         progress: Progress<'_>,
     ) -> Result<(RunOutcome, ImplementationReport, Option<String>), TaskFailure> {
         let spec = &p.spec;
+        let no_agent = troupe_plan::spec::AgentSpec::default();
+        let agent = spec.blocks.agent.as_ref().unwrap_or(&no_agent);
         let started = std::time::Instant::now();
         let attempt_dir = prompt_file
             .parent()
             .map_or_else(|| self.data_dir.clone(), Path::to_path_buf);
         let chain = mode::candidates(&p.resolved.backend, &self.config);
-        spec.env_allowed_for(&chain)
+        spec.blocks
+            .agent
+            .as_ref()
+            .map_or(Ok(()), |agent| agent.env_allowed_for(&chain))
             .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
         let mut fallbacks: Vec<String> = Vec::new();
         let mut last: Option<BackendError> = None;
@@ -1338,16 +1332,16 @@ impl Executor {
                     prompt: prompt.clone(),
                     prompt_file: prompt_file.clone(),
                     placeholders: p.placeholders.clone(),
-                    command: spec.agent.command.clone().unwrap_or_default(),
+                    command: agent.command.clone().unwrap_or_default(),
                     timeout: Some(
-                        spec.agent
+                        agent
                             .timeout
                             .or(spec.timeout)
                             .or(settings.timeout())
                             .unwrap_or(DEFAULT_AGENT_TIMEOUT),
                     ),
-                    idle_timeout: spec.agent.idle_timeout.or(settings.idle_timeout()),
-                    env: spec.agent.env.clone(),
+                    idle_timeout: agent.idle_timeout.or(settings.idle_timeout()),
+                    env: agent.env.clone(),
                     home: Some(home.clone()),
                     read_only: p.read_only,
                     resume: resume.clone(),
@@ -1505,7 +1499,7 @@ impl Executor {
                 .map_err(workspace_failure)?;
             // A feedback round that changed nothing keeps the previous commit.
             let Some(current) = made.or_else(|| commit.clone()) else {
-                if spec.allow_empty || p.read_only {
+                if spec.blocks.allow_empty || p.read_only {
                     return Ok(Produced {
                         commit: None,
                         files: Vec::new(),
@@ -1676,7 +1670,7 @@ impl Executor {
                 Ok(())
             }
             Some(outside) if outside.is_empty() => Ok(()),
-            Some(outside) => match p.spec.scope_policy {
+            Some(outside) => match p.spec.blocks.scope_policy {
                 ScopePolicy::Warn => {
                     let note = format!(
                         "changed outside the task's files/focus_paths: {}",
@@ -1730,6 +1724,8 @@ impl Executor {
         let validation = report.self_validation.as_ref();
         let criteria = p
             .spec
+            .blocks
+            .convergence
             .criteria
             .iter()
             .enumerate()
@@ -1741,7 +1737,7 @@ impl Executor {
             })
             .collect();
         let text = troupe_plan::ccw::summary::TaskSummary {
-            phase: p.spec.phase.clone(),
+            phase: p.spec.phase().cloned(),
             task: p.task_id.clone(),
             title: if p.spec.title.is_empty() {
                 p.task_id.clone()
@@ -1753,7 +1749,7 @@ impl Executor {
             key_files: p.spec.files.iter().map(|f| f.path.clone()).collect(),
             // The summary goes into that very commit, which therefore cannot name itself.
             commit: String::new(),
-            convergence_met: validation::convergence_met(validation),
+            convergence_met: validation::convergence_met(validation).to_owned(),
             duration_ms: Some(report.duration_ms),
             completed: Some(chrono::Utc::now().format("%Y-%m-%dT%H:%M:%S").to_string()),
             result: format!(

@@ -45,10 +45,7 @@ impl From<Error> for Status {
                     | ErrorKind::MergeConflict => Code::Aborted,
                     ErrorKind::Internal | ErrorKind::Unspecified => Code::Internal,
                 };
-                let kind_name = kind
-                    .as_str_name()
-                    .trim_start_matches("ERROR_KIND_")
-                    .to_ascii_lowercase();
+                let kind_name = troupe_proto::names::name(kind);
                 let mut status = Status::new(code, format!("{kind_name}: {message}"));
                 // The typed error travels as metadata so clients can tell kinds apart exactly.
                 status.metadata_mut().insert_bin(
@@ -89,12 +86,22 @@ fn job_from_request(request: ExecuteTaskRequest) -> Result<Job, Error> {
         .as_ref()
         .map(struct_to_json)
         .ok_or_else(|| Error::InvalidArgument("task is required".to_owned()))?;
-    let task_id = spec
+    if spec
         .get("id")
         .and_then(serde_json::Value::as_str)
-        .filter(|id| !id.trim().is_empty())
-        .ok_or_else(|| Error::InvalidArgument("task.id is required".to_owned()))?
-        .to_owned();
+        .is_none_or(|id| id.trim().is_empty())
+    {
+        return Err(Error::InvalidArgument("task.id is required".to_owned()));
+    }
+    // A task the plan's rules refuse is an INVALID_TASK failure, typed like any other.
+    let spec = crate::spec::parse(&spec).map_err(|problems| {
+        Error::Task(Box::new(troupe_grpc::worker::TaskFailure::new(
+            ErrorKind::InvalidTask,
+            format!("invalid task: {problems}"),
+            false,
+        )))
+    })?;
+    let task_id = spec.id.clone();
     let branch = if request.branch.is_empty() {
         format!("troupe/direct/{task_id}")
     } else {

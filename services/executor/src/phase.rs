@@ -30,7 +30,8 @@ use troupe_grpc::worker::TaskFailure;
 use troupe_plan::phase::{self, Phase};
 use troupe_plan::{TaskKind, execution::PLAN_HINTS};
 use troupe_proto::v1::{
-    ErrorKind, ImplementationReport, PhaseTaskOutcome, TaskError, TaskResult, Usage, task_result,
+    ConvergenceMet, ErrorKind, ImplementationReport, PhaseTaskOutcome, TaskError, TaskResult,
+    TaskState, Usage, ValidationReport, task_result,
 };
 use troupe_workspace::{Held, Landed, Mirror};
 
@@ -84,6 +85,10 @@ pub(crate) fn phase_of(
             })
             .map_err(|err| err.to_string()),
     )
+}
+
+fn invalid(message: String) -> TaskFailure {
+    TaskFailure::new(ErrorKind::InvalidTask, message, false)
 }
 
 fn report_of(result: &TaskResult) -> Option<&ImplementationReport> {
@@ -158,12 +163,26 @@ impl Executor {
         let exec_id = job_task_id(&job);
         let waves = run.phase.waves();
         let tasks = &run.phase.tasks;
+        let phase_value = job.spec.phase().cloned();
+        let hints = job.spec.object.get(PLAN_HINTS).cloned();
+        // Every task is typed before anything runs: a bad one fails the phase up front.
+        let specs = tasks
+            .iter()
+            .map(|task| {
+                let mut object = task.spec.clone();
+                if let Some(phase) = &phase_value {
+                    object.entry("phase").or_insert_with(|| phase.clone());
+                }
+                if let Some(hints) = &hints {
+                    object.entry(PLAN_HINTS).or_insert_with(|| hints.clone());
+                }
+                crate::spec::parse(&object).map_err(invalid)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let session_base = match &job.target {
             Target::Session { base, .. } => base.clone(),
             Target::Direct { .. } => None,
         };
-        let phase_value = job.spec.get("phase").cloned();
-        let hints = job.spec.get(PLAN_HINTS).cloned();
         let concurrency = self.options().phase_concurrency.max(1);
         let total = waves.len();
         info!(
@@ -207,7 +226,7 @@ impl Executor {
                     outcomes.push(PhaseTaskOutcome {
                         task_id: task.id.clone(),
                         wave: u32::try_from(w + 1).unwrap_or(u32::MAX),
-                        state: "skipped".to_owned(),
+                        state: TaskState::Skipped as i32,
                         summary: format!(
                             "skipped: depends on {}, which did not complete",
                             bad.iter()
@@ -225,15 +244,8 @@ impl Executor {
             let context = notes.clone();
             let runs = futures::stream::iter(runnable.into_iter().map(|i| {
                 let task = &tasks[i];
-                let mut spec = task.spec.clone();
-                if let Some(phase) = &phase_value {
-                    spec.entry("phase").or_insert_with(|| phase.clone());
-                }
-                if let Some(hints) = &hints {
-                    spec.entry(PLAN_HINTS).or_insert_with(|| hints.clone());
-                }
                 let job = Job {
-                    spec,
+                    spec: specs[i].clone(),
                     remote: job.remote.clone(),
                     repo_name: job.repo_name.clone(),
                     session_id: job.session_id.clone(),
@@ -339,7 +351,7 @@ impl Executor {
                             .extend(result.warnings.iter().map(|w| format!("{}: {w}", task.id)));
                         let convergence_met = report
                             .and_then(|r| r.self_validation.as_ref())
-                            .map(|v| v.convergence_met.clone())
+                            .map(ValidationReport::convergence_met)
                             .unwrap_or_default();
                         let summary = if earlier {
                             format!("{} (landed by an earlier attempt)", result.summary)
@@ -348,24 +360,28 @@ impl Executor {
                         };
                         notes.push(UpstreamNote {
                             task_id: task.id.clone(),
-                            summary: if convergence_met.is_empty() {
+                            summary: if convergence_met == ConvergenceMet::Unspecified {
                                 summary.clone()
                             } else {
-                                format!("{summary}; convergence-met: {convergence_met}")
+                                format!(
+                                    "{summary}; convergence-met: {}",
+                                    troupe_proto::names::name(convergence_met)
+                                )
                             },
                             files: result.files_modified.clone(),
                         });
                         outcomes.push(PhaseTaskOutcome {
                             task_id: task.id.clone(),
                             wave: wave_number,
-                            state: "completed".to_owned(),
+                            state: TaskState::Completed as i32,
                             summary,
                             commit: result.commit.clone(),
                             files_modified: result.files_modified.clone(),
                             backend: report.map(|r| r.backend.clone()).unwrap_or_default(),
                             usage: report.and_then(|r| r.usage),
-                            convergence_met,
+                            convergence_met: convergence_met as i32,
                             error: None,
+                            ..PhaseTaskOutcome::default()
                         });
                     }
                     Err(failure) => {
@@ -376,7 +392,7 @@ impl Executor {
                         outcomes.push(PhaseTaskOutcome {
                             task_id: task.id.clone(),
                             wave: wave_number,
-                            state: "failed".to_owned(),
+                            state: TaskState::Failed as i32,
                             summary: failure.error.message.clone(),
                             files_modified: partial.files_modified.clone(),
                             backend: report.map(|r| r.backend.clone()).unwrap_or_default(),
@@ -394,7 +410,10 @@ impl Executor {
             Ok(()) => mirror.repo().branch_head(&branch).await.ok().flatten(),
             Err(_) => None,
         };
-        let completed = outcomes.iter().filter(|o| o.state == "completed").count();
+        let completed = outcomes
+            .iter()
+            .filter(|o| o.state() == TaskState::Completed)
+            .count();
         let lines: Vec<String> = outcomes
             .iter()
             .map(|o| format!("wave {} {} {}: {}", o.wave, o.task_id, o.state, o.summary))

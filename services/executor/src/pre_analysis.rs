@@ -374,11 +374,14 @@ mod tests {
 
     /// The steps of a `pre_analysis` block, read as the executor reads a claimed task.
     fn steps(value: serde_json::Value) -> Vec<PreAnalysisStep> {
-        troupe_plan::TaskBlocks::from_object(
-            json!({"pre_analysis": value}).as_object().expect("object"),
+        troupe_plan::TaskSpec::from_object(
+            json!({"id": "IMPL-1", "pre_analysis": value})
+                .as_object()
+                .expect("object"),
             None,
         )
         .expect("valid steps")
+        .blocks
         .pre_analysis
     }
 
@@ -489,8 +492,8 @@ mod tests {
         .await
         .expect_err("mcp");
         assert!(err.contains("not available"), "{err}");
-        let refused = troupe_plan::TaskBlocks::from_object(
-            json!({"pre_analysis": [{"step": "s", "command": "Read(a)", "on_error": "maybe"}]})
+        let refused = troupe_plan::TaskSpec::from_object(
+            json!({"id": "IMPL-1", "pre_analysis": [{"step": "s", "command": "Read(a)", "on_error": "maybe"}]})
                 .as_object()
                 .expect("object"),
             None,

@@ -4,7 +4,7 @@
 use std::fmt::Write as _;
 
 use crate::pre_analysis::{PreAnalysis, fill};
-use crate::spec::TaskSpec;
+use crate::spec::{Brief, TaskSpec};
 
 /// What a dependency produced, for the prompt's context section.
 #[derive(Debug, Clone, Default)]
@@ -21,6 +21,7 @@ pub(crate) fn handoff_prompt(
     upstream: &[UpstreamNote],
     pre: &PreAnalysis,
 ) -> String {
+    let brief = Brief::of(spec);
     let mut out = String::new();
     let title = if spec.title.is_empty() {
         spec.id.as_str()
@@ -36,22 +37,20 @@ pub(crate) fn handoff_prompt(
     if !spec.files.is_empty() {
         let _ = writeln!(out, "\nTARGET FILES:");
         for file in &spec.files {
-            let action = file
-                .action
-                .map(|action| format!(" ({action})"))
-                .unwrap_or_default();
+            let action = file.action;
             let change = if file.change.is_empty() {
                 String::new()
             } else {
                 format!(": {}", file.change)
             };
-            let _ = writeln!(out, "- {}{action}{change}", file.path);
+            let _ = writeln!(out, "- {} ({action}){change}", file.path);
         }
     }
     section(
         &mut out,
         "IMPLEMENTATION STEPS",
-        spec.implementation
+        brief
+            .implementation
             .iter()
             .enumerate()
             .map(|(i, s)| format!("{}. {s}", i + 1)),
@@ -85,18 +84,23 @@ pub(crate) fn handoff_prompt(
     section(
         &mut rest,
         "REFERENCE",
-        spec.reference.iter().map(|r| format!("- {r}")),
+        brief.reference.iter().map(|r| format!("- {r}")),
     );
-    if let Some(approach) = &spec.approach {
+    if let Some(approach) = &brief.approach {
         let _ = writeln!(rest, "\nAPPROACH: {approach}");
     }
     section(
         &mut rest,
         "RISKS",
-        spec.risks.iter().map(|r| format!("- {r}")),
+        brief.risks.iter().map(|r| format!("- {r}")),
     );
-    let mut done: Vec<String> = spec.criteria.iter().map(|c| format!("- [ ] {c}")).collect();
-    if let Some(dod) = &spec.definition_of_done {
+    let convergence = &spec.blocks.convergence;
+    let mut done: Vec<String> = convergence
+        .criteria
+        .iter()
+        .map(|c| format!("- [ ] {c}"))
+        .collect();
+    if let Some(dod) = &convergence.definition_of_done {
         done.push(format!("- [ ] {dod}"));
     }
     section(&mut rest, "DONE WHEN", done.into_iter());
@@ -113,8 +117,8 @@ pub(crate) fn handoff_prompt(
             allowed.join(", ")
         );
     }
-    if !spec.excludes.is_empty() {
-        let _ = writeln!(rest, "- Do not touch: {}", spec.excludes.join(", "));
+    if !spec.blocks.excludes.is_empty() {
+        let _ = writeln!(rest, "- Do not touch: {}", spec.blocks.excludes.join(", "));
     }
     let _ = writeln!(rest, "- Follow the existing patterns of the code base");
     let _ = writeln!(
@@ -144,7 +148,7 @@ mod tests {
 
     #[test]
     fn prompt_has_the_ccw_sections() {
-        let spec = TaskSpec::parse(
+        let spec = crate::spec::parse(
             json!({
                 "id": "IMPL-1", "title": "Add median", "description": "So reports show a robust centre.",
                 "files": [{"path": "stats/core.py", "action": "modify", "change": "add median()"}],

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use troupe_proto::v1::validator_client::ValidatorClient;
-use troupe_proto::v1::{CheckStatus, FileChange, ValidateRequest, ValidationReport};
+use troupe_proto::v1::{CheckStatus, ConvergenceMet, ValidateRequest, ValidationReport};
 
 use crate::spec::TaskSpec;
 
@@ -31,19 +31,20 @@ pub(crate) async fn validate(
     let files = spec
         .files
         .iter()
-        .map(|file| FileChange {
-            path: file.path.clone(),
-            action: file.action.unwrap_or_default().to_proto() as i32,
-            change: file.change.clone(),
-        })
+        .map(troupe_plan::FileSpec::to_proto)
         .collect();
     let mut request = tonic::Request::new(ValidateRequest {
         repo_path: repo_path.to_owned(),
         r#ref: commit.to_owned(),
         files,
         base_ref: base.to_owned(),
-        verification: spec.verification.clone(),
-        criteria: spec.criteria.clone(),
+        verification: spec
+            .blocks
+            .convergence
+            .verification
+            .clone()
+            .unwrap_or_default(),
+        criteria: spec.blocks.convergence.criteria.clone(),
         syntax: true,
         ..ValidateRequest::default()
     });
@@ -85,11 +86,11 @@ pub(crate) fn feedback_prompt(prompt: &str, round: u32, failures: &[String]) -> 
     )
 }
 
-/// `convergence-met` of a report (empty without criteria, as the validator says).
-pub(crate) fn convergence_met(report: Option<&ValidationReport>) -> String {
-    match report {
-        Some(report) if !report.convergence_met.is_empty() => report.convergence_met.clone(),
-        _ => "pending".to_owned(),
+/// `convergence-met` of a report for a summary: `pending` when nothing checked the criteria.
+pub(crate) fn convergence_met(report: Option<&ValidationReport>) -> &'static str {
+    match report.map(ValidationReport::convergence_met) {
+        None | Some(ConvergenceMet::Unspecified) => "pending",
+        Some(met) => troupe_proto::names::name(met),
     }
 }
 

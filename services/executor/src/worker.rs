@@ -7,11 +7,10 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use serde_json::Value;
 use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
-use troupe_proto::v1::{ClaimedTask, ErrorKind, FileAction, RepoAccess, TaskResult};
+use troupe_proto::v1::{ClaimedTask, ErrorKind, RepoAccess, TaskResult};
 
-use crate::{ContextRepo, Executor, Job, Target, UpstreamNote, struct_to_json};
+use crate::{ContextRepo, Executor, Job, Target, UpstreamNote};
 
 /// Runs claimed executor tasks with a shared [`Executor`].
 #[derive(Debug, Clone)]
@@ -30,8 +29,7 @@ fn invalid(message: &str) -> TaskFailure {
     TaskFailure::new(ErrorKind::InvalidTask, message, false)
 }
 
-/// Builds the attempt's [`Job`] from a claim. The typed `Task` fields fill in what the spec
-/// object lacks (id, title, description, files), so both carry the same task.
+/// Builds the attempt's [`Job`] from a claim, typing its task once ([`troupe_plan::TaskSpec`]).
 pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
     let task = claim
         .task
@@ -39,30 +37,10 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
     let repo = claim
         .repo
         .ok_or_else(|| invalid("claimed task has no repository"))?;
-    let mut spec = task.spec.as_ref().map(struct_to_json).unwrap_or_default();
-    for (key, value) in [
-        ("id", &task.id),
-        ("title", &task.title),
-        ("description", &task.description),
-    ] {
-        if !spec.contains_key(key) && !value.is_empty() {
-            spec.insert(key.to_owned(), Value::String(value.clone()));
-        }
-    }
-    if !spec.contains_key("files") && !task.files.is_empty() {
-        let files = task
-            .files
-            .iter()
-            .map(|file| {
-                let action = FileAction::try_from(file.action)
-                    .ok()
-                    .and_then(troupe_plan::FileAction::from_proto)
-                    .unwrap_or_default();
-                serde_json::json!({"path": file.path, "action": action.as_str(), "change": file.change})
-            })
-            .collect();
-        spec.insert("files".to_owned(), Value::Array(files));
-    }
+    // Typed once, by the plan's rules: the coordinator's typed fields (id, role, repo,
+    // files) and the blocks of its spec.
+    let spec = troupe_plan::TaskSpec::try_from(&task)
+        .map_err(|err| invalid(&format!("invalid task: {err}")))?;
     let attempt = claim
         .lease
         .as_ref()
@@ -150,7 +128,7 @@ impl TaskHandler for ExecuteHandler {
 
 #[cfg(test)]
 mod tests {
-    use troupe_proto::v1::{FileChange, Lease, SessionRepo, Task, UpstreamResult};
+    use troupe_proto::v1::{FileAction, FileChange, Lease, SessionRepo, Task, UpstreamResult};
 
     use super::*;
 
@@ -194,11 +172,16 @@ mod tests {
         let job = job_from_claim(claim).expect("valid claim");
         assert_eq!(job.attempt, 3);
         assert_eq!(job.task_id.as_deref(), Some("IMPL-2"));
-        assert_eq!(job.spec["id"], "IMPL-2");
-        assert_eq!(job.spec["title"], "Add report");
+        assert_eq!(job.spec.id, "IMPL-2");
+        assert_eq!(job.spec.title, "Add report");
+        assert_eq!(job.spec.kind, troupe_plan::TaskKind::Impl);
         assert_eq!(
-            job.spec["files"],
-            serde_json::json!([{"path": "r.py", "action": "create", "change": "new"}])
+            job.spec.files,
+            [troupe_plan::FileSpec {
+                path: "r.py".into(),
+                action: troupe_plan::FileAction::Create,
+                change: "new".into(),
+            }]
         );
         assert!(matches!(job.target, Target::Session { ref branch, .. } if branch == "troupe/s1"));
         assert_eq!(job.plan_dir, Some(PathBuf::from("/plans/q")));
@@ -207,5 +190,30 @@ mod tests {
 
         let err = job_from_claim(ClaimedTask::default()).expect_err("no task");
         assert_eq!(err.error.kind(), ErrorKind::InvalidTask);
+        // A block the plan's rules refuse fails the claim, naming the field.
+        let mut bad = claim_with_spec(serde_json::json!({"agent": {"env": {"K": 1}}}));
+        bad.repo = Some(SessionRepo {
+            name: "app".into(),
+            path: "/repos/app".into(),
+            ..SessionRepo::default()
+        });
+        let err = job_from_claim(bad).expect_err("bad agent");
+        assert_eq!(err.error.kind(), ErrorKind::InvalidTask);
+        assert!(
+            err.error.message.contains("`agent.env.K`"),
+            "{}",
+            err.error.message
+        );
+    }
+
+    fn claim_with_spec(spec: serde_json::Value) -> ClaimedTask {
+        ClaimedTask {
+            task: Some(Task {
+                id: "IMPL-3".into(),
+                spec: Some(troupe_proto::json::to_struct(&spec)),
+                ..Task::default()
+            }),
+            ..ClaimedTask::default()
+        }
     }
 }

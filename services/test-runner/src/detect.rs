@@ -23,7 +23,7 @@ pub(crate) fn detect(root: &Path) -> Result<TestFramework, Error> {
             if js_strength == py_strength {
                 Err(Error::InvalidArgument(format!(
                     "the repository shows both {} and pytest; set the framework explicitly",
-                    name(framework)
+                    troupe_proto::names::name(framework)
                 )))
             } else if js_strength > py_strength {
                 Ok(framework)
@@ -37,16 +37,6 @@ pub(crate) fn detect(root: &Path) -> Result<TestFramework, Error> {
             "no test framework detected (no jest, vitest or pytest configuration or tests); set the framework explicitly"
                 .to_owned(),
         )),
-    }
-}
-
-/// Display name of a framework.
-pub(crate) fn name(framework: TestFramework) -> &'static str {
-    match framework {
-        TestFramework::Pytest => "pytest",
-        TestFramework::Jest => "jest",
-        TestFramework::Vitest => "vitest",
-        TestFramework::Unspecified => "unspecified",
     }
 }
 

@@ -1,6 +1,7 @@
 //! Failure messages and their CCW criticality (critical, high, medium, low).
 
 use std::sync::LazyLock;
+use troupe_proto::v1::Severity;
 
 use regex::Regex;
 
@@ -48,7 +49,7 @@ pub(crate) fn with_type(exception: Option<&str>, message: &str) -> String {
 /// Critical: the code cannot even load or refers to something that is not there (syntax and
 /// import errors, undefined names, attributes of `None`). High: assertions. Medium: timeouts and
 /// everything else. Low: warnings turned into errors.
-pub(crate) fn criticality(exception: Option<&str>, message: &str) -> &'static str {
+pub(crate) fn criticality(exception: Option<&str>, message: &str) -> Severity {
     let kind = exception
         .or_else(|| leading_exception_type(message))
         .map(|kind| kind.rsplit('.').next().unwrap_or(kind))
@@ -61,28 +62,32 @@ pub(crate) fn criticality(exception: Option<&str>, message: &str) -> &'static st
         | "ImportError"
         | "ModuleNotFoundError"
         | "NameError"
-        | "UnboundLocalError" => "critical",
-        "AttributeError" | "TypeError" if message.contains("NoneType") => "critical",
+        | "UnboundLocalError" => Severity::Critical,
+        "AttributeError" | "TypeError" if message.contains("NoneType") => Severity::Critical,
         // JavaScript: a module that is not there, or a property of undefined/null.
         _ if message.contains("Cannot find module")
             || message.contains("is not defined")
             || message.contains("of undefined")
             || message.contains("of null") =>
         {
-            "critical"
+            Severity::Critical
         }
-        _ if lower.contains("timeout") || lower.contains("timed out") => "medium",
-        "AssertionError" => "high",
+        _ if lower.contains("timeout") || lower.contains("timed out") => Severity::Medium,
+        "AssertionError" => Severity::High,
         // Jest's matchers throw a plain `Error: expect(received).toBe(expected)`.
-        _ if message.contains("expect(") => "high",
-        _ if kind.ends_with("Warning") => "low",
-        _ => "medium",
+        _ if message.contains("expect(") => Severity::High,
+        _ if kind.ends_with("Warning") => Severity::Low,
+        _ => Severity::Medium,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn shown(exception: Option<&str>, message: &str) -> &'static str {
+        troupe_proto::names::name(criticality(exception, message))
+    }
 
     #[test]
     fn strips_colour_codes() {
@@ -124,42 +129,39 @@ mod tests {
     #[test]
     fn classifies_like_ccw() {
         assert_eq!(
-            criticality(Some("ModuleNotFoundError"), "No module named 'x'"),
+            shown(Some("ModuleNotFoundError"), "No module named 'x'"),
             "critical"
         );
-        assert_eq!(criticality(None, "SyntaxError: invalid syntax"), "critical");
+        assert_eq!(shown(None, "SyntaxError: invalid syntax"), "critical");
         assert_eq!(
-            criticality(None, "NameError: name 'x' is not defined"),
+            shown(None, "NameError: name 'x' is not defined"),
             "critical"
         );
         assert_eq!(
-            criticality(
+            shown(
                 Some("AttributeError"),
                 "AttributeError: 'NoneType' object has no attribute 'x'"
             ),
             "critical"
         );
         assert_eq!(
-            criticality(
+            shown(
                 Some("AttributeError"),
                 "AttributeError: 'Foo' has no attribute 'x'"
             ),
             "medium"
         );
+        assert_eq!(shown(Some("AssertionError"), "assert 2.5 == 2"), "high");
         assert_eq!(
-            criticality(Some("AssertionError"), "assert 2.5 == 2"),
-            "high"
-        );
-        assert_eq!(
-            criticality(
+            shown(
                 Some("Failed"),
                 "Failed: Timeout (>2.0s) from pytest-timeout."
             ),
             "medium"
         );
-        assert_eq!(criticality(Some("KeyError"), "KeyError: 'name'"), "medium");
+        assert_eq!(shown(Some("KeyError"), "KeyError: 'name'"), "medium");
         assert_eq!(
-            criticality(Some("DeprecationWarning"), "DeprecationWarning: old"),
+            shown(Some("DeprecationWarning"), "DeprecationWarning: old"),
             "low"
         );
     }

@@ -21,7 +21,11 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 use troupe_process::Command;
-use troupe_proto::v1::{FixIteration, FixLoopReport, FixScope, TestOutcome, TestRunReport};
+use troupe_proto::names;
+use troupe_proto::v1::{
+    ErrorKind, FixIteration, FixLoopReport, FixScope, FixStrategy, FixVerdict, Severity,
+    TestOutcome, TestRunReport,
+};
 
 use crate::Error;
 use crate::js::Selection;
@@ -77,22 +81,21 @@ impl FixSpec {
     }
 }
 
-/// Name of a classified backend error, as reports write it.
-fn kind_name(kind: troupe_backends::ErrorKind) -> &'static str {
+/// The wire's kind of a classified backend error.
+fn error_kind(kind: troupe_backends::ErrorKind) -> ErrorKind {
     use troupe_backends::ErrorKind as K;
     match kind {
-        K::NotInstalled => "not_installed",
-        K::Auth => "auth",
-        K::RateLimited => "rate_limited",
-        K::Quota => "quota",
-        K::Timeout => "timeout",
-        K::Crash => "crash",
-        K::BadOutput => "bad_output",
-        K::InvalidTask => "invalid_task",
-        K::Internal => "internal",
-        K::Cancelled => "cancelled",
-        K::SandboxDenied => "sandbox_denied",
-        K::PermissionDenied => "permission_denied",
+        K::NotInstalled => ErrorKind::NotInstalled,
+        K::Auth => ErrorKind::Auth,
+        K::RateLimited => ErrorKind::RateLimited,
+        K::Quota => ErrorKind::Quota,
+        K::Timeout => ErrorKind::Timeout,
+        K::Crash => ErrorKind::Crash,
+        K::BadOutput => ErrorKind::BadOutput,
+        K::InvalidTask => ErrorKind::InvalidTask,
+        K::SandboxDenied => ErrorKind::SandboxDenied,
+        K::PermissionDenied => ErrorKind::PermissionDenied,
+        K::Internal | K::Cancelled => ErrorKind::Internal,
     }
 }
 
@@ -161,15 +164,15 @@ pub(crate) fn meets_target(report: &TestRunReport, target: f64) -> bool {
 
 /// CCW 1.C.6: aggressive when pass < 50 % or past iteration 7; conservative while early or
 /// mostly passing; surgical for a handful of critical failures; aggressive otherwise.
-pub(crate) fn strategy(iteration: u32, pass_rate: f64, critical: usize) -> &'static str {
+pub(crate) fn strategy(iteration: u32, pass_rate: f64, critical: usize) -> FixStrategy {
     if pass_rate < 0.5 || iteration > 7 {
-        "aggressive"
+        FixStrategy::Aggressive
     } else if iteration <= 3 || pass_rate >= 0.8 {
-        "conservative"
+        FixStrategy::Conservative
     } else if critical < 5 {
-        "surgical"
+        FixStrategy::Surgical
     } else {
-        "aggressive"
+        FixStrategy::Aggressive
     }
 }
 
@@ -290,26 +293,21 @@ async fn changed_paths(worktree: &Path, cancel: &CancellationToken) -> Result<Ve
 }
 
 fn prompt(
-    strategy: &str,
+    strategy: FixStrategy,
     report: &TestRunReport,
     scope: FixScope,
     target: f64,
     iteration: u32,
 ) -> String {
     let mut failures: Vec<_> = report.failures.iter().collect();
-    let rank = |c: &str| match c {
-        "critical" => 0,
-        "high" => 1,
-        "medium" => 2,
-        _ => 3,
-    };
-    failures.sort_by_key(|f| rank(&f.criticality));
+    // Most critical first (the enum counts up from LOW to CRITICAL).
+    failures.sort_by_key(|f| std::cmp::Reverse(f.criticality()));
     let focus = match strategy {
-        "conservative" => {
+        FixStrategy::Conservative => {
             "Fix ONE failure, the first one listed (the most critical), and nothing else."
                 .to_owned()
         }
-        "surgical" => {
+        FixStrategy::Surgical => {
             let pattern = crate::runner::defect_patterns(report)
                 .first()
                 .copied()
@@ -331,12 +329,13 @@ fn prompt(
         .and_then(|c| c.overall)
         .map_or("not measured".to_owned(), |c| format!("{c:.1}%"));
     let mut text = format!(
-        "PURPOSE: Fix failing tests (iteration {iteration}, strategy {strategy}).\n\
+        "PURPOSE: Fix failing tests (iteration {iteration}, strategy {}).\n\
          TASK: {focus}\n\
          MODE: write\n\
          CONSTRAINTS: {allowed} Do not skip or delete tests, no @ts-ignore, no `as any`.\n\
          EXPECTED: pass rate >= {:.0}% (now {:.1}%), coverage >= {target}% (now {coverage}).\n\
          CONTEXT: {} failing test(s):\n",
+        names::name(strategy),
         PASS_RATE_TARGET * 100.0,
         report.pass_rate * 100.0,
         failures.len()
@@ -344,7 +343,7 @@ fn prompt(
     for f in failures {
         text.push_str(&format!(
             "- [{}] {} ({}:{}{}): {}\n",
-            f.criticality,
+            names::name(f.criticality()),
             f.name,
             f.file,
             f.line,
@@ -433,7 +432,7 @@ pub(crate) async fn run_loop(
         let critical = current
             .failures
             .iter()
-            .filter(|f| f.criticality == "critical")
+            .filter(|f| f.criticality() == Severity::Critical)
             .count();
         let strategy = strategy(iteration, current.pass_rate, critical);
         let iter_dir = ctx.out_dir.join(format!("iteration-{iteration}"));
@@ -459,7 +458,7 @@ pub(crate) async fn run_loop(
             })?;
         let mut step = FixIteration {
             iteration,
-            strategy: strategy.to_owned(),
+            strategy: strategy as i32,
             ..FixIteration::default()
         };
         // The session task's own values (plan_dir, session_id, task_id) win over the defaults.
@@ -516,8 +515,8 @@ pub(crate) async fn run_loop(
             step.usage = Some(usage);
         }
         if let Err(err) = outcome {
-            step.verdict = "agent_failed".to_owned();
-            step.error_kind = kind_name(err.kind()).to_owned();
+            step.verdict = FixVerdict::AgentFailed as i32;
+            step.error_kind = error_kind(err.kind()) as i32;
             step.detail = if chained.errors.len() > 1 {
                 format!(
                     "{err} (earlier: {})",
@@ -532,7 +531,7 @@ pub(crate) async fn run_loop(
         }
         let changed = changed_paths(ctx.worktree, cancel).await?;
         if changed.is_empty() {
-            step.verdict = "no_change".to_owned();
+            step.verdict = FixVerdict::NoChange as i32;
             step.detail = "the agent changed nothing".to_owned();
             record.iterations.push(step);
             continue;
@@ -544,7 +543,7 @@ pub(crate) async fn run_loop(
             .collect();
         if !outside.is_empty() {
             reset(ctx.worktree, &checkpoint, cancel).await?;
-            step.verdict = "reverted_out_of_scope".to_owned();
+            step.verdict = FixVerdict::RevertedOutOfScope as i32;
             step.detail = format!(
                 "refused: scope `{}` does not allow {}",
                 scope_name(ctx.fix.scope),
@@ -566,7 +565,10 @@ pub(crate) async fn run_loop(
                 "-q",
                 "--no-verify",
                 "-m",
-                &format!("troupe: test fix iteration {iteration} ({strategy})"),
+                &format!(
+                    "troupe: test fix iteration {iteration} ({})",
+                    names::name(strategy)
+                ),
             ],
             cancel,
         )
@@ -600,7 +602,7 @@ pub(crate) async fn run_loop(
         }
         if !new_in_affected.is_empty() {
             reset(ctx.worktree, &checkpoint, cancel).await?;
-            step.verdict = "reverted_worse".to_owned();
+            step.verdict = FixVerdict::RevertedWorse as i32;
             step.detail = "the affected tests show new failures".to_owned();
             step.new_failures = new_in_affected;
             record.iterations.push(step);
@@ -628,7 +630,7 @@ pub(crate) async fn run_loop(
         );
         if full.pass_rate + 1e-9 < current.pass_rate || !new_failures.is_empty() || broke {
             reset(ctx.worktree, &checkpoint, cancel).await?;
-            step.verdict = "reverted_worse".to_owned();
+            step.verdict = FixVerdict::RevertedWorse as i32;
             step.detail = format!(
                 "pass rate {:.3} -> {:.3}{}; reverted to {}",
                 current.pass_rate,
@@ -645,7 +647,7 @@ pub(crate) async fn run_loop(
             record.iterations.push(step);
             continue;
         }
-        step.verdict = "kept".to_owned();
+        step.verdict = FixVerdict::Kept as i32;
         checkpoint = commit;
         record.final_commit = checkpoint.clone();
         record.coverage_history.push(coverage_of(&full));
@@ -662,7 +664,12 @@ pub(crate) async fn run_loop(
     let reverted = record
         .iterations
         .iter()
-        .filter(|i| i.verdict.starts_with("reverted"))
+        .filter(|i| {
+            matches!(
+                i.verdict(),
+                FixVerdict::RevertedWorse | FixVerdict::RevertedOutOfScope
+            )
+        })
         .count();
     if reverted > 0 {
         current.warnings.push(format!(
@@ -706,11 +713,11 @@ mod tests {
 
     #[test]
     fn chooses_strategies_like_ccw() {
-        assert_eq!(strategy(1, 0.9, 0), "conservative");
-        assert_eq!(strategy(2, 0.3, 0), "aggressive");
-        assert_eq!(strategy(5, 0.7, 2), "surgical");
-        assert_eq!(strategy(5, 0.7, 9), "aggressive");
-        assert_eq!(strategy(8, 0.9, 0), "aggressive");
+        assert_eq!(strategy(1, 0.9, 0), FixStrategy::Conservative);
+        assert_eq!(strategy(2, 0.3, 0), FixStrategy::Aggressive);
+        assert_eq!(strategy(5, 0.7, 2), FixStrategy::Surgical);
+        assert_eq!(strategy(5, 0.7, 9), FixStrategy::Aggressive);
+        assert_eq!(strategy(8, 0.9, 0), FixStrategy::Aggressive);
     }
 
     #[test]

@@ -78,7 +78,7 @@ impl Capabilities {
 /// The framework's version from the package that holds the resolved binary
 /// (`.bin/jest -> ../jest/bin/jest.js`).
 pub(crate) fn version_of(framework: TestFramework, bin: &Path) -> Option<String> {
-    let name = crate::detect::name(framework);
+    let name = troupe_proto::names::name(framework);
     std::fs::canonicalize(bin)
         .ok()
         .and_then(|real| {
@@ -421,10 +421,11 @@ pub(crate) fn parse_results(
                 name: rel.clone(),
                 file: rel,
                 line,
-                criticality: "critical".to_owned(),
+                criticality: troupe_proto::v1::Severity::Critical as i32,
                 message: head,
                 test_line: 0,
                 error_origin: String::new(),
+                ..TestFailure::default()
             });
             continue;
         }
@@ -464,13 +465,14 @@ pub(crate) fn parse_results(
                 name: test.full_name.clone(),
                 file: rel.clone(),
                 line,
-                criticality: criticality(kind, &message).to_owned(),
+                criticality: criticality(kind, &message) as i32,
                 message,
                 test_line,
                 error_origin: frames
                     .first()
                     .map(|(path, line)| format!("{path}:{line}"))
                     .unwrap_or_default(),
+                ..TestFailure::default()
             });
         }
     }
@@ -631,7 +633,7 @@ pub(crate) async fn run(
     run: JsRun<'_>,
     cancel: &CancellationToken,
 ) -> Result<(TestRunReport, u32, FileTotals), Error> {
-    let tool = crate::detect::name(run.framework);
+    let tool = troupe_proto::names::name(run.framework);
     let argv = command_argv(&run);
     let results_path = run.out_dir.join("results.json");
     let summary_path: PathBuf = run.out_dir.join("coverage").join("coverage-summary.json");
@@ -832,7 +834,7 @@ mod tests {
         let first = &results.failures[0];
         assert_eq!(first.file, "tests/math.test.js");
         assert_eq!((first.line, first.test_line), (13, 12));
-        assert_eq!(first.criticality, "high");
+        assert_eq!(troupe_proto::names::name(first.criticality()), "high");
         assert!(
             first.message.ends_with("Received: 2.5"),
             "{}",
@@ -841,7 +843,7 @@ mod tests {
         let second = &results.failures[1];
         assert_eq!((second.line, second.test_line), (8, 7));
         assert_eq!(second.error_origin, "src/strings.js:7");
-        assert_eq!(second.criticality, "critical");
+        assert_eq!(troupe_proto::names::name(second.criticality()), "critical");
     }
 
     #[test]

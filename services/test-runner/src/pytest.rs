@@ -73,7 +73,7 @@ pub(crate) fn collection_failure(nodeid: &str, longrepr: &str) -> TestFailure {
         name: nodeid.to_owned(),
         file: file.to_owned(),
         line: frame_line.or_else(syntax_line).unwrap_or(0),
-        criticality: criticality(None, &message).to_owned(),
+        criticality: criticality(None, &message) as i32,
         message: if message.is_empty() {
             "collection failed".to_owned()
         } else {
@@ -81,6 +81,7 @@ pub(crate) fn collection_failure(nodeid: &str, longrepr: &str) -> TestFailure {
         },
         test_line: 0,
         error_origin: String::new(),
+        ..TestFailure::default()
     }
 }
 
@@ -906,6 +907,6 @@ mod tests {
             failure.message,
             "ModuleNotFoundError: No module named 'calc.missing'"
         );
-        assert_eq!(failure.criticality, "critical");
+        assert_eq!(troupe_proto::names::name(failure.criticality()), "critical");
     }
 }

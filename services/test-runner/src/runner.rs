@@ -678,7 +678,7 @@ impl Runner {
         };
         let mut env = spec.env.clone();
         if framework != TestFramework::Pytest {
-            let name = detect::name(framework);
+            let name = troupe_proto::names::name(framework);
             let installed = crate::node::ensure_tool(
                 worktree,
                 workdir,
@@ -1259,25 +1259,6 @@ pub(crate) fn clean_run_outcome(
     (TestOutcome::Passed, warnings)
 }
 
-/// Display name of an outcome (`passed`, `tests_failed`, ...).
-pub(crate) fn outcome_name(outcome: TestOutcome) -> &'static str {
-    match outcome {
-        TestOutcome::Passed => "passed",
-        TestOutcome::TestsFailed => "tests_failed",
-        TestOutcome::LoadError => "load_error",
-        TestOutcome::CollectionError => "collection_error",
-        TestOutcome::NoTests => "no_tests",
-        TestOutcome::Timeout => "timeout",
-        TestOutcome::CoverageBelowTarget => "coverage_below_target",
-        TestOutcome::RunnerCrashed => "runner_crashed",
-        TestOutcome::WrongSource => "wrong_source",
-        TestOutcome::InstallFailed => "install_failed",
-        TestOutcome::SetupFailed => "setup_failed",
-        TestOutcome::CoverageThreshold => "coverage_threshold",
-        TestOutcome::Unspecified => "unspecified",
-    }
-}
-
 /// One line summing up the failures, CCW's `failure_summary`.
 pub(crate) fn failure_summary(report: &TestRunReport) -> String {
     if report.failures.is_empty() {
@@ -1370,8 +1351,8 @@ fn run_file_json(report: &TestRunReport, spec: &RunSpec, number: u32) -> serde_j
     let fix = report.fix_loop.as_ref();
     serde_json::json!({
         "run_id": format!("run-{number:03}"),
-        "framework": detect::name(report.framework()),
-        "outcome": outcome_name(report.outcome()),
+        "framework": troupe_proto::names::name(report.framework()),
+        "outcome": troupe_proto::names::name(report.outcome()),
         "pass_rate": report.pass_rate,
         "coverage": coverage,
         "coverage_target": report.coverage_target,
@@ -1398,7 +1379,7 @@ fn run_file_json(report: &TestRunReport, spec: &RunSpec, number: u32) -> serde_j
             "line": f.line,
             "test_line": f.test_line,
             "error_origin": f.error_origin,
-            "criticality": f.criticality,
+            "criticality": troupe_proto::names::name(f.criticality()),
         })).collect::<Vec<_>>(),
         "duration_ms": report.duration_ms,
         "command": report.command,
@@ -1442,11 +1423,15 @@ fn run_file_json(report: &TestRunReport, spec: &RunSpec, number: u32) -> serde_j
             "flaky_tests": f.flaky_tests,
             "usage": f.usage.map(|u| serde_json::json!({"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cached_input_tokens": u.cached_input_tokens})),
             "iterations": f.iterations.iter().map(|i| serde_json::json!({
-                "iteration": i.iteration, "strategy": i.strategy, "verdict": i.verdict,
+                "iteration": i.iteration, "strategy": troupe_proto::names::name(i.strategy()),
+                "verdict": troupe_proto::names::name(i.verdict()),
                 "commit": i.commit, "pass_rate": i.pass_rate, "coverage": i.coverage,
                 "out_of_scope_paths": i.out_of_scope_paths, "new_failures": i.new_failures,
                 "affected_command": i.affected_command, "detail": i.detail,
-                "backend": i.backend, "fallbacks": i.fallbacks, "error_kind": i.error_kind,
+                "backend": i.backend, "fallbacks": i.fallbacks, "error_kind": match i.error_kind() {
+                    troupe_proto::v1::ErrorKind::Unspecified => "",
+                    kind => troupe_proto::names::name(kind),
+                },
                 "usage": i.usage.map(|u| serde_json::json!({"input_tokens": u.input_tokens, "output_tokens": u.output_tokens, "cached_input_tokens": u.cached_input_tokens})),
             })).collect::<Vec<_>>(),
         })),

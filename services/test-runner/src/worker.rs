@@ -20,8 +20,8 @@ use troupe_proto::v1::{
 };
 use troupe_workspace::{Attempt, Claim, ConfirmWith, Oid, Publication, Remote};
 
-use crate::runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner, outcome_name};
-use crate::{Error, FixSpec, detect};
+use crate::runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner};
+use crate::{Error, FixSpec};
 
 /// Runs TESTRUN-* tasks with a shared [`Runner`].
 #[derive(Debug, Clone)]
@@ -59,8 +59,8 @@ impl TestRunHandler {
         let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
         let t = report.totals.unwrap_or_default();
         let result = serde_json::json!({
-            "task_id": task_id, "layer": layer, "framework": detect::name(report.framework()),
-            "outcome": outcome_name(report.outcome()), "pass_rate": report.pass_rate,
+            "task_id": task_id, "layer": layer, "framework": troupe_proto::names::name(report.framework()),
+            "outcome": troupe_proto::names::name(report.outcome()), "pass_rate": report.pass_rate,
             "coverage": coverage, "coverage_target": report.coverage_target,
             "total": t.total, "passed": t.passed, "failed": t.failed, "skipped": t.skipped,
             "iterations": report.fix_loop.as_ref().map_or(1, |f| f.iterations.len() + 1),
@@ -124,13 +124,13 @@ impl TestRunHandler {
     }
 
     async fn run(&self, task: ClaimedTask, ctx: TaskContext) -> Result<TaskResult, TaskFailure> {
-        let spec_json = task
+        let typed = task
             .task
             .as_ref()
-            .and_then(|t| t.spec.as_ref())
-            .map(troupe_proto::json::from_struct)
-            .unwrap_or(Value::Null);
-        let test = TestSpec::parse(spec_json.get("test")).map_err(into_failure)?;
+            .map(troupe_plan::TaskSpec::try_from)
+            .transpose()
+            .map_err(|err| into_failure(Error::InvalidArgument(format!("invalid task: {err}"))))?;
+        let test = TestSpec::with_defaults(typed.and_then(|spec| spec.blocks.test));
         let repo = task.repo.as_ref().ok_or_else(|| {
             into_failure(Error::InvalidArgument(
                 "claimed task has no repository".to_owned(),
@@ -338,14 +338,9 @@ struct TestSpec {
 }
 
 impl TestSpec {
-    /// Reads the task's `test` object by the plan's rules ([`troupe_plan::spec::TestSpec`],
-    /// the same as at intake) and applies the test-runner's defaults.
-    fn parse(value: Option<&Value>) -> Result<Self, Error> {
-        let spec = match value {
-            None | Some(Value::Null) => plan::TestSpec::default(),
-            Some(value) => plan::TestSpec::from_value(value)
-                .map_err(|err| Error::InvalidArgument(err.to_string()))?,
-        };
+    /// The task's `test` object as `troupe-plan` typed it, with the test-runner's defaults.
+    fn with_defaults(spec: Option<plan::TestSpec>) -> Self {
+        let spec = spec.unwrap_or_default();
         let fix = spec.fix.map(|fix| FixSpec {
             backend: fix
                 .agent
@@ -366,7 +361,7 @@ impl TestSpec {
                 .max_iterations
                 .unwrap_or(crate::fix::DEFAULT_MAX_ITERATIONS),
         });
-        Ok(Self {
+        Self {
             framework: match spec.framework {
                 plan::TestFramework::Auto => TestFramework::Unspecified,
                 plan::TestFramework::Pytest => TestFramework::Pytest,
@@ -389,7 +384,7 @@ impl TestSpec {
             setup: spec.setup,
             workdir: spec.workdir.unwrap_or_default(),
             python: spec.python.unwrap_or_default(),
-        })
+        }
     }
 }
 
@@ -411,7 +406,7 @@ fn verdict(report: TestRunReport) -> Result<TaskResult, TaskFailure> {
                 f.file,
                 f.line,
                 f.name,
-                f.criticality,
+                troupe_proto::names::name(f.criticality()),
                 f.message.lines().next().unwrap_or("")
             )
         })
@@ -441,7 +436,10 @@ fn verdict(report: TestRunReport) -> Result<TaskResult, TaskFailure> {
         let reason = why(&result);
         Err(TaskFailure::new(
             ErrorKind::CheckFailed,
-            format!("test run {}: {summary}{reason}", outcome_name(outcome)),
+            format!(
+                "test run {}: {summary}{reason}",
+                troupe_proto::names::name(outcome)
+            ),
             false,
         )
         .with_details(details)
@@ -490,7 +488,7 @@ fn summarize(report: &TestRunReport) -> String {
     let commit = report.commit.get(..12).unwrap_or(&report.commit);
     let mut text = format!(
         "{} at {commit}: {} tests, {} passed, {} failed, {} errors, {} skipped (pass rate {:.1}%)",
-        detect::name(report.framework()),
+        troupe_proto::names::name(report.framework()),
         t.total,
         t.passed,
         t.failed,
@@ -553,9 +551,26 @@ mod tests {
 
     use super::*;
 
+    /// A claimed TESTRUN task with `test` as its `test` object, read as the worker reads it.
+    fn parse(test: Option<&Value>) -> Result<TestSpec, troupe_plan::PlanError> {
+        let mut object = serde_json::Map::new();
+        object.insert("id".into(), json!("TESTRUN-1"));
+        if let Some(test) = test {
+            object.insert("test".into(), test.clone());
+        }
+        let task = troupe_proto::v1::Task {
+            id: "TESTRUN-1".into(),
+            role: troupe_proto::v1::Role::TestRunner as i32,
+            spec: Some(troupe_proto::json::to_struct(&Value::Object(object))),
+            ..troupe_proto::v1::Task::default()
+        };
+        let spec = troupe_plan::TaskSpec::try_from(&task)?;
+        Ok(TestSpec::with_defaults(spec.blocks.test))
+    }
+
     #[test]
     fn parses_the_test_object_with_defaults() {
-        let spec = TestSpec::parse(None).expect("defaults");
+        let spec = parse(None).expect("defaults");
         assert_eq!(
             spec,
             TestSpec {
@@ -575,7 +590,7 @@ mod tests {
         );
         let value = json!({"framework": "pytest", "coverage_target": 80, "install": false,
                            "coverage_source": "stats", "timeout_seconds": 120.0, "test_timeout_seconds": 5});
-        let spec = TestSpec::parse(Some(&value)).expect("valid");
+        let spec = parse(Some(&value)).expect("valid");
         assert_eq!(spec.framework, TestFramework::Pytest);
         assert!((spec.coverage_target - 80.0).abs() < f64::EPSILON);
         assert!(!spec.install);
@@ -588,7 +603,7 @@ mod tests {
             json!({"timeout_seconds": 1.5}),
             json!("x"),
         ] {
-            assert!(TestSpec::parse(Some(&bad)).is_err(), "{bad}");
+            assert!(parse(Some(&bad)).is_err(), "{bad}");
         }
     }
 
@@ -596,17 +611,14 @@ mod tests {
     fn parses_the_fix_object() {
         let value = json!({"fix": {"agent": {"backend": "command", "command": ["python3", "fix.py", "{worktree}"]},
                                    "max_iterations": 2, "scope": "both"}});
-        let spec = TestSpec::parse(Some(&value)).expect("valid");
+        let spec = parse(Some(&value)).expect("valid");
         let fix = spec.fix.expect("fix");
         assert_eq!(fix.command, ["python3", "fix.py", "{worktree}"]);
         assert_eq!(fix.max_iterations, 2);
         assert_eq!(fix.scope, FixScope::Both);
         assert_eq!(fix.timeout, crate::fix::DEFAULT_AGENT_TIMEOUT);
         let defaults = json!({"fix": {"agent": {"command": ["x"]}}});
-        let fix = TestSpec::parse(Some(&defaults))
-            .expect("valid")
-            .fix
-            .expect("fix");
+        let fix = parse(Some(&defaults)).expect("valid").fix.expect("fix");
         assert_eq!(
             (fix.backend.as_str(), fix.max_iterations, fix.scope),
             ("command", 3, FixScope::Tests)
@@ -618,7 +630,7 @@ mod tests {
             json!({"fix": {"agent": {"command": ["x"]}, "max_iterations": 0}}),
             json!({"fix": "yes"}),
         ] {
-            assert!(TestSpec::parse(Some(&bad)).is_err(), "{bad}");
+            assert!(parse(Some(&bad)).is_err(), "{bad}");
         }
     }
 

@@ -20,8 +20,7 @@ use troupe_plan::Role;
 use troupe_proto::json::struct_to_object;
 use troupe_proto::v1::{
     self as pb, CheckStatus, GetSessionRequest, GetStateRequest, ListMessagesRequest, SessionState,
-    TaskState, TestFramework, TestOutcome, Verdict, WatchSessionRequest, session_event,
-    task_result::Detail,
+    TaskState, TestOutcome, Verdict, WatchSessionRequest, session_event, task_result::Detail,
 };
 
 impl ExportError {
@@ -503,8 +502,8 @@ fn team_session(snapshot: &Snapshot, roles: &[(Role, String)]) -> Value {
             "session_id": session.id,
             "plan_name": session.name,
             "state": crate::report::session_state_name(session.state),
-            "mode": session.mode,
-            "on_failure": session.on_failure,
+            "mode": troupe_proto::names::name(session.mode()),
+            "on_failure": troupe_proto::names::name(session.on_failure()),
             "max_attempts": plan_max_attempts(&snapshot.tasks),
             "repos": repos,
             "task_order": snapshot.tasks.iter().map(|task| task.id.as_str()).collect::<Vec<_>>(),
@@ -679,7 +678,7 @@ fn meta(snapshot: &Snapshot, roles: &[(Role, String)], now: DateTime<Utc>) -> Va
         "status": status,
         "created_at": zulu(session.created_at.as_ref()),
         "updated_at": msg_time(updated),
-        "pipeline_mode": session.mode,
+        "pipeline_mode": troupe_proto::names::name(session.mode()),
         "pipeline_stages": roles.iter().map(|(role, _)| role.as_str()).collect::<Vec<_>>(),
         "team_name": session.name,
         "task_description": session.description,
@@ -765,12 +764,9 @@ fn convergence_met(task: &pb::Task, tasks: &[pb::Task]) -> (&'static str, Vec<pb
     let written_back = task
         .convergence
         .as_ref()
-        .and_then(|c| match c.met.as_str() {
-            "pass" => Some("pass"),
-            "fail" => Some("fail"),
-            "pending" => Some("pending"),
-            _ => None,
-        });
+        .map(pb::TaskConvergence::met)
+        .filter(|met| *met != pb::ConvergenceMet::Unspecified)
+        .map(troupe_proto::names::name);
     let met = if let Some(met) = written_back {
         met
     } else if own.iter().any(failed) || (own.is_empty() && verdicts.contains(&Verdict::Fail)) {
@@ -788,26 +784,27 @@ fn convergence_met(task: &pb::Task, tasks: &[pb::Task]) -> (&'static str, Vec<pb
 /// `summary-<ID>.md` with §2.5 frontmatter (rendered by [`troupe_plan::ccw::summary`], which
 /// the executor uses too).
 fn summary(task: &pb::Task, tasks: &[pb::Task]) -> String {
-    let spec = task.spec.as_ref().map(struct_to_object).unwrap_or_default();
+    let typed = troupe_plan::TaskSpec::try_from(task).ok();
     let result = task.result.clone().unwrap_or_default();
     let implementation = match &result.detail {
         Some(Detail::Implementation(report)) => Some(report),
         _ => None,
     };
     let (met, checks) = convergence_met(task, tasks);
-    // Intake checked the block; a stored session holds nothing else.
-    let criteria = spec
-        .get("convergence")
-        .and_then(|value| troupe_plan::spec::Convergence::from_value(value).ok())
-        .map(|convergence| {
-            convergence
+    // Intake typed the task by the same rules; a stored session holds nothing else.
+    let criteria = typed
+        .as_ref()
+        .map(|typed| {
+            typed
+                .blocks
+                .convergence
                 .criteria
-                .into_iter()
+                .iter()
                 .map(|criterion| {
                     let passed = checks.iter().any(|check| {
-                        check.subject == criterion && check.status == CheckStatus::Pass as i32
+                        &check.subject == criterion && check.status == CheckStatus::Pass as i32
                     });
-                    (criterion, passed)
+                    (criterion.clone(), passed)
                 })
                 .collect()
         })
@@ -821,7 +818,7 @@ fn summary(task: &pb::Task, tasks: &[pb::Task]) -> String {
             u64::try_from((finished - started).num_milliseconds()).ok()
         });
     troupe_plan::ccw::summary::TaskSummary {
-        phase: spec.get("phase").cloned(),
+        phase: typed.as_ref().and_then(|typed| typed.phase().cloned()),
         task: task.id.clone(),
         title: task.title.clone(),
         requires: task.depends_on.clone(),
@@ -842,19 +839,11 @@ fn summary(task: &pb::Task, tasks: &[pb::Task]) -> String {
     .render()
 }
 
-fn enum_name(name: &str, prefix: &str) -> String {
-    name.trim_start_matches(prefix)
-        .to_ascii_lowercase()
-        .replace('_', "-")
-}
-
 /// `results/run-N.json` (§2.4, with the proposed additions).
 fn test_run(run: usize, task: &pb::Task, report: &pb::TestRunReport) -> Value {
     let totals = report.totals.unwrap_or_default();
     let outcome = TestOutcome::try_from(report.outcome).unwrap_or(TestOutcome::Unspecified);
-    let framework = TestFramework::try_from(report.framework)
-        .map(|f| enum_name(f.as_str_name(), "TEST_FRAMEWORK_"))
-        .unwrap_or_default();
+    let framework = troupe_proto::names::name(report.framework());
     let coverage = report.coverage.as_ref().and_then(|c| c.overall);
     let failure_summary = if report.failures.is_empty() {
         String::new()
@@ -867,12 +856,12 @@ fn test_run(run: usize, task: &pb::Task, report: &pb::TestRunReport) -> Value {
             first.message.lines().next().unwrap_or_default()
         )
     };
-    let spec = task.spec.as_ref().map(struct_to_object).unwrap_or_default();
-    let layer = spec
-        .get("test")
-        .and_then(|t| t.get("layer"))
-        .and_then(Value::as_str)
-        .unwrap_or("L1-unit");
+    // Intake typed the task; the test-runner's default layer otherwise.
+    let layer = troupe_plan::TaskSpec::try_from(task)
+        .ok()
+        .and_then(|typed| typed.blocks.test)
+        .and_then(|test| test.layer)
+        .unwrap_or_else(|| "L1-unit".to_owned());
     json!({
         "run_id": format!("run-{run:03}"),
         "task_id": task.id,
@@ -883,7 +872,7 @@ fn test_run(run: usize, task: &pb::Task, report: &pb::TestRunReport) -> Value {
         "coverage_target": report.coverage_target,
         "iterations": task.attempt,
         "passed": outcome == TestOutcome::Passed,
-        "outcome": enum_name(outcome.as_str_name(), "TEST_OUTCOME_"),
+        "outcome": troupe_proto::names::name(outcome),
         "failure_summary": failure_summary,
         "defect_patterns": [],
         "effective_patterns": [],
@@ -901,7 +890,7 @@ fn test_run(run: usize, task: &pb::Task, report: &pb::TestRunReport) -> Value {
         "commit": report.commit,
         "failures": report.failures.iter().map(|f| json!({
             "test": f.name, "error": f.message, "file": f.file, "line": f.line,
-            "criticality": f.criticality,
+            "criticality": troupe_proto::names::name(f.criticality()),
         })).collect::<Vec<_>>(),
         "warnings": report.warnings,
     })
@@ -996,7 +985,7 @@ mod tests {
             ),
             result: Some(pb::TaskResult {
                 detail: Some(Detail::TestRun(pb::TestRunReport {
-                    framework: TestFramework::Pytest as i32,
+                    framework: pb::TestFramework::Pytest as i32,
                     outcome: TestOutcome::Passed as i32,
                     command: vec!["python3".into(), "-m".into(), "pytest".into()],
                     totals: Some(pb::TestTotals {
@@ -1022,8 +1011,8 @@ mod tests {
                 name: "demo".into(),
                 description: "demo session".into(),
                 state: SessionState::Failed as i32,
-                mode: "eager".into(),
-                on_failure: "skip".into(),
+                mode: pb::SessionMode::Eager as i32,
+                on_failure: pb::OnFailure::Skip as i32,
                 created_at: timestamp(1_772_359_000, 0),
                 ..Default::default()
             },

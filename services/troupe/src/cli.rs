@@ -920,11 +920,18 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
             .iter()
             .filter(|node| wave.task_ids.contains(&node.task_id))
         {
-            let mut line = format!("  {:<8} {} {}", node.status, node.task_id, node.title);
+            let mut line = format!(
+                "  {:<8} {} {}",
+                troupe_proto::names::name(node.status()),
+                node.task_id,
+                node.title
+            );
             if multi_repo {
                 let _ = write!(line, " [{}]", node.repo);
             }
-            if !node.waiting_on.is_empty() && node.status == "pending" {
+            if !node.waiting_on.is_empty()
+                && node.status() == troupe_proto::v1::GraphStatus::Pending
+            {
                 let _ = write!(line, " (waits on {})", node.waiting_on.join(", "));
             }
             if !node.progress.is_empty() {

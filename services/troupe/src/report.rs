@@ -3,8 +3,8 @@
 use std::fmt::Write as _;
 
 use troupe_proto::v1::{
-    GetSessionResponse, RepoAccess, Session, SessionEvent, SessionRepo, SessionState, Task,
-    TaskResult, TaskState, TestOutcome, Verdict, session_event, task_result,
+    ConvergenceMet, GetSessionResponse, RepoAccess, Session, SessionEvent, SessionRepo,
+    SessionState, Task, TaskResult, TaskState, session_event, task_result,
 };
 
 /// Returns a lowercase name for a task state (`completed`, `timed_out`, ...; see
@@ -108,7 +108,7 @@ pub fn session_header(session: &Session, tasks: &[Task]) -> String {
         session.id,
         tasks.len(),
         waves,
-        session.mode
+        troupe_proto::names::name(session.mode())
     );
     for repo in &session.repos {
         let _ = writeln!(
@@ -172,7 +172,7 @@ pub fn final_report(response: &GetSessionResponse) -> String {
             let _ = writeln!(
                 text,
                 "      convergence {} (criteria verified: {}; checked by {})",
-                convergence.met,
+                troupe_proto::names::name(convergence.met()),
                 verified.join(", "),
                 convergence.checked_by
             );
@@ -280,13 +280,14 @@ fn render_result(text: &mut String, result: &TaskResult) {
             }
             // An EXEC phase: one line per sub-task, by wave.
             for phase_task in &implementation.phase_tasks {
-                let met = if phase_task.convergence_met.is_empty() {
-                    String::new()
-                } else {
-                    format!(", convergence {}", phase_task.convergence_met)
+                let met = match phase_task.convergence_met() {
+                    ConvergenceMet::Unspecified => String::new(),
+                    met => format!(", convergence {}", troupe_proto::names::name(met)),
                 };
                 // A completed task's summary repeats its commit; otherwise it says why.
-                let what = if phase_task.state == "completed" && !phase_task.commit.is_empty() {
+                let what = if phase_task.state() == TaskState::Completed
+                    && !phase_task.commit.is_empty()
+                {
                     format!("commit {}", short(&phase_task.commit))
                 } else {
                     first_line(&phase_task.summary).to_owned()
@@ -294,42 +295,26 @@ fn render_result(text: &mut String, result: &TaskResult) {
                 let _ = writeln!(
                     text,
                     "        wave {} {:<12} {:<9} {what}{met}",
-                    phase_task.wave, phase_task.task_id, phase_task.state,
+                    phase_task.wave,
+                    phase_task.task_id,
+                    troupe_proto::names::name(phase_task.state()),
                 );
             }
         }
         Some(task_result::Detail::Validation(validation)) => {
-            let verdict = Verdict::try_from(validation.verdict)
-                .map(|v| {
-                    v.as_str_name()
-                        .trim_start_matches("VERDICT_")
-                        .to_ascii_lowercase()
-                })
-                .unwrap_or_default();
+            let verdict = troupe_proto::names::name(validation.verdict());
             let _ = writeln!(
                 text,
                 "      verdict {verdict}, {} checks:",
                 validation.checks.len()
             );
             for check in &validation.checks {
-                let status = troupe_proto::v1::CheckStatus::try_from(check.status)
-                    .map(|s| {
-                        s.as_str_name()
-                            .trim_start_matches("CHECK_STATUS_")
-                            .to_ascii_lowercase()
-                    })
-                    .unwrap_or_default();
+                let status = troupe_proto::names::name(check.status());
                 let _ = writeln!(text, "        {status:<13} {}", check.name);
             }
         }
         Some(task_result::Detail::TestRun(run)) => {
-            let outcome = TestOutcome::try_from(run.outcome)
-                .map(|o| {
-                    o.as_str_name()
-                        .trim_start_matches("TEST_OUTCOME_")
-                        .to_ascii_lowercase()
-                })
-                .unwrap_or_default();
+            let outcome = troupe_proto::names::name(run.outcome());
             let totals = run.totals.unwrap_or_default();
             let _ = writeln!(
                 text,
@@ -368,8 +353,8 @@ fn render_result(text: &mut String, result: &TaskResult) {
                         text,
                         "        {} {} {} (pass rate {:.1} %){}",
                         step.iteration,
-                        step.strategy,
-                        step.verdict,
+                        troupe_proto::names::name(step.strategy()),
+                        troupe_proto::names::name(step.verdict()),
                         step.pass_rate * 100.0,
                         if step.commit.is_empty() {
                             String::new()
@@ -535,16 +520,16 @@ mod tests {
     #[test]
     fn a_phase_lists_its_tasks_and_a_task_its_written_back_convergence() {
         use troupe_proto::v1::{ImplementationReport, PhaseTaskOutcome, TaskConvergence};
-        let phase_task = |id: &str, wave: u32, state: &str| PhaseTaskOutcome {
+        let phase_task = |id: &str, wave: u32, state: TaskState| PhaseTaskOutcome {
             task_id: id.into(),
             wave,
-            state: state.into(),
-            summary: format!("{id} {state}"),
+            state: state as i32,
+            summary: format!("{id} {}", troupe_proto::names::name(state)),
             commit: "0123456789abcdef".into(),
-            convergence_met: if state == "completed" {
-                "pass".into()
+            convergence_met: if state == TaskState::Completed {
+                ConvergenceMet::Pass as i32
             } else {
-                String::new()
+                ConvergenceMet::Unspecified as i32
             },
             ..Default::default()
         };
@@ -562,8 +547,8 @@ mod tests {
                         detail: Some(task_result::Detail::Implementation(ImplementationReport {
                             backend: "command".into(),
                             phase_tasks: vec![
-                                phase_task("IMPL-101", 1, "completed"),
-                                phase_task("IMPL-103", 2, "skipped"),
+                                phase_task("IMPL-101", 1, TaskState::Completed),
+                                phase_task("IMPL-103", 2, TaskState::Skipped),
                             ],
                             ..Default::default()
                         })),
@@ -576,9 +561,10 @@ mod tests {
                     state: TaskState::Completed as i32,
                     convergence: Some(TaskConvergence {
                         verified: vec![true, false],
-                        met: "fail".into(),
+                        met: ConvergenceMet::Fail as i32,
                         checked_by: "VALIDATE-001".into(),
                         commit: "abc".into(),
+                        ..Default::default()
                     }),
                     ..Default::default()
                 },

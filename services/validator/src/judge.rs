@@ -25,6 +25,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use troupe_backends::{BACKEND_NAMES, BackendConfig, RunOutcome, RunSpec};
+use troupe_plan::spec::JudgeSpec;
 use troupe_proto::v1::{CheckResult, CheckStatus};
 
 use crate::validate::confined;
@@ -138,74 +139,29 @@ impl JudgeConfig {
         }))
     }
 
-    /// Parses a judge that a plan (a VALIDATE task's `judge`) or a `Validate` request names:
-    /// it may choose the backend, the model, its time limits and budgets, and nothing that
-    /// says where the judge connects or which credentials it gets (`endpoint`, `api_key`,
-    /// `api_key_env`, `env_allow`, `env`, the program `command`, `allow_commands`): those come
+    /// The judge a plan (a validator task's `judge`) or a `Validate` request
+    /// (`judge_spec`) names, as `troupe-plan` typed it ([`JudgeSpec`]): the plan chooses the
+    /// backend, the model, its time limits and budgets; where the judge connects and which
+    /// credentials it gets (`endpoint`, `api_key_env`, `env_allow`, the program, ...) come
     /// from the validator's own configuration, `configured` (`--judge-config`), when it names
     /// the same backend, and are the backend's defaults otherwise. A `command` judge (an argv,
-    /// run read-only like a verification command) is unchanged.
-    pub fn from_request(
-        value: &Value,
+    /// run read-only like a verification command) is taken as it is.
+    pub fn from_spec(
+        spec: &JudgeSpec,
         default_timeout: Duration,
         configured: Option<&JudgeConfig>,
-    ) -> Result<Option<Self>, String> {
-        /// What a plan may set for an agent backend.
-        const PLAN_SETTINGS: [&str; 7] = [
-            "backend",
-            "model",
-            "timeout_seconds",
-            "idle_timeout_seconds",
-            "max_turns",
-            "max_tokens",
-            "fast_fail",
-        ];
-        let Value::Object(map) = value else {
-            return Self::from_value(value, default_timeout);
+    ) -> Self {
+        let (backend, chosen) = match spec {
+            JudgeSpec::Command { argv, timeout } => {
+                return Self::command(argv.clone(), timeout.unwrap_or(default_timeout));
+            }
+            JudgeSpec::Backend { backend, settings } => (backend, settings),
         };
-        let backend = map
-            .get("backend")
-            .and_then(Value::as_str)
-            .unwrap_or("command");
-        if backend == "command" {
-            return Self::from_value(value, default_timeout);
-        }
-        /// Where the judge connects and what it is given: the service's business alone.
-        const SERVICE_SETTINGS: [&str; 7] = [
-            "endpoint",
-            "api_key",
-            "api_key_env",
-            "env_allow",
-            "env",
-            "command",
-            "allow_commands",
-        ];
-        if let Some(key) = map
-            .keys()
-            .find(|key| !PLAN_SETTINGS.contains(&key.as_str()))
-        {
-            return Err(if SERVICE_SETTINGS.contains(&key.as_str()) {
-                format!(
-                    "`{key}` of a judge comes from the validator's configuration \
-                     (--judge-config), never from a plan or a request; a plan may set {}",
-                    PLAN_SETTINGS.join(", ")
-                )
-            } else {
-                format!(
-                    "`{key}` is not a judge setting a plan may give (it may set {})",
-                    PLAN_SETTINGS.join(", ")
-                )
-            });
-        }
-        let Some(mut judge) = Self::from_value(value, default_timeout)? else {
-            return Ok(None);
-        };
-        let chosen = judge.settings.clone();
         let mut settings = configured
-            .filter(|configured| configured.backend == judge.backend)
+            .filter(|configured| &configured.backend == backend)
             .map(|configured| configured.settings.clone())
             .unwrap_or_default();
-        settings.model = chosen.model.or(settings.model);
+        settings.model = chosen.model.clone().or(settings.model);
         settings.timeout_seconds = chosen.timeout_seconds.or(settings.timeout_seconds);
         settings.idle_timeout_seconds = chosen
             .idle_timeout_seconds
@@ -213,12 +169,15 @@ impl JudgeConfig {
         settings.max_turns = chosen.max_turns.or(settings.max_turns);
         settings.max_tokens = chosen.max_tokens.or(settings.max_tokens);
         settings.fast_fail |= chosen.fast_fail;
-        judge.timeout = settings
-            .timeout_seconds
-            .filter(|s| *s > 0)
-            .map_or(default_timeout, Duration::from_secs);
-        judge.settings = settings;
-        Ok(Some(judge))
+        Self {
+            backend: backend.clone(),
+            command: Vec::new(),
+            timeout: settings
+                .timeout_seconds
+                .filter(|s| *s > 0)
+                .map_or(default_timeout, Duration::from_secs),
+            settings,
+        }
     }
 
     /// Parses a judge configuration file (TOML, the same keys as [`JudgeConfig::from_value`]).
@@ -264,17 +223,6 @@ enum Cited {
     },
 }
 
-fn status_name(status: CheckStatus) -> &'static str {
-    match status {
-        CheckStatus::Pass => "pass",
-        CheckStatus::Fail => "fail",
-        CheckStatus::ManualReview => "manual_review",
-        CheckStatus::Skipped => "skipped",
-        CheckStatus::Error => "error",
-        CheckStatus::Unspecified => "unspecified",
-    }
-}
-
 const ANSWER_FORMAT: &str = "one JSON object: {\"verdict\": \"pass\"|\"fail\", \"evidence\": [{\"file\": \"<repo-relative path>\", \"line\": <1-based>, \"end_line\": <optional>} or {\"command\": \"<command that was run>\", \"output\": \"<text it printed, quoted exactly>\"}], \"reason\": \"...\"}; a verdict without evidence that exists is not accepted";
 
 /// The prompt for an agent backend: the criterion, the context and the answer contract.
@@ -301,7 +249,7 @@ fn agent_prompt(criterion: &str, worktree: &Path, context: &JudgeContext<'_>) ->
             prompt.push_str(&format!(
                 "- {} [{}]: {}\n",
                 c.name,
-                status_name(c.status()),
+                troupe_proto::names::name(c.status()),
                 troupe_process::tail(&c.evidence, 5, 600).replace('\n', "\n  ")
             ));
         }
@@ -342,7 +290,7 @@ pub(crate) async fn ask(
             "worktree": worktree.display().to_string(),
             "files_changed": context.changed,
             "checks": context.checks.iter().map(|c| json!({
-                "name": c.name, "status": status_name(c.status()), "evidence": troupe_process::tail(&c.evidence, 10, 1500),
+                "name": c.name, "status": troupe_proto::names::name(c.status()), "evidence": troupe_process::tail(&c.evidence, 10, 1500),
             })).collect::<Vec<_>>(),
             "answer_format": format!("on stdout, {ANSWER_FORMAT}"),
         })
@@ -611,11 +559,17 @@ fn truncate(text: &str, max: usize) -> String {
 mod tests {
     use super::*;
 
+    /// A judge as a plan or a request names it, typed by `troupe-plan`.
+    fn requested(value: Value) -> Result<JudgeSpec, String> {
+        JudgeSpec::from_value(&value)
+            .map_err(|err| err.to_string())
+            .map(|judge| judge.expect("a judge"))
+    }
+
     /// The attack of issue 19: a plan's judge sending one of the validator's variables as a
     /// bearer token to the plan's URL.
     #[test]
     fn a_plan_cannot_choose_where_the_judge_connects_or_what_it_is_given() {
-        let timeout = Duration::from_secs(60);
         for key in [
             "endpoint",
             "api_key",
@@ -627,18 +581,17 @@ mod tests {
         ] {
             let mut spec = json!({"backend": "agent", "model": "m"});
             spec[key] = json!("SECRET_DB_PASSWORD");
-            let err = JudgeConfig::from_request(&spec, timeout, None).expect_err(key);
+            let err = requested(spec).expect_err(key);
             assert!(
-                err.starts_with(&format!(
-                    "`{key}` of a judge comes from the validator's configuration"
-                )),
+                err.contains(&format!("`judge_spec.{key}` is not a judge setting a plan may give: where a judge connects")),
                 "{err}"
             );
         }
-        let err =
-            JudgeConfig::from_request(&json!({"backend": "agent", "modle": "m"}), timeout, None)
-                .expect_err("unknown key");
-        assert!(err.contains("`modle` is not a judge setting"), "{err}");
+        let err = requested(json!({"backend": "agent", "modle": "m"})).expect_err("unknown key");
+        assert!(
+            err.contains("`judge_spec.modle` is not a judge setting"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -651,29 +604,24 @@ mod tests {
         )
         .expect("valid")
         .expect("a judge");
-        let chosen = JudgeConfig::from_request(
-            &json!({"backend": "agent", "model": "chosen", "max_turns": 3}),
-            timeout,
-            Some(&configured),
-        )
-        .expect("valid")
-        .expect("a judge");
+        let spec = requested(json!({"backend": "agent", "model": "chosen", "max_turns": 3}))
+            .expect("valid");
+        let chosen = JudgeConfig::from_spec(&spec, timeout, Some(&configured));
         assert_eq!(chosen.settings.model.as_deref(), Some("chosen"));
         assert_eq!(chosen.settings.endpoint.as_deref(), Some("http://model/v1"));
         assert_eq!(chosen.settings.api_key_env.as_deref(), Some("JUDGE_KEY"));
         assert_eq!(chosen.settings.max_turns, Some(3));
         assert_eq!(chosen.timeout, Duration::from_secs(30));
         // Another backend than the configured one gets that backend's defaults only.
-        let other =
-            JudgeConfig::from_request(&json!({"backend": "codex"}), timeout, Some(&configured))
-                .expect("valid")
-                .expect("a judge");
+        let codex = requested(json!({"backend": "codex"})).expect("valid");
+        let other = JudgeConfig::from_spec(&codex, timeout, Some(&configured));
         assert_eq!(other.settings, BackendConfig::default());
         // A command judge is an argv, as before.
-        let command = JudgeConfig::from_request(&json!(["python3", "judge.py"]), timeout, None)
-            .expect("valid")
-            .expect("a judge");
+        let argv = requested(json!(["python3", "judge.py"])).expect("valid");
+        let command = JudgeConfig::from_spec(&argv, timeout, None);
         assert_eq!(command.backend, "command");
+        assert_eq!(command.command, ["python3", "judge.py"]);
+        assert_eq!(command.timeout, timeout);
     }
 
     #[test]

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use troupe_process::{Command, Sandbox, Termination};
 use troupe_proto::v1::{
-    CheckResult, CheckStatus, FileAction, FileChange, ReviewReport, TestRunReport, ValidateRequest,
-    ValidationReport, Verdict,
+    CheckResult, CheckStatus, ConvergenceMet, FileAction, FileChange, ReviewReport, TestRunReport,
+    ValidateRequest, ValidationReport, Verdict,
 };
 use troupe_workspace::{Mirror, Mirrors, Oid, Remote, Repo};
 
@@ -80,12 +80,11 @@ impl Validation {
             secs => Duration::from_secs(u64::from(secs)),
         };
         let judge = match &request.judge_spec {
-            Some(spec) => JudgeConfig::from_request(
-                &troupe_proto::json::from_struct(spec),
-                timeout,
-                configured,
-            )
-            .map_err(|err| Error::InvalidArgument(format!("judge_spec: {err}")))?,
+            Some(spec) => {
+                troupe_plan::spec::JudgeSpec::from_value(&troupe_proto::json::from_struct(spec))
+                    .map_err(|err| Error::InvalidArgument(err.to_string()))?
+                    .map(|judge| JudgeConfig::from_spec(&judge, timeout, configured))
+            }
             None if request.judge.is_empty() => None,
             None => Some(JudgeConfig::command(request.judge, timeout)),
         };
@@ -691,7 +690,7 @@ pub(crate) fn report(commit: Oid, mut checks: Vec<CheckResult>) -> ValidationRep
         checks,
         commit: commit.into(),
         convergence_verified,
-        convergence_met,
+        convergence_met: convergence_met as i32,
         ..ValidationReport::default()
     }
 }
@@ -699,13 +698,13 @@ pub(crate) fn report(commit: Oid, mut checks: Vec<CheckResult>) -> ValidationRep
 /// Per own criterion (checks named `criterion:<n>`), whether it passed, and the summary's
 /// `convergence-met`: `pass` when all passed, `fail` when one failed or errored, else
 /// `pending`; empty without criteria.
-pub(crate) fn convergence(checks: &[CheckResult]) -> (Vec<bool>, String) {
+pub(crate) fn convergence(checks: &[CheckResult]) -> (Vec<bool>, ConvergenceMet) {
     convergence_of(checks, "")
 }
 
 /// [`convergence`] for the criteria checks named `<prefix>criterion:<n>` (an upstream task's,
 /// with prefix `IMPL-001/`).
-pub(crate) fn convergence_of(checks: &[CheckResult], prefix: &str) -> (Vec<bool>, String) {
+pub(crate) fn convergence_of(checks: &[CheckResult], prefix: &str) -> (Vec<bool>, ConvergenceMet) {
     let own: Vec<&CheckResult> = checks
         .iter()
         .filter(|c| {
@@ -720,18 +719,18 @@ pub(crate) fn convergence_of(checks: &[CheckResult], prefix: &str) -> (Vec<bool>
         .map(|c| c.status() == CheckStatus::Pass)
         .collect();
     let met = if own.is_empty() {
-        ""
+        ConvergenceMet::Unspecified
     } else if verified.iter().all(|v| *v) {
-        "pass"
+        ConvergenceMet::Pass
     } else if own
         .iter()
         .any(|c| matches!(c.status(), CheckStatus::Fail | CheckStatus::Error))
     {
-        "fail"
+        ConvergenceMet::Fail
     } else {
-        "pending"
+        ConvergenceMet::Pending
     };
-    (verified, met.to_owned())
+    (verified, met)
 }
 
 pub(crate) fn millis(elapsed: Duration) -> u64 {
@@ -777,17 +776,17 @@ mod tests {
                 c("criterion:2", Pass),
                 c("IMPL-1/criterion:1", Fail)
             ]),
-            (vec![true, true], "pass".to_owned())
+            (vec![true, true], ConvergenceMet::Pass)
         );
         assert_eq!(
             convergence(&[c("criterion:1", Pass), c("criterion:2", ManualReview)]),
-            (vec![true, false], "pending".to_owned())
+            (vec![true, false], ConvergenceMet::Pending)
         );
         assert_eq!(
             convergence(&[c("criterion:1", Fail), c("criterion:2", ManualReview)]),
-            (vec![false, false], "fail".to_owned())
+            (vec![false, false], ConvergenceMet::Fail)
         );
-        assert_eq!(convergence(&[]), (vec![], String::new()));
+        assert_eq!(convergence(&[]), (vec![], ConvergenceMet::Unspecified));
     }
 
     #[test]

@@ -6,7 +6,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
-use troupe_proto::v1::{CheckResult, CheckStatus, GoalVerification, VerificationGap};
+use troupe_proto::names;
+use troupe_proto::v1::{CheckResult, CheckStatus, GapType, GoalVerification, VerificationGap};
 
 use crate::Error;
 
@@ -16,12 +17,15 @@ pub(crate) fn gap(task: &str, check: &CheckResult) -> Option<VerificationGap> {
         return None;
     }
     let (kind, expected) = match check.kind.as_str() {
-        "file" => ("file", file_expectation(&check.evidence)),
+        "file" => (GapType::File, file_expectation(&check.evidence)),
         "verification" => (
-            "verification_command",
+            GapType::VerificationCommand,
             "Command exits with code 0".to_owned(),
         ),
-        _ => ("criterion", "Criterion verified with evidence".to_owned()),
+        _ => (
+            GapType::Criterion,
+            "Criterion verified with evidence".to_owned(),
+        ),
     };
     let actual = format!(
         "{:?}: {}",
@@ -35,7 +39,7 @@ pub(crate) fn gap(task: &str, check: &CheckResult) -> Option<VerificationGap> {
     );
     Some(VerificationGap {
         task: task.to_owned(),
-        r#type: kind.to_owned(),
+        r#type: kind as i32,
         item: if check.subject.is_empty() {
             check.name.clone()
         } else {
@@ -43,6 +47,7 @@ pub(crate) fn gap(task: &str, check: &CheckResult) -> Option<VerificationGap> {
         },
         expected,
         actual: actual.chars().take(400).collect(),
+        ..VerificationGap::default()
     })
 }
 
@@ -92,7 +97,7 @@ pub(crate) fn render(summary: &Summary<'_>) -> String {
     let _ = writeln!(md, "task: {}", quoted(summary.task_id));
     let _ = writeln!(md, "session: {}", quoted(summary.session_id));
     let _ = writeln!(md, "commit: {}", quoted(summary.commit));
-    let _ = writeln!(md, "status: {}", r.status);
+    let _ = writeln!(md, "status: {}", names::name(r.status()));
     let _ = writeln!(md, "tasks_checked: {}", r.tasks_checked);
     let _ = writeln!(md, "tasks_passed: {}", r.tasks_passed);
     if r.gaps.is_empty() {
@@ -101,7 +106,7 @@ pub(crate) fn render(summary: &Summary<'_>) -> String {
         md.push_str("gaps:\n");
         for g in &r.gaps {
             let _ = writeln!(md, "  - task: {}", quoted(&g.task));
-            let _ = writeln!(md, "    type: {}", quoted(&g.r#type));
+            let _ = writeln!(md, "    type: {}", quoted(names::name(g.r#type())));
             let _ = writeln!(md, "    item: {}", quoted(&g.item));
             let _ = writeln!(md, "    expected: {}", quoted(&g.expected));
             let _ = writeln!(md, "    actual: {}", quoted(&g.actual));
@@ -163,6 +168,8 @@ pub(crate) async fn write(
 
 #[cfg(test)]
 mod tests {
+    use troupe_proto::v1::VerificationStatus;
+
     use super::*;
 
     #[test]
@@ -176,11 +183,11 @@ mod tests {
             ..CheckResult::default()
         };
         let g = gap("IMPL-002", &failing).expect("a gap");
-        assert_eq!(g.r#type, "verification_command");
+        assert_eq!(g.r#type(), GapType::VerificationCommand);
         assert_eq!(g.expected, "Command exits with code 0");
         assert!(g.actual.contains("exit 1"), "{}", g.actual);
         let result = GoalVerification {
-            status: "gaps_found".into(),
+            status: VerificationStatus::GapsFound as i32,
             tasks_checked: 2,
             tasks_passed: 1,
             gaps: vec![g],

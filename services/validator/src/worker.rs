@@ -27,13 +27,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::repos::RepoViews;
-use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use troupe_grpc::worker::{TaskContext, TaskFailure, TaskHandler};
+use troupe_proto::names;
 use troupe_proto::v1::{
-    CheckResult, CheckStatus, ClaimedTask, ErrorKind, GoalVerification, ReviewVerdict, Role,
-    TaskResult, TestRunReport, UpstreamConvergence, UpstreamResult, ValidationReport, Verdict,
-    task_result,
+    CheckResult, CheckStatus, ClaimedTask, ConvergenceMet, ErrorKind, GoalVerification,
+    ReviewVerdict, Role, TaskResult, TestRunReport, UpstreamConvergence, UpstreamResult,
+    ValidationReport, Verdict, VerificationStatus, task_result,
 };
 
 use crate::Error;
@@ -43,7 +43,7 @@ use crate::validate::{
     report,
 };
 use crate::verify;
-use troupe_plan::TaskKind;
+use troupe_plan::{TaskKind, TaskSpec};
 
 /// Runs VALIDATE-*, REVIEW-* and VERIFY-* tasks with a shared [`Validator`].
 #[derive(Debug, Clone)]
@@ -68,12 +68,10 @@ impl ValidateHandler {
         cancel: &CancellationToken,
     ) -> Result<TaskResult, TaskFailure> {
         let started = Instant::now();
-        let kind = TaskKind::of(
-            claimed.task.as_ref().map_or("", |t| t.id.as_str()),
-            troupe_plan::Role::Validator,
-        );
+        let spec = typed(&claimed).map_err(into_failure)?;
+        let kind = spec.kind;
         let report = self
-            .run(claimed, kind, progress, cancel)
+            .run(claimed, &spec, progress, cancel)
             .await
             .map_err(into_failure)?;
         tracing::info!(verdict = ?report.verdict(), checks = report.checks.len(), elapsed_ms = started.elapsed().as_millis(), "validation finished");
@@ -83,10 +81,11 @@ impl ValidateHandler {
     async fn run(
         &self,
         claimed: ClaimedTask,
-        kind: TaskKind,
+        spec: &TaskSpec,
         progress: &(dyn Fn(String) + Send + Sync),
         cancel: &CancellationToken,
     ) -> Result<ValidationReport, Error> {
+        let kind = spec.kind;
         let task = claimed
             .task
             .as_ref()
@@ -95,18 +94,12 @@ impl ValidateHandler {
             .repo
             .as_ref()
             .ok_or_else(|| Error::InvalidArgument("claimed task has no repository".to_owned()))?;
-        let spec = task
-            .spec
-            .as_ref()
-            .map(troupe_proto::json::from_struct)
-            .unwrap_or(Value::Null);
-        let convergence = TaskConvergence::parse(&spec)?;
-        let own_judge = JudgeConfig::from_request(
-            spec.get("judge").unwrap_or(&Value::Null),
-            convergence.timeout,
-            self.validator.default_judge(),
-        )
-        .map_err(|err| Error::InvalidArgument(format!("judge: {err}")))?;
+        let convergence = &spec.blocks.convergence;
+        let timeout = verification_timeout(spec);
+        let own_judge =
+            spec.blocks.judge.as_ref().map(|judge| {
+                JudgeConfig::from_spec(judge, timeout, self.validator.default_judge())
+            });
         let judge = own_judge.as_ref().or(self.validator.default_judge());
         // Everything a check reads comes from the remotes: the session branches and the task
         // branches hold every commit an upstream task reported.
@@ -157,7 +150,7 @@ impl ValidateHandler {
         }
         let job = TreeJob {
             verification: convergence.verification.as_deref(),
-            timeout: convergence.timeout,
+            timeout,
             syntax: kind == TaskKind::Validate,
             review: kind == TaskKind::Review,
             changed,
@@ -182,8 +175,9 @@ impl ValidateHandler {
                 (!verified.is_empty()).then(|| UpstreamConvergence {
                     task_id: u.task_id.clone(),
                     convergence_verified: verified,
-                    convergence_met: met,
+                    convergence_met: met as i32,
                     commit: head.to_string(),
+                    ..UpstreamConvergence::default()
                 })
             })
             .collect();
@@ -192,7 +186,7 @@ impl ValidateHandler {
             let text = verify::render(&verify::Summary {
                 task_id: &task.id,
                 session_id: &task.session_id,
-                phase: spec.get("phase"),
+                phase: spec.phase(),
                 commit: head.as_str(),
                 tasks: &tasks,
                 result: &result,
@@ -219,10 +213,10 @@ impl ValidateHandler {
         let mut checks = Vec::new();
         for upstream in executor_upstream(claimed) {
             let id = upstream.task_id.as_str();
-            let Some(spec) = upstream_spec(upstream) else {
+            let Some(spec) = upstream_spec(upstream)? else {
                 continue;
             };
-            let convergence = TaskConvergence::parse(&spec)?;
+            let convergence = &spec.blocks.convergence;
             if convergence.criteria.is_empty() {
                 continue;
             }
@@ -230,17 +224,14 @@ impl ValidateHandler {
             let view = views.named(&upstream.repo).await?;
             let prefix = format!("{id}/");
             let job = TreeJob {
-                timeout: convergence.timeout,
+                timeout: verification_timeout(&spec),
                 criteria: &convergence.criteria,
                 prefix: &prefix,
                 test_runs,
                 judge,
                 task_id: id,
-                title: spec.get("title").and_then(Value::as_str).unwrap_or(""),
-                description: spec
-                    .get("description")
-                    .and_then(Value::as_str)
-                    .unwrap_or(""),
+                title: &spec.title,
+                description: &spec.description,
                 ..TreeJob::default()
             };
             let (done, _) = self
@@ -275,27 +266,21 @@ impl ValidateHandler {
             let (repo, head) = (&view.repo, &view.head);
             let mut checks =
                 check_files(repo, head, view.base.as_ref(), &upstream.files, &prefix).await?;
-            let spec =
-                upstream_spec(upstream).ok_or_else(|| format!("the claim carries no spec of {id}"));
+            let spec = upstream_spec(upstream)?
+                .ok_or_else(|| format!("the claim carries no spec of {id}"));
             match spec {
                 Ok(spec) => {
-                    let convergence = TaskConvergence::parse(&spec)?;
-                    let (title, description) = (
-                        spec.get("title").and_then(Value::as_str).unwrap_or(""),
-                        spec.get("description")
-                            .and_then(Value::as_str)
-                            .unwrap_or(""),
-                    );
+                    let convergence = &spec.blocks.convergence;
                     let job = TreeJob {
                         verification: convergence.verification.as_deref(),
-                        timeout: convergence.timeout,
+                        timeout: verification_timeout(&spec),
                         criteria: &convergence.criteria,
                         prefix: &prefix,
                         test_runs,
                         judge,
                         task_id: id,
-                        title,
-                        description,
+                        title: &spec.title,
+                        description: &spec.description,
                         ..TreeJob::default()
                     };
                     let (done, _) = self
@@ -328,15 +313,15 @@ impl ValidateHandler {
         }
         let result = GoalVerification {
             status: if gaps.is_empty() {
-                "passed"
+                VerificationStatus::Passed
             } else {
-                "gaps_found"
-            }
-            .to_owned(),
+                VerificationStatus::GapsFound
+            } as i32,
             tasks_checked: u32::try_from(targets.len()).unwrap_or(u32::MAX),
             tasks_passed: passed,
             gaps,
             path: String::new(),
+            ..GoalVerification::default()
         };
         Ok((all, result))
     }
@@ -350,13 +335,34 @@ fn executor_upstream(claimed: &ClaimedTask) -> impl Iterator<Item = &UpstreamRes
         .filter(|u| matches!(u.role(), Role::Executor | Role::Unspecified))
 }
 
-/// An upstream task's spec as the claim carries it.
-fn upstream_spec(upstream: &UpstreamResult) -> Option<Value> {
-    upstream
+/// The claimed task, typed once by the plan's rules.
+fn typed(claimed: &ClaimedTask) -> Result<TaskSpec, Error> {
+    let task = claimed
+        .task
+        .as_ref()
+        .ok_or_else(|| Error::InvalidArgument("claimed task has no task".to_owned()))?;
+    TaskSpec::try_from(task).map_err(|err| Error::InvalidArgument(format!("invalid task: {err}")))
+}
+
+/// An upstream task as the claim carries it, typed by the plan's rules; `None` when the claim
+/// carries no spec of it.
+fn upstream_spec(upstream: &UpstreamResult) -> Result<Option<TaskSpec>, Error> {
+    if upstream
         .spec
         .as_ref()
-        .map(troupe_proto::json::from_struct)
-        .filter(|spec| spec.as_object().is_some_and(|o| !o.is_empty()))
+        .is_none_or(|spec| spec.fields.is_empty())
+    {
+        return Ok(None);
+    }
+    TaskSpec::try_from(upstream)
+        .map(Some)
+        .map_err(|err| Error::InvalidArgument(format!("upstream task {}: {err}", upstream.task_id)))
+}
+
+/// The limit of a task's verification command and judge: its `timeout_seconds`, else
+/// [`DEFAULT_VERIFICATION_TIMEOUT`].
+fn verification_timeout(spec: &TaskSpec) -> Duration {
+    spec.timeout.unwrap_or(DEFAULT_VERIFICATION_TIMEOUT)
 }
 
 /// Upstream executors' files, each at its own result commit in its own repository.
@@ -432,35 +438,6 @@ impl TaskHandler for ValidateHandler {
     }
 }
 
-/// `convergence.verification`, `convergence.criteria` and the task's `timeout_seconds`.
-#[derive(Debug, PartialEq)]
-struct TaskConvergence {
-    verification: Option<Vec<String>>,
-    criteria: Vec<String>,
-    timeout: Duration,
-}
-
-impl TaskConvergence {
-    /// Reads the block by the plan's rules ([`troupe_plan::spec::Convergence`]).
-    fn parse(spec: &Value) -> Result<Self, Error> {
-        let convergence = match spec.get("convergence") {
-            None | Some(Value::Null) => troupe_plan::spec::Convergence::default(),
-            Some(value) => troupe_plan::spec::Convergence::from_value(value)
-                .map_err(|err| Error::InvalidArgument(err.to_string()))?,
-        };
-        let (verification, criteria) = (convergence.verification, convergence.criteria);
-        let timeout = match spec.get("timeout_seconds").and_then(Value::as_u64) {
-            Some(secs) if secs > 0 => Duration::from_secs(secs),
-            _ => DEFAULT_VERIFICATION_TIMEOUT,
-        };
-        Ok(Self {
-            verification,
-            criteria,
-            timeout,
-        })
-    }
-}
-
 /// VALIDATE: PASS and MANUAL_REVIEW complete the task, FAIL fails it. REVIEW: BLOCK fails,
 /// CONDITIONAL and APPROVE complete. VERIFY: gaps fail. Failures carry the report.
 // The worker API returns `TaskFailure` by value; boxing it here would only be undone.
@@ -484,14 +461,17 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
         report.commit.get(..12).unwrap_or(&report.commit),
         report.checks.len()
     );
-    if !report.convergence_met.is_empty() {
-        summary.push_str(&format!("; convergence-met: {}", report.convergence_met));
+    if report.convergence_met() != ConvergenceMet::Unspecified {
+        summary.push_str(&format!(
+            "; convergence-met: {}",
+            names::name(report.convergence_met())
+        ));
     }
     if !report.upstream_convergence.is_empty() {
         let each: Vec<String> = report
             .upstream_convergence
             .iter()
-            .map(|u| format!("{} {}", u.task_id, u.convergence_met))
+            .map(|u| format!("{} {}", u.task_id, names::name(u.convergence_met())))
             .collect();
         summary.push_str(&format!("; upstream convergence-met: {}", each.join(", ")));
     }
@@ -554,7 +534,7 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
             let v = report.verification.clone().unwrap_or_default();
             summary.push_str(&format!(
                 "; verification {}: {}/{} tasks passed, {} gaps ({})",
-                v.status,
+                names::name(v.status()),
                 v.tasks_passed,
                 v.tasks_checked,
                 v.gaps.len(),
@@ -566,11 +546,15 @@ fn outcome(report: ValidationReport, kind: TaskKind) -> Result<TaskResult, TaskF
                 .map(|g| {
                     format!(
                         "{} {} `{}`: expected {}; {}",
-                        g.task, g.r#type, g.item, g.expected, g.actual
+                        g.task,
+                        names::name(g.r#type()),
+                        g.item,
+                        g.expected,
+                        g.actual
                     )
                 })
                 .collect();
-            (v.status != "passed" || matches!(report.verdict(), Verdict::Fail))
+            (v.status() != VerificationStatus::Passed || matches!(report.verdict(), Verdict::Fail))
                 .then(|| "verification found gaps".to_owned())
         }
         // VALIDATE: the validator's plain kind ([`TaskKind::of`] gives no other here).
@@ -638,44 +622,62 @@ mod tests {
     use super::*;
 
     #[test]
-    fn parses_convergence() {
-        let spec = json!({"convergence": {"criteria": ["a", "b"], "verification": "python -m pytest -q"}, "timeout_seconds": 30});
-        let parsed = TaskConvergence::parse(&spec).expect("valid");
-        assert_eq!(
-            parsed.verification,
-            Some(vec![
-                "python".into(),
-                "-m".into(),
-                "pytest".into(),
-                "-q".into()
-            ])
-        );
-        assert_eq!(parsed.criteria, ["a", "b"]);
-        assert_eq!(parsed.timeout, Duration::from_secs(30));
-        let shell = TaskConvergence::parse(
-            &json!({"convergence": {"verification": "make test && echo ok"}}),
-        )
+    fn a_claim_is_typed_once_with_its_judge_and_timeout() {
+        let claim = |spec: serde_json::Value| ClaimedTask {
+            task: Some(troupe_proto::v1::Task {
+                id: "VALIDATE-1".into(),
+                role: Role::Validator as i32,
+                spec: Some(troupe_proto::json::to_struct(&spec)),
+                ..troupe_proto::v1::Task::default()
+            }),
+            ..ClaimedTask::default()
+        };
+        let spec = typed(&claim(json!({
+            "convergence": {"criteria": ["a"], "verification": "python -m pytest -q"},
+            "judge": ["python3", "judge.py"],
+            "timeout_seconds": 30,
+        })))
         .expect("valid");
+        assert_eq!(spec.kind, TaskKind::Validate);
+        assert_eq!(verification_timeout(&spec), Duration::from_secs(30));
         assert_eq!(
-            shell.verification,
-            Some(vec![
-                "sh".into(),
-                "-c".into(),
-                "make test && echo ok".into()
-            ])
+            spec.blocks.convergence.verification.as_deref(),
+            Some(
+                &[
+                    "python".to_owned(),
+                    "-m".into(),
+                    "pytest".into(),
+                    "-q".into()
+                ][..]
+            )
         );
-        let argv = TaskConvergence::parse(&json!({"convergence": {"verification": ["true"]}}))
-            .expect("valid");
-        assert_eq!(argv.verification, Some(vec!["true".into()]));
-        assert_eq!(argv.timeout, DEFAULT_VERIFICATION_TIMEOUT);
-        assert!(TaskConvergence::parse(&json!({"convergence": {"verification": [1]}})).is_err());
-        assert!(TaskConvergence::parse(&json!({"convergence": {"criteria": "x"}})).is_err());
+        let judge = JudgeConfig::from_spec(
+            spec.blocks.judge.as_ref().expect("judge"),
+            verification_timeout(&spec),
+            None,
+        );
+        assert_eq!(judge.command, ["python3", "judge.py"]);
+        assert_eq!(judge.timeout, Duration::from_secs(30));
+        let defaults = typed(&claim(json!({}))).expect("valid");
         assert_eq!(
-            TaskConvergence::parse(&Value::Null)
-                .expect("empty")
-                .verification,
-            None
+            verification_timeout(&defaults),
+            DEFAULT_VERIFICATION_TIMEOUT
         );
+        // Every problem, in the plan's words, as an invalid task.
+        let err = typed(&claim(json!({
+            "convergence": {"criteria": "x", "verification": [1]},
+            "judge": {"backend": "agent", "endpoint": "http://elsewhere"},
+        })))
+        .expect_err("invalid");
+        let text = err.to_string();
+        for needle in [
+            "`convergence.criteria`",
+            "`convergence.verification",
+            "`judge.endpoint`",
+        ] {
+            assert!(text.contains(needle), "{needle} missing from {text}");
+        }
+        assert_eq!(into_failure(err).error.kind(), ErrorKind::InvalidTask);
     }
 
     fn report_with(statuses: &[CheckStatus]) -> ValidationReport {

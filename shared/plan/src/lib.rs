@@ -14,6 +14,7 @@ pub mod execution;
 mod kind;
 pub mod phase;
 pub mod spec;
+mod task;
 mod validate;
 
 use std::collections::HashMap;
@@ -25,6 +26,7 @@ use troupe_proto::v1 as pb;
 pub use approval::approval_prompt;
 pub use kind::{TaskKind, id_prefix};
 pub use spec::TaskBlocks;
+pub use task::TaskSpec;
 pub use validate::{Problem, ProblemKind};
 
 /// Default number of attempts per task when neither the plan nor the task sets one.
@@ -201,6 +203,14 @@ impl Mode {
             Self::Waves => "waves",
         }
     }
+
+    /// Returns the wire enum.
+    pub fn to_proto(self) -> pb::SessionMode {
+        match self {
+            Self::Eager => pb::SessionMode::Eager,
+            Self::Waves => pb::SessionMode::Waves,
+        }
+    }
 }
 
 /// What happens downstream of a task that failed for good.
@@ -228,6 +238,14 @@ impl OnFailure {
         match self {
             Self::Skip => "skip",
             Self::Block => "block",
+        }
+    }
+
+    /// Returns the wire enum.
+    pub fn to_proto(self) -> pb::OnFailure {
+        match self {
+            Self::Skip => pb::OnFailure::Skip,
+            Self::Block => pb::OnFailure::Block,
         }
     }
 }

@@ -7,9 +7,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::{
-    Access, DEFAULT_ESTIMATE_MS, DEFAULT_MAX_ATTEMPTS, EFFORT_SECONDS, FileAction, FileSpec,
-    IMPLICIT_REPO, Mode, OnFailure, Plan, PlanError, PlanTask, Priority, RepoSource, RepoSpec,
-    Role,
+    Access, DEFAULT_ESTIMATE_MS, DEFAULT_MAX_ATTEMPTS, EFFORT_SECONDS, IMPLICIT_REPO, Mode,
+    OnFailure, Plan, PlanError, PlanTask, Priority, RepoSource, RepoSpec, Role,
 };
 
 /// Upper bound on attempts, so a typo cannot make a task retry forever.
@@ -208,7 +207,7 @@ fn plan_name(root: &Map<String, Value>, problems: &mut Problems) -> String {
     }
 }
 
-fn optional_string(
+pub(crate) fn optional_string(
     object: &Map<String, Value>,
     field: &str,
     owner: &str,
@@ -227,7 +226,7 @@ fn optional_string(
     }
 }
 
-fn enum_field<T>(
+pub(crate) fn enum_field<T>(
     object: &Map<String, Value>,
     field: &str,
     owner: &str,
@@ -633,48 +632,15 @@ fn task(
             String::new()
         }
     };
-    let description = optional_string(object, "description", owner, problems);
-    let depends_on = string_list(object, "depends_on", owner, problems);
-    let mut unique_deps: Vec<String> = Vec::new();
-    for dep in depends_on {
-        if !unique_deps.contains(&dep) {
-            unique_deps.push(dep);
-        }
-    }
-    let role = match object.get("role") {
-        None | Some(Value::Null) => {
-            let role = crate::TaskKind::from_id(&id).map(crate::TaskKind::role);
-            if role.is_none() {
-                let prefix = crate::id_prefix(&id);
-                problems.push(
-                    ProblemKind::UnknownRole,
-                    format!(
-                        "{owner}: unknown role: id prefix `{prefix}` names no role (use IMPL/EXEC/FIX, VALIDATE/REVIEW/VERIFY, TESTRUN/TEST/QARUN or set `role` to executor, validator or test-runner)"
-                    ),
-                );
-            }
-            role
-        }
-        Some(Value::String(text)) => {
-            let role = Role::parse(text);
-            if role.is_none() {
-                problems.push(
-                    ProblemKind::UnknownRole,
-                    format!("{owner}: unknown role `{text}` (expected executor, validator or test-runner)"),
-                );
-            }
-            role
-        }
-        Some(other) => {
-            problems.push(
-                ProblemKind::UnknownRole,
-                format!(
-                    "{owner}: unknown role {other} (expected executor, validator or test-runner)"
-                ),
-            );
-            None
-        }
-    };
+    let crate::task::Common {
+        role,
+        description,
+        depends_on,
+        files,
+        focus_paths,
+        timeout_seconds,
+        blocks,
+    } = crate::task::common(object, &id, owner, None, problems);
     let priority = enum_field(
         object,
         "priority",
@@ -717,44 +683,15 @@ fn task(
             format!("{owner}: repo `{repo}` is read-only (`access: read`): only validator tasks may work in it; other tasks get it as context"),
         );
     }
-    let files = files(object, owner, problems);
-    let focus_paths = string_list(object, "focus_paths", owner, problems);
-    for (position, path) in focus_paths.iter().enumerate() {
-        if escapes_root(path) {
-            problems.push(
-                ProblemKind::PathEscape,
-                format!("{owner}: focus_paths[{position}] `{path}` escapes the repository root"),
-            );
-        }
-    }
-    let blocks = crate::spec::parse(object, owner, role, problems);
     crate::approval::check(object, owner, problems);
     let max_attempts =
         attempts(object.get("max_attempts"), owner, problems).unwrap_or(plan_attempts);
-    let timeout_seconds = match object
-        .get("timeout_seconds")
-        .filter(|value| !value.is_null())
-    {
-        None => None,
-        Some(value) => match value.as_u64().and_then(|secs| u32::try_from(secs).ok()) {
-            Some(secs) if secs > 0 => Some(secs),
-            _ => {
-                problems.push(
-                    ProblemKind::InvalidValue,
-                    format!(
-                        "{owner}: invalid timeout_seconds {value} (expected a positive integer)"
-                    ),
-                );
-                None
-            }
-        },
-    };
     let estimate_ms = estimate(object, owner, problems);
     PlanTask {
         id,
         title,
         description,
-        depends_on: unique_deps,
+        depends_on,
         role: role.unwrap_or(Role::Executor),
         priority,
         repo,
@@ -813,7 +750,7 @@ fn estimate(object: &Map<String, Value>, owner: &str, problems: &mut Problems) -
     }
 }
 
-fn string_list(
+pub(crate) fn string_list(
     object: &Map<String, Value>,
     field: &str,
     owner: &str,
@@ -842,74 +779,6 @@ fn string_list(
             Vec::new()
         }
     }
-}
-
-pub(crate) fn files(
-    object: &Map<String, Value>,
-    owner: &str,
-    problems: &mut Problems,
-) -> Vec<FileSpec> {
-    let items = match object.get("files") {
-        None | Some(Value::Null) => return Vec::new(),
-        Some(Value::Array(items)) => items,
-        Some(_) => {
-            problems.push(
-                ProblemKind::InvalidValue,
-                format!("{owner}: `files` must be an array"),
-            );
-            return Vec::new();
-        }
-    };
-    let mut out = Vec::new();
-    for (position, item) in items.iter().enumerate() {
-        let where_ = format!("{owner}: files[{position}]");
-        let Value::Object(file) = item else {
-            problems.push(
-                ProblemKind::InvalidValue,
-                format!("{where_} must be an object with `path`"),
-            );
-            continue;
-        };
-        let path = match file.get("path") {
-            Some(Value::String(path)) if !path.is_empty() => path.clone(),
-            Some(Value::String(_)) | None | Some(Value::Null) => {
-                problems.push(
-                    ProblemKind::MissingField,
-                    format!("{where_}: missing required field `path`"),
-                );
-                continue;
-            }
-            Some(_) => {
-                problems.push(
-                    ProblemKind::InvalidValue,
-                    format!("{where_}: `path` must be a string"),
-                );
-                continue;
-            }
-        };
-        if escapes_root(&path) {
-            problems.push(
-                ProblemKind::PathEscape,
-                format!("{owner}: files[{position}].path `{path}` escapes the repository root"),
-            );
-        }
-        let action = enum_field(
-            file,
-            "action",
-            &where_,
-            FileAction::parse,
-            "create, modify or delete",
-            problems,
-        )
-        .unwrap_or_default();
-        let change = optional_string(file, "change", &where_, problems);
-        out.push(FileSpec {
-            path,
-            action,
-            change,
-        });
-    }
-    out
 }
 
 /// Reports unknown dependencies, self-dependencies and cycles; true when the graph is a DAG.

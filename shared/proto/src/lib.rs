@@ -14,6 +14,7 @@ pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/troupe_descriptor.bin"));
 
 pub mod json;
+pub mod legacy;
 pub mod names;
 
 pub use prost_types;

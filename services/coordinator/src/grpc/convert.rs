@@ -87,8 +87,8 @@ fn session_proto(
         created_at: Some(timestamp(session.created_at)),
         updated_at: Some(timestamp(session.updated_at)),
         last_sequence: session.last_seq,
-        mode: session.mode.as_str().to_owned(),
-        on_failure: session.on_failure.as_str().to_owned(),
+        mode: session.mode.to_proto() as i32,
+        on_failure: session.on_failure.to_proto() as i32,
     }
 }
 

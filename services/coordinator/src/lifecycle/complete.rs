@@ -222,9 +222,10 @@ pub(super) async fn write_back_convergence(
     for entry in &report.upstream_convergence {
         let convergence = pb::TaskConvergence {
             verified: entry.convergence_verified.clone(),
-            met: entry.convergence_met.clone(),
+            met: entry.convergence_met,
             checked_by: checked_by.to_owned(),
             commit: entry.commit.clone(),
+            ..pb::TaskConvergence::default()
         };
         let written = set_convergence(tx, session_id, &entry.task_id, &convergence).await?;
         if !written {

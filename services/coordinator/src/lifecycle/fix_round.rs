@@ -342,11 +342,7 @@ fn test_findings(report: &pb::TestRunReport) -> Vec<String> {
     // A run that crashed or could not load its tests names no failing test: the runner's
     // stderr is what the fixer needs.
     if report.failures.is_empty() {
-        let outcome = report
-            .outcome()
-            .as_str_name()
-            .trim_start_matches("TEST_OUTCOME_")
-            .to_lowercase();
+        let outcome = troupe_proto::names::name(report.outcome());
         findings.push(format!("outcome: {outcome}"));
         let tail: Vec<&str> = report.stderr_tail.lines().rev().take(15).collect();
         if !tail.is_empty() {
@@ -374,7 +370,11 @@ fn gap_findings(gaps: &[pb::VerificationGap]) -> Vec<String> {
         .map(|gap| {
             format!(
                 "{} {} `{}`: expected {}, actual {}",
-                gap.task, gap.r#type, gap.item, gap.expected, gap.actual
+                gap.task,
+                troupe_proto::names::name(gap.r#type()),
+                gap.item,
+                gap.expected,
+                gap.actual
             )
         })
         .collect()
@@ -663,13 +663,14 @@ mod tests {
         let report = pb::TaskResult {
             detail: Some(pb::task_result::Detail::Validation(pb::ValidationReport {
                 verification: Some(pb::GoalVerification {
-                    status: "gaps_found".into(),
+                    status: pb::VerificationStatus::GapsFound as i32,
                     gaps: vec![pb::VerificationGap {
                         task: "IMPL-1".into(),
-                        r#type: "file".into(),
+                        r#type: pb::GapType::File as i32,
                         item: "src/a.py".into(),
                         expected: "exists".into(),
                         actual: "missing".into(),
+                        ..pb::VerificationGap::default()
                     }],
                     ..Default::default()
                 }),

@@ -76,10 +76,15 @@ fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
         started_at: row.try_get("started_at")?,
         finished_at: row.try_get("finished_at")?,
         progress: row.try_get("progress")?,
+        // Results stored before some closed sets were enums read as if written today.
         result: result
             .map(|bytes| pb::TaskResult::decode(bytes.as_slice()))
             .transpose()
-            .map_err(corrupt)?,
+            .map_err(corrupt)?
+            .map(|mut result| {
+                troupe_proto::legacy::upgrade_result(&mut result);
+                result
+            }),
         last_error: last_error
             .map(|bytes| pb::TaskError::decode(bytes.as_slice()))
             .transpose()
@@ -88,7 +93,11 @@ fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
         convergence: convergence
             .map(|bytes| pb::TaskConvergence::decode(bytes.as_slice()))
             .transpose()
-            .map_err(corrupt)?,
+            .map_err(corrupt)?
+            .map(|mut convergence| {
+                troupe_proto::legacy::upgrade_convergence(&mut convergence);
+                convergence
+            }),
     })
 }
 

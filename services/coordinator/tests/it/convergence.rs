@@ -16,8 +16,11 @@ fn report(entries: &[(&str, &[bool], &str)]) -> pb::TaskResult {
                 .map(|(task_id, verified, met)| pb::UpstreamConvergence {
                     task_id: (*task_id).to_owned(),
                     convergence_verified: verified.to_vec(),
-                    convergence_met: (*met).to_owned(),
+                    convergence_met: troupe_proto::names::parse::<pb::ConvergenceMet>(met)
+                        .expect("a convergence-met name")
+                        as i32,
                     commit: "abc123".to_owned(),
+                    ..pb::UpstreamConvergence::default()
                 })
                 .collect(),
             ..Default::default()
@@ -83,8 +86,8 @@ async fn validator_results_are_written_back_onto_each_task(db: Db) {
         let one = convergence(&view, "IMPL-1");
         assert_eq!(
             (
-                one.verified,
-                one.met.as_str(),
+                one.verified.clone(),
+                troupe_proto::names::name(one.met()),
                 one.checked_by.as_str(),
                 one.commit.as_str()
             ),
@@ -93,7 +96,7 @@ async fn validator_results_are_written_back_onto_each_task(db: Db) {
         );
         let two = convergence(&view, "IMPL-2");
         assert_eq!(
-            (two.verified, two.met.as_str()),
+            (two.verified.clone(), troupe_proto::names::name(two.met())),
             (vec![false], "fail"),
             "{mode}"
         );
@@ -126,7 +129,10 @@ async fn a_failed_validation_writes_back_its_partial_report(db: Db) {
         .expect("fail");
     let view = harness.session(&session).await;
     assert_eq!(task(&view.tasks, "VALIDATE-1").state(), TaskState::Failed);
-    assert_eq!(convergence(&view, "IMPL-2").met, "fail");
+    assert_eq!(
+        troupe_proto::names::name(convergence(&view, "IMPL-2").met()),
+        "fail"
+    );
     assert_eq!(convergence(&view, "IMPL-1").verified, vec![true, true]);
 }
 

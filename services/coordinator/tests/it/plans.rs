@@ -30,8 +30,8 @@ async fn create_session_stores_tasks_and_makes_the_session_branch(db: Db) {
         "{id}"
     );
     assert_eq!(session.state(), SessionState::Active);
-    assert_eq!(session.mode, "eager");
-    assert_eq!(session.on_failure, "skip");
+    assert_eq!(troupe_proto::names::name(session.mode()), "eager");
+    assert_eq!(troupe_proto::names::name(session.on_failure()), "skip");
 
     let counts = session.counts.expect("counts");
     assert_eq!((counts.total, counts.ready, counts.pending), (4, 2, 2));

@@ -192,7 +192,10 @@ async fn failed_test_run_adds_a_fix_round_and_completes(db: Db) {
         .find(|node| node.task_id == "TESTRUN-1")
         .expect("node");
     assert_eq!(
-        (node.status.as_str(), node.superseded_by.as_str()),
+        (
+            troupe_proto::names::name(node.status()),
+            node.superseded_by.as_str()
+        ),
         ("failed", "TESTRUN-1-R1")
     );
     assert!(check.stall.is_none());
@@ -334,13 +337,14 @@ async fn verification_gaps_start_gap_closure_per_chain(db: Db) {
         detail: Some(pb::task_result::Detail::Validation(pb::ValidationReport {
             verdict: pb::Verdict::Fail as i32,
             verification: Some(pb::GoalVerification {
-                status: "gaps_found".to_owned(),
+                status: pb::VerificationStatus::GapsFound as i32,
                 gaps: vec![pb::VerificationGap {
                     task: "IMPL-7".to_owned(),
-                    r#type: "file".to_owned(),
+                    r#type: pb::GapType::File as i32,
                     item: "src/api.py".to_owned(),
                     expected: "file exists".to_owned(),
                     actual: "missing".to_owned(),
+                    ..Default::default()
                 }],
                 ..Default::default()
             }),

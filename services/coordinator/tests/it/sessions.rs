@@ -127,10 +127,16 @@ async fn check_reports_graph_workers_progress_and_blockers(db: Db) {
 
     let check = harness.check(&session).await;
     assert_eq!(check.percent_complete, 0);
-    assert_eq!(node(&check, "IMPL-1").status, "running");
+    assert_eq!(
+        troupe_proto::names::name(node(&check, "IMPL-1").status()),
+        "running"
+    );
     assert_eq!(node(&check, "IMPL-1").progress, "halfway");
     assert_eq!(node(&check, "IMPL-1").worker_id, "worker-test");
-    assert_eq!(node(&check, "IMPL-2").status, "pending");
+    assert_eq!(
+        troupe_proto::names::name(node(&check, "IMPL-2").status()),
+        "pending"
+    );
     assert_eq!(node(&check, "IMPL-2").waiting_on, vec!["IMPL-1"]);
     let waves: Vec<(u32, Vec<String>)> = check
         .waves
@@ -167,8 +173,14 @@ async fn check_reports_graph_workers_progress_and_blockers(db: Db) {
     harness.complete(&claimed[0], "ok").await.expect("complete");
     let check = harness.check(&session).await;
     assert_eq!(check.percent_complete, 25);
-    assert_eq!(node(&check, "IMPL-1").status, "done");
-    assert_eq!(node(&check, "IMPL-2").status, "ready");
+    assert_eq!(
+        troupe_proto::names::name(node(&check, "IMPL-1").status()),
+        "done"
+    );
+    assert_eq!(
+        troupe_proto::names::name(node(&check, "IMPL-2").status()),
+        "ready"
+    );
     assert!(check.active_workers.is_empty());
     assert_code(
         harness
@@ -250,7 +262,10 @@ async fn stall_is_reported_then_resume_retries_and_finishes(db: Db) {
         status.session.as_ref().expect("s").state(),
         SessionState::Active
     );
-    assert_eq!(node(&status, "IMPL-1").status, "ready");
+    assert_eq!(
+        troupe_proto::names::name(node(&status, "IMPL-1").status()),
+        "ready"
+    );
     assert!(status.stall.is_none());
     for id in ["IMPL-1", "IMPL-2", "IMPL-3"] {
         let claimed = harness.claim(&[Role::Executor], 1).await;
@@ -284,8 +299,14 @@ async fn resume_keeps_live_leases_and_refuses_cancelled_sessions(db: Db) {
         .into_inner();
     assert!(resumed.reconciled.is_empty(), "{:?}", resumed.reconciled);
     let status = resumed.status.expect("status");
-    assert_eq!(node(&status, "IMPL-1").status, "running");
-    assert_eq!(node(&status, "IMPL-2").status, "ready");
+    assert_eq!(
+        troupe_proto::names::name(node(&status, "IMPL-1").status()),
+        "running"
+    );
+    assert_eq!(
+        troupe_proto::names::name(node(&status, "IMPL-2").status()),
+        "ready"
+    );
     harness
         .complete(&claimed[0], "ok")
         .await

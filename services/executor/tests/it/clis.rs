@@ -672,11 +672,13 @@ async fn fallbacks_name_only_backends_left_for_another() {
         let executor =
             troupe_executor::Executor::with_config(data.canonicalize().expect("canonical"), config);
         let job = troupe_executor::Job {
-            spec:
+            spec: troupe_plan::TaskSpec::from_object(
                 json!({"id": id, "title": "t", "files": ["a.txt"], "agent": {"backend": "codex"}})
                     .as_object()
-                    .expect("object")
-                    .clone(),
+                    .expect("object"),
+                None,
+            )
+            .expect("valid task"),
             remote: troupe_workspace::Remote::from_path(&repo).expect("remote"),
             repo_name: "app".to_owned(),
             session_id: "sf".to_owned(),
@@ -1327,10 +1329,13 @@ async fn eight_parallel_tasks_two_conflicting() {
         config_for(&[("agent", &url)]),
     ));
     let job = |id: &str, title: &str, file: &str| troupe_executor::Job {
-        spec: json!({"id": id, "title": title, "files": [file], "agent": {"backend": "agent"}})
-            .as_object()
-            .expect("object")
-            .clone(),
+        spec: troupe_plan::TaskSpec::from_object(
+            json!({"id": id, "title": title, "files": [file], "agent": {"backend": "agent"}})
+                .as_object()
+                .expect("object"),
+            None,
+        )
+        .expect("valid task"),
         remote: troupe_workspace::Remote::from_path(&repo).expect("remote"),
         repo_name: "app".to_owned(),
         session_id: "s8".to_owned(),

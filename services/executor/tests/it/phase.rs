@@ -43,7 +43,13 @@ async fn exec_phase_runs_waves_in_order_in_parallel_and_integrates_everything() 
     let outcomes: Vec<(&str, u32, &str)> = report
         .phase_tasks
         .iter()
-        .map(|o| (o.task_id.as_str(), o.wave, o.state.as_str()))
+        .map(|o| {
+            (
+                o.task_id.as_str(),
+                o.wave,
+                troupe_proto::names::name(o.state()),
+            )
+        })
         .collect();
     assert_eq!(
         outcomes,
@@ -278,18 +284,18 @@ async fn a_conflict_inside_a_wave_is_run_again_from_the_new_head() {
         report(&result)
             .phase_tasks
             .iter()
-            .all(|o| o.state == "completed")
+            .all(|o| o.state() == troupe_proto::v1::TaskState::Completed)
     );
 }
 
 /// A session job for `Executor::execute`, as the worker builds it from a claim.
 fn session_job(f: &Fixture, spec: Value, attempt: u32) -> troupe_executor::Job {
     troupe_executor::Job {
-        spec: f
-            .with_phase_tasks(spec)
-            .as_object()
-            .expect("object")
-            .clone(),
+        spec: troupe_plan::TaskSpec::from_object(
+            f.with_phase_tasks(spec).as_object().expect("object"),
+            None,
+        )
+        .expect("valid task"),
         remote: troupe_workspace::Remote::from_path(&f.repo).expect("remote"),
         repo_name: "app".to_owned(),
         session_id: "s1".to_owned(),
@@ -338,7 +344,7 @@ async fn phase_progress_names_the_wave_and_retries_redo_only_what_failed() {
     let states: Vec<(&str, &str)> = report(&partial)
         .phase_tasks
         .iter()
-        .map(|o| (o.task_id.as_str(), o.state.as_str()))
+        .map(|o| (o.task_id.as_str(), troupe_proto::names::name(o.state())))
         .collect();
     assert_eq!(
         states,
@@ -385,7 +391,9 @@ async fn phase_progress_names_the_wave_and_retries_redo_only_what_failed() {
         outcomes[0]
     );
     assert!(
-        outcomes.iter().all(|o| o.state == "completed"),
+        outcomes
+            .iter()
+            .all(|o| o.state() == troupe_proto::v1::TaskState::Completed),
         "{outcomes:?}"
     );
     for file in ["a.txt", "b.txt", "c.txt"] {

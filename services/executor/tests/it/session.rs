@@ -62,7 +62,7 @@ impl Session {
         command.extend(edits.iter().map(|e| json!(e)));
         let spec = json!({"id": id, "title": format!("task {id}"), "agent": {"command": command}});
         Job {
-            spec: spec.as_object().expect("object").clone(),
+            spec: task(spec),
             remote: troupe_workspace::Remote::from_path(&self.repo).expect("remote"),
             repo_name: "app".to_owned(),
             session_id: "s1".to_owned(),
@@ -206,16 +206,15 @@ async fn missing_session_branch_and_bad_specs_fail_cleanly() {
     let err = s.run(job).await.expect_err("no branch");
     assert_eq!(err.error.kind(), ErrorKind::InvalidTask);
 
-    let mut job = s.job("IMPL-1", &[]);
-    job.spec
-        .insert("agent".to_owned(), json!({"backend": "nope"}));
-    let err = s.run(job).await.expect_err("unknown backend");
-    assert_eq!(err.error.kind(), ErrorKind::InvalidTask);
-    assert!(
-        err.error.message.contains("unknown backend `nope`"),
-        "{}",
-        err.error.message
-    );
+    // An unknown backend never reaches a run: the task is refused where it is typed.
+    let err = troupe_plan::TaskSpec::from_object(
+        json!({"id": "IMPL-1", "agent": {"backend": "nope"}})
+            .as_object()
+            .expect("object"),
+        None,
+    )
+    .expect_err("unknown backend");
+    assert!(err.to_string().contains("`agent.backend`"), "{err}");
 }
 
 #[tokio::test]
@@ -235,11 +234,9 @@ async fn read_only_context_is_checked_out_beside_and_a_change_to_it_fails_the_ta
     // Reading the context is what it is for: the task lands, the context is untouched.
     let mut job = s.job("IMPL-1", &["a.txt=uses the contract"]);
     job.context = context.clone();
-    job.spec.insert(
-        "agent".to_owned(),
-        json!({"command": ["python3", "{plan_dir}/agent.py", "{worktree}", "--keep-prompt",
-            "copy.txt={context:contract}"]}),
-    );
+    job.spec = task(json!({"id": "IMPL-1", "title": "task IMPL-1",
+        "agent": {"command": ["python3", "{plan_dir}/agent.py", "{worktree}", "--keep-prompt",
+            "copy.txt={context:contract}"]}}));
     let done = s.run(job).await.expect("lands");
     let copy = show(&s.repo, &done.commit, "copy.txt").expect("copy.txt");
     assert!(copy.ends_with(".context/contract"), "{copy}");
@@ -290,4 +287,9 @@ async fn read_only_context_is_checked_out_beside_and_a_change_to_it_fails_the_ta
         std::fs::read_to_string(contract.join("API.md")).expect("read"),
         "contract v1\n"
     );
+}
+
+/// A task object typed as a claim types it.
+fn task(spec: Value) -> troupe_plan::TaskSpec {
+    troupe_plan::TaskSpec::from_object(spec.as_object().expect("object"), None).expect("valid task")
 }

@@ -172,9 +172,10 @@ fn test_failure(test: &Test) -> TestFailure {
             file: file.to_owned(),
             line: test.lineno.map_or(0, |l| l + 1),
             message: format!("test {}", test.outcome),
-            criticality: "medium".to_owned(),
+            criticality: troupe_proto::v1::Severity::Medium as i32,
             test_line: test.lineno.map_or(0, |l| l + 1),
             error_origin: String::new(),
+            ..TestFailure::default()
         };
     };
     // The failure line inside the test file: the last traceback frame in that file, else the
@@ -229,10 +230,11 @@ fn test_failure(test: &Test) -> TestFailure {
         name: test.nodeid.clone(),
         file: file.to_owned(),
         line,
-        criticality: criticality(exception, &message).to_owned(),
+        criticality: criticality(exception, &message) as i32,
         message,
         test_line: test.lineno.map_or(0, |l| l + 1),
         error_origin,
+        ..TestFailure::default()
     }
 }
 
@@ -342,7 +344,7 @@ mod tests {
             import.message,
             "ModuleNotFoundError: No module named 'calc.missing'"
         );
-        assert_eq!(import.criticality, "critical");
+        assert_eq!(troupe_proto::names::name(import.criticality()), "critical");
 
         let assertion = &parsed.failures[1];
         assert_eq!(
@@ -353,7 +355,7 @@ mod tests {
             assertion.message,
             "AssertionError: assert 2.5 == 2\n +  where 2.5 = divide(10, 4)"
         );
-        assert_eq!(assertion.criticality, "high");
+        assert_eq!(troupe_proto::names::name(assertion.criticality()), "high");
 
         // The crash is in the source file; the line reported is the call inside the test.
         let raised = &parsed.failures[2];
@@ -362,7 +364,7 @@ mod tests {
             ("tests/test_ops.py", 14)
         );
         assert_eq!(raised.message, "KeyError: 'name'");
-        assert_eq!(raised.criticality, "medium");
+        assert_eq!(troupe_proto::names::name(raised.criticality()), "medium");
 
         let setup = &parsed.failures[3];
         assert_eq!(setup.line, 24);
@@ -392,6 +394,6 @@ mod tests {
             ("tests/test_syn.py", 3)
         );
         assert_eq!(failure.message, "SyntaxError: invalid syntax");
-        assert_eq!(failure.criticality, "critical");
+        assert_eq!(troupe_proto::names::name(failure.criticality()), "critical");
     }
 }

@@ -362,10 +362,11 @@ fn case_failure(case: &Case, result: &CaseResult) -> TestFailure {
         name,
         file,
         line,
-        criticality: criticality(exception, &message).to_owned(),
+        criticality: criticality(exception, &message) as i32,
         message,
         test_line: case.line.map_or(0, |l| l + 1),
         error_origin,
+        ..TestFailure::default()
     }
 }
 
@@ -438,7 +439,7 @@ tests/test_ops.py:24: RuntimeError</error></testcase></testsuite></testsuites>"#
             f[1].message,
             "AssertionError: assert 2.5 == 2\n +  where 2.5 = divide(10, 4)"
         );
-        assert_eq!(f[1].criticality, "high");
+        assert_eq!(troupe_proto::names::name(f[1].criticality()), "high");
         assert_eq!(f[2].name, "tests/test_ops.py::TestParse::test_parse_raises");
         assert_eq!(f[2].line, 14);
         assert_eq!(f[2].message, "KeyError: 'name'");

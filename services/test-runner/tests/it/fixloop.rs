@@ -62,8 +62,12 @@ async fn a_fix_that_breaks_a_passing_test_is_reverted() {
     assert!(!fix.succeeded);
     assert_eq!(fix.iterations.len(), 1);
     let step = &fix.iterations[0];
-    assert_eq!(step.verdict, "reverted_worse", "{step:#?}");
-    assert_eq!(step.strategy, "conservative");
+    assert_eq!(
+        troupe_proto::names::name(step.verdict()),
+        "reverted_worse",
+        "{step:#?}"
+    );
+    assert_eq!(troupe_proto::names::name(step.strategy()), "conservative");
     assert_eq!(step.new_failures, ["tests/test_strings.py::test_shouts"]);
     assert!(!step.commit.is_empty());
     // Affected tests ran first: the changed test file itself.
@@ -114,7 +118,11 @@ async fn edits_outside_the_fix_scope_are_refused() {
     assert_eq!(fix.scope(), FixScope::Unspecified);
     assert_eq!(fix.iterations.len(), 2);
     for step in &fix.iterations {
-        assert_eq!(step.verdict, "reverted_out_of_scope", "{step:#?}");
+        assert_eq!(
+            troupe_proto::names::name(step.verdict()),
+            "reverted_out_of_scope",
+            "{step:#?}"
+        );
         assert_eq!(step.out_of_scope_paths, ["src/calc/mathops.py"]);
         assert!(step.commit.is_empty());
         assert!(step.detail.contains("scope `tests`"), "{}", step.detail);
@@ -161,7 +169,11 @@ async fn flaky_tests_are_reported_and_a_good_fix_is_kept() {
     assert!(fix.succeeded, "{fix:#?}");
     assert_eq!(fix.iterations.len(), 1);
     let step = &fix.iterations[0];
-    assert_eq!(step.verdict, "kept", "{step:#?}");
+    assert_eq!(
+        troupe_proto::names::name(step.verdict()),
+        "kept",
+        "{step:#?}"
+    );
     assert!((step.pass_rate - 1.0).abs() < f64::EPSILON);
     assert_eq!(fix.final_commit, step.commit);
     assert_eq!(fix.pass_rate_history.len(), 2);
@@ -230,7 +242,7 @@ async fn jest_and_vitest_fixes_run_the_affected_tests_first() {
         let fix = report.fix_loop.clone().expect("fix loop ran");
         assert!(fix.succeeded, "{fixture}: {fix:#?}");
         let step = &fix.iterations[0];
-        assert_eq!(step.verdict, "kept");
+        assert_eq!(troupe_proto::names::name(step.verdict()), "kept");
         assert!(
             step.affected_command.iter().any(|a| a == related),
             "{fixture}: {:?}",
@@ -438,7 +450,11 @@ async fn fixes_one_failure_in_two_hundred_within_scope(backend: &str) {
             loop_.pass_rate_history
         );
         let step = &loop_.iterations[0];
-        assert_eq!(step.verdict, "kept", "{backend}: {step:#?}");
+        assert_eq!(
+            troupe_proto::names::name(step.verdict()),
+            "kept",
+            "{backend}: {step:#?}"
+        );
         assert_eq!(step.backend, backend);
         let usage = step.usage.expect("usage recorded");
         assert!(
@@ -473,7 +489,8 @@ async fn fixes_one_failure_in_two_hundred_within_scope(backend: &str) {
         assert_eq!(report.outcome(), TestOutcome::TestsFailed);
         for step in &loop_.iterations {
             assert_eq!(
-                step.verdict, "reverted_out_of_scope",
+                troupe_proto::names::name(step.verdict()),
+                "reverted_out_of_scope",
                 "{backend}: {step:#?}"
             );
             assert_eq!(step.out_of_scope_paths, ["calc/ops.py"]);
@@ -512,7 +529,11 @@ async fn a_backend_that_is_not_installed_falls_back_along_the_chain() {
     let report = run_tests(&service, req).await.expect("run");
     let loop_ = report.fix_loop.clone().expect("loop");
     let step = &loop_.iterations[0];
-    assert_eq!(step.verdict, "kept", "{step:#?}");
+    assert_eq!(
+        troupe_proto::names::name(step.verdict()),
+        "kept",
+        "{step:#?}"
+    );
     assert_eq!(step.backend, "command");
     assert_eq!(step.fallbacks, ["codex"]);
     assert_eq!(

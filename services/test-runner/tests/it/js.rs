@@ -96,7 +96,7 @@ async fn jest_baseline_is_reported_as_jest_reports_it() {
         (math.file.as_str(), math.line, math.test_line),
         ("tests/math.test.js", 13, 12)
     );
-    assert_eq!(math.criticality, "high");
+    assert_eq!(troupe_proto::names::name(math.criticality()), "high");
     assert!(math.message.contains("Received: 2.5"), "{}", math.message);
     let thrown = failure(&report, "parseUser handles missing name (thrown error)");
     assert_eq!(
@@ -108,7 +108,7 @@ async fn jest_baseline_is_reported_as_jest_reports_it() {
         thrown.message,
         "TypeError: Cannot read properties of undefined (reading 'trim')"
     );
-    assert_eq!(thrown.criticality, "critical");
+    assert_eq!(troupe_proto::names::name(thrown.criticality()), "critical");
     // Seen when running jest 30.5.2's documented command in the fixture directly.
     let coverage = report.coverage.clone().expect("coverage");
     assert_eq!(coverage.lines, Some(64.28));
@@ -176,7 +176,7 @@ async fn vitest_baseline_is_reported_as_vitest_reports_it() {
         math.message,
         "AssertionError: expected 2.5 to be 2 // Object.is equality"
     );
-    assert_eq!(math.criticality, "high");
+    assert_eq!(troupe_proto::names::name(math.criticality()), "high");
     let thrown = failure(&report, "parseUser handles missing name (thrown error)");
     assert_eq!((thrown.line, thrown.test_line), (9, 8));
     assert_eq!(thrown.error_origin, "src/strings.ts:7");
@@ -245,7 +245,7 @@ async fn files_that_fail_to_load_are_load_errors() {
         assert_eq!((totals.total, totals.failed), (6, 2), "{scenario}");
         let broken = &report.failures[0];
         assert_eq!(broken.file, dest, "{scenario}");
-        assert_eq!(broken.criticality, "critical");
+        assert_eq!(troupe_proto::names::name(broken.criticality()), "critical");
         assert!(
             broken.message.contains(needle),
             "{scenario}: {}",

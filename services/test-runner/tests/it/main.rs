@@ -239,9 +239,15 @@ async fn failures_are_counted_located_and_classified() {
         "{}",
         report.failures[0].message
     );
-    assert_eq!(report.failures[0].criticality, "high");
+    assert_eq!(
+        troupe_proto::names::name(report.failures[0].criticality()),
+        "high"
+    );
     assert_eq!(report.failures[1].message, "KeyError: 'name'");
-    assert_eq!(report.failures[1].criticality, "medium");
+    assert_eq!(
+        troupe_proto::names::name(report.failures[1].criticality()),
+        "medium"
+    );
     // Coverage is still measured on a failing run: 7 of 8 statements (the raise never runs),
     // and 1 of 2 branches.
     let coverage = report.coverage.clone().expect("coverage");
@@ -298,7 +304,7 @@ async fn import_error_is_a_collection_error_and_other_tests_still_run() {
         failure.message,
         "ModuleNotFoundError: No module named 'calc.missing'"
     );
-    assert_eq!(failure.criticality, "critical");
+    assert_eq!(troupe_proto::names::name(failure.criticality()), "critical");
     service.stop().await;
 }
 

@@ -124,7 +124,7 @@ async fn pytest_syntax_and_import_errors_are_collection_errors() {
         assert_eq!(report.totals.expect("totals").total, 6, "{scenario}");
         let broken = &report.failures[0];
         assert_eq!(broken.file, dest);
-        assert_eq!(broken.criticality, "critical");
+        assert_eq!(troupe_proto::names::name(broken.criticality()), "critical");
         assert!(broken.message.contains(needle), "{}", broken.message);
     }
     service.stop().await;

@@ -53,7 +53,7 @@ async fn typed_criteria_pass_and_fail_with_evidence() {
             file: "tests/test_stats.py".into(),
             line: 9,
             message: "assert 1.5 == 2".into(),
-            criticality: "high".into(),
+            criticality: troupe_proto::v1::Severity::High as i32,
             ..TestFailure::default()
         }],
         report_paths: vec![json_report.display().to_string()],
@@ -169,7 +169,7 @@ async fn typed_criteria_pass_and_fail_with_evidence() {
     assert_eq!(e(20), troupe_validator::NO_CRITERION_CHECKER);
     assert!(e(21).contains("does not parse"), "{}", e(21));
     assert_eq!(report.verdict(), Verdict::Fail);
-    assert_eq!(report.convergence_met, "fail");
+    assert_eq!(troupe_proto::names::name(report.convergence_met()), "fail");
     assert_eq!(
         report.convergence_verified,
         expected.iter().map(|s| *s == Pass).collect::<Vec<_>>()
@@ -231,7 +231,7 @@ async fn typed_criteria_pass_and_fail_with_evidence() {
     .expect("validate");
     assert_eq!(report.verdict(), Verdict::Pass);
     assert_eq!(report.convergence_verified, [true, true]);
-    assert_eq!(report.convergence_met, "pass");
+    assert_eq!(troupe_proto::names::name(report.convergence_met()), "pass");
     service.stop().await;
 }
 
@@ -355,7 +355,7 @@ async fn the_judge_must_cite_evidence_that_exists() {
                 "{}",
                 check.evidence
             );
-            assert_eq!(report.convergence_met, "pass");
+            assert_eq!(troupe_proto::names::name(report.convergence_met()), "pass");
         } else {
             assert_ne!(report.verdict(), Verdict::Pass);
         }

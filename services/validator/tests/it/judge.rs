@@ -159,7 +159,10 @@ async fn judges_with_citations(backend: &str) {
     );
     assert_eq!(report.verdict(), Verdict::ManualReview);
     assert_eq!(report.convergence_verified, [true, false, false]);
-    assert_eq!(report.convergence_met, "pending");
+    assert_eq!(
+        troupe_proto::names::name(report.convergence_met()),
+        "pending"
+    );
 
     // The judge was asked the criterion, in analysis mode, and changed nothing.
     let asked = server
@@ -234,7 +237,7 @@ async fn judge_crash_timeout_and_absence() {
         check.evidence
     );
     assert_eq!(report.verdict(), Verdict::Fail);
-    assert_eq!(report.convergence_met, "fail");
+    assert_eq!(troupe_proto::names::name(report.convergence_met()), "fail");
 
     let started = std::time::Instant::now();
     let report = ask(
@@ -273,7 +276,10 @@ async fn judge_crash_timeout_and_absence() {
     let check = &report.checks[0];
     assert_eq!(check.status(), CheckStatus::ManualReview);
     assert_eq!(check.evidence, troupe_validator::NO_CRITERION_CHECKER);
-    assert_eq!(report.convergence_met, "pending");
+    assert_eq!(
+        troupe_proto::names::name(report.convergence_met()),
+        "pending"
+    );
 
     // A judge object that names an unknown setting is refused up front.
     let (service, _data) = start(None).await;
@@ -329,7 +335,8 @@ async fn a_request_cannot_redirect_the_judges_endpoint_or_credentials() {
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{key}");
         assert!(
             status.message().contains(&format!(
-                "`{key}` of a judge comes from the validator's configuration"
+                "`judge_spec.{key}` is not a judge setting a plan may give: where a judge \
+                 connects and what it is given come from the validator's configuration"
             )),
             "{key}: {}",
             status.message()

@@ -206,7 +206,7 @@ async fn verify_finds_gaps_and_writes_verification_md() {
     let partial = failure.partial.expect("the report");
     let report = validation(&partial);
     let v = report.verification.as_ref().expect("verification");
-    assert_eq!(v.status, "gaps_found");
+    assert_eq!(troupe_proto::names::name(v.status()), "gaps_found");
     let entries: Vec<(&str, &[bool], &str)> = report
         .upstream_convergence
         .iter()
@@ -214,7 +214,7 @@ async fn verify_finds_gaps_and_writes_verification_md() {
             (
                 u.task_id.as_str(),
                 u.convergence_verified.as_slice(),
-                u.convergence_met.as_str(),
+                troupe_proto::names::name(u.convergence_met()),
             )
         })
         .collect();
@@ -229,7 +229,13 @@ async fn verify_finds_gaps_and_writes_verification_md() {
     let gaps: Vec<(&str, &str, &str)> = v
         .gaps
         .iter()
-        .map(|g| (g.task.as_str(), g.r#type.as_str(), g.item.as_str()))
+        .map(|g| {
+            (
+                g.task.as_str(),
+                troupe_proto::names::name(g.r#type()),
+                g.item.as_str(),
+            )
+        })
         .collect();
     assert_eq!(
         gaps,
@@ -299,7 +305,11 @@ async fn verify_finds_gaps_and_writes_verification_md() {
         .clone()
         .expect("verification");
     assert_eq!(
-        (v.status.as_str(), v.tasks_checked, v.tasks_passed),
+        (
+            troupe_proto::names::name(v.status()),
+            v.tasks_checked,
+            v.tasks_passed
+        ),
         ("passed", 1, 1)
     );
     assert!(v.gaps.is_empty());
@@ -354,7 +364,10 @@ async fn review_tasks_approve_conditionally_or_block() {
         "{:?}",
         done.warnings
     );
-    assert_eq!(validation(&done).convergence_met, "pass");
+    assert_eq!(
+        troupe_proto::names::name(validation(&done).convergence_met()),
+        "pass"
+    );
 
     // A hard-coded password on the session branch: BLOCK fails the task.
     let head = commit(
@@ -420,7 +433,10 @@ async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
         .expect("manual review completes");
     let report = validation(&done);
     assert_eq!(report.convergence_verified, [true, true, false]);
-    assert_eq!(report.convergence_met, "pending");
+    assert_eq!(
+        troupe_proto::names::name(report.convergence_met()),
+        "pending"
+    );
     assert!(
         done.summary.contains("convergence-met: pending"),
         "{}",
@@ -449,8 +465,9 @@ async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
         [UpstreamConvergence {
             task_id: "IMPL-001".into(),
             convergence_verified: vec![true, true],
-            convergence_met: "pass".into(),
+            convergence_met: troupe_proto::v1::ConvergenceMet::Pass as i32,
             commit: s.impl2.clone(),
+            ..UpstreamConvergence::default()
         }]
     );
     assert!(
@@ -481,7 +498,7 @@ async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
             (
                 u.task_id.as_str(),
                 u.convergence_verified.as_slice(),
-                u.convergence_met.as_str(),
+                troupe_proto::names::name(u.convergence_met()),
             )
         })
         .collect();
@@ -493,7 +510,10 @@ async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
         ]
     );
     assert!(report.convergence_verified.is_empty());
-    assert_eq!(report.convergence_met, "");
+    assert_eq!(
+        troupe_proto::names::name(report.convergence_met()),
+        "unspecified"
+    );
 
     // Without the upstream's spec there is nothing to read its criteria from: no entries,
     // and no failure for that alone.
@@ -522,5 +542,5 @@ async fn validate_tasks_use_upstream_test_runs_and_write_back_convergence() {
             .map(|c| c.status()),
         Some(CheckStatus::Error)
     );
-    assert_eq!(report.convergence_met, "fail");
+    assert_eq!(troupe_proto::names::name(report.convergence_met()), "fail");
 }

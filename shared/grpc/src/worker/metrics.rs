@@ -68,9 +68,7 @@ pub(crate) fn role_name(role: Role) -> &'static str {
 
 /// A metric label for an error kind: `timeout`, `rate_limited`, ...
 pub(crate) fn kind_label(kind: ErrorKind) -> String {
-    kind.as_str_name()
-        .trim_start_matches("ERROR_KIND_")
-        .to_ascii_lowercase()
+    troupe_proto::names::name(kind).to_owned()
 }
 
 /// How an attempt ended.
@@ -120,18 +118,15 @@ pub(crate) fn attempt(task: &Task, took: Duration, outcome: &Outcome<'_>) {
             }
         }
         Some(Detail::TestRun(report)) => {
-            let framework = report.framework().as_str_name();
-            let framework = framework
-                .trim_start_matches("TEST_FRAMEWORK_")
-                .to_ascii_lowercase();
+            let framework = troupe_proto::names::name(report.framework());
             metrics
                 .pass_rate
-                .get_or_create(&labels([("framework", &framework)]))
+                .get_or_create(&labels([("framework", framework)]))
                 .set(report.pass_rate);
             if let Some(overall) = report.coverage.as_ref().and_then(|c| c.overall) {
                 metrics
                     .coverage
-                    .get_or_create(&labels([("framework", &framework)]))
+                    .get_or_create(&labels([("framework", framework)]))
                     .set(overall);
             }
         }

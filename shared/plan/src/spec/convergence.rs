@@ -3,7 +3,6 @@
 use serde_json::Value;
 
 use super::fields::{self, At, Line};
-use crate::PlanError;
 use crate::validate::Problems;
 
 /// A task's `convergence` object.
@@ -17,22 +16,6 @@ pub struct Convergence {
     pub verification: Option<Vec<String>>,
     /// CCW's `definition_of_done`.
     pub definition_of_done: Option<String>,
-}
-
-impl Convergence {
-    /// Reads a task's `convergence` object by the plan's rules: a worker reading the block of
-    /// a claimed task (or of an upstream one) without the rest of its spec.
-    pub fn from_value(value: &Value) -> Result<Self, PlanError> {
-        let mut problems = Problems::default();
-        let convergence = parse(value, &At::new("task", "convergence"), &mut problems);
-        if problems.0.is_empty() {
-            Ok(convergence)
-        } else {
-            Err(PlanError {
-                problems: problems.0,
-            })
-        }
-    }
 }
 
 pub(crate) fn parse(value: &Value, at: &At<'_>, problems: &mut Problems) -> Convergence {

@@ -7,6 +7,7 @@ use troupe_backends::BackendConfig;
 
 use super::agent::COMMAND_BACKEND;
 use super::fields::{self, At, Line};
+use crate::PlanError;
 use crate::validate::Problems;
 
 /// What a plan may set for a judge run by an agent backend; where it connects and which
@@ -38,6 +39,22 @@ pub enum JudgeSpec {
         /// Model, limits and budgets.
         settings: Box<BackendConfig>,
     },
+}
+
+impl JudgeSpec {
+    /// Reads a judge a `Validate` request names (`judge_spec`) by the rules of a task's
+    /// `judge`; `Null` is no judge.
+    pub fn from_value(value: &Value) -> Result<Option<Self>, PlanError> {
+        let mut problems = Problems::default();
+        let judge = parse(value, &At::new("request", "judge_spec"), &mut problems);
+        if problems.0.is_empty() {
+            Ok(judge)
+        } else {
+            Err(PlanError {
+                problems: problems.0,
+            })
+        }
+    }
 }
 
 pub(crate) fn parse(value: &Value, at: &At<'_>, problems: &mut Problems) -> Option<JudgeSpec> {

@@ -5,7 +5,8 @@ use serde_json::Value;
 
 use super::agent::{self, AgentSpec};
 use super::fields::{self, At};
-use crate::validate::{Problems, files};
+use crate::task::files;
+use crate::validate::Problems;
 use crate::{FileSpec, Role};
 
 /// Most rounds a loop may ask for.

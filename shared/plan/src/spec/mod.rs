@@ -23,8 +23,8 @@ pub use test::{
     TestFramework, TestSpec, test_env_allowed,
 };
 
+use crate::Role;
 use crate::validate::Problems;
-use crate::{PlanError, Role};
 use fields::At;
 
 /// What to do with changes outside a task's `files[]`, `focus_paths` and `scope`.
@@ -60,26 +60,6 @@ pub struct TaskBlocks {
     pub excludes: Vec<String>,
     /// `allow_empty`: whether a run that changes nothing completes.
     pub allow_empty: bool,
-}
-
-impl TaskBlocks {
-    /// Reads the blocks of one task object (the worker's side: a claimed task's spec), with
-    /// every problem listed.
-    pub fn from_object(object: &Map<String, Value>, role: Option<Role>) -> Result<Self, PlanError> {
-        let owner = match object.get("id").and_then(Value::as_str) {
-            Some(id) => format!("task {id}"),
-            None => "task".to_owned(),
-        };
-        let mut problems = Problems::default();
-        let blocks = parse(object, &owner, role, &mut problems);
-        if problems.0.is_empty() {
-            Ok(blocks)
-        } else {
-            Err(PlanError {
-                problems: problems.0,
-            })
-        }
-    }
 }
 
 pub(crate) fn parse(

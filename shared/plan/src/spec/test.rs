@@ -8,8 +8,8 @@ use serde_json::Value;
 use super::agent::{self, AgentSpec};
 use super::fields::{self, At, Line};
 use super::loops::{self, LoopConfig};
+use crate::Role;
 use crate::validate::{Problems, escapes_root};
-use crate::{PlanError, Role};
 
 /// Names a run's `test.env` may set. Everything else is refused: the suite must not get a way
 /// to rewrite how troupe runs it (PATH, PYTHONPATH, NODE_PATH, HOME) or to leak credentials.
@@ -110,21 +110,6 @@ pub struct TestSpec {
     pub python: Option<String>,
     /// `test.gc`: the generator-critic loop when the run fails for good.
     pub gc: Option<LoopConfig>,
-}
-
-impl TestSpec {
-    /// Reads a `test` object by the plan's rules: a test-runner reading a claimed task's.
-    pub fn from_value(value: &Value) -> Result<Self, PlanError> {
-        let mut problems = Problems::default();
-        let spec = parse(value, &At::new("task", "test"), "task", None, &mut problems);
-        if problems.0.is_empty() {
-            Ok(spec)
-        } else {
-            Err(PlanError {
-                problems: problems.0,
-            })
-        }
-    }
 }
 
 pub(crate) fn parse(

@@ -144,7 +144,7 @@ fn good_blocks_are_typed() {
 fn a_worker_reads_a_claimed_spec_by_the_same_rules() {
     let spec = json!({"id": "FIX-1", "agent": {"env": {"K": 1}}});
     let err =
-        TaskBlocks::from_object(spec.as_object().expect("object"), None).expect_err("refused");
+        crate::TaskSpec::from_object(spec.as_object().expect("object"), None).expect_err("refused");
     assert_eq!(
         err.to_string(),
         "task FIX-1: `agent.env.K` must be a string, got a number"

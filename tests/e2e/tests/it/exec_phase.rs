@@ -70,9 +70,17 @@ async fn exec_phase_example_runs_three_waves_into_the_session_branch() -> anyhow
         ])
     );
     for outcome in &phase.phase_tasks {
-        assert_eq!(outcome.state, "completed", "{outcome:?}");
+        assert_eq!(
+            outcome.state(),
+            troupe_proto::v1::TaskState::Completed,
+            "{outcome:?}"
+        );
         // Self-validated through the validator mounted on the same server.
-        assert_eq!(outcome.convergence_met, "pass", "{outcome:?}");
+        assert_eq!(
+            outcome.convergence_met(),
+            troupe_proto::v1::ConvergenceMet::Pass,
+            "{outcome:?}"
+        );
     }
     assert_eq!(
         result.files_modified.len(),
@@ -280,7 +288,7 @@ async fn an_exec_phase_runs_with_the_plan_directory_deleted_after_intake() -> an
     let repo = session.repos.first().context("no repo")?;
     let repo_path = Path::new(&repo.path);
     for outcome in &phase.phase_tasks {
-        assert_eq!(outcome.state, "completed", "{outcome:?}");
+        assert_eq!(outcome.state(), TaskState::Completed, "{outcome:?}");
         assert!(!outcome.commit.is_empty(), "{outcome:?}");
         troupe_testkit::git(
             repo_path,

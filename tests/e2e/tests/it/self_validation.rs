@@ -65,7 +65,10 @@ async fn self_validation_feeds_syntax_errors_back_and_fills_convergence() {
     let validation = report.self_validation.as_ref().expect("validated");
     assert_eq!(validation.verdict(), Verdict::Pass, "{validation:?}");
     assert_eq!(validation.convergence_verified, [true, true]);
-    assert_eq!(validation.convergence_met, "pass");
+    assert_eq!(
+        validation.convergence_met(),
+        troupe_proto::v1::ConvergenceMet::Pass
+    );
     assert!(
         result
             .warnings
@@ -146,7 +149,10 @@ async fn the_agent_backend_gets_syntax_errors_back_as_context() {
     assert_eq!(report.backend, "agent");
     let validation = report.self_validation.as_ref().expect("validated");
     assert_eq!(validation.convergence_verified, [true]);
-    assert_eq!(validation.convergence_met, "pass");
+    assert_eq!(
+        validation.convergence_met(),
+        troupe_proto::v1::ConvergenceMet::Pass
+    );
     // Both agent runs are counted.
     let usage = report.usage.expect("usage");
     assert_eq!(usage.output_tokens % troupe_modelserver::OUTPUT_TOKENS, 0);

@@ -410,7 +410,10 @@ pub(crate) fn assert_quickstart_completed(response: &GetSessionResponse) -> anyh
             .as_ref()
             .with_context(|| format!("{id} has no convergence written back"))?;
         assert_eq!(
-            (convergence.verified.as_slice(), convergence.met.as_str()),
+            (
+                convergence.verified.as_slice(),
+                troupe_proto::names::name(convergence.met())
+            ),
             (&[true, true][..], "pass"),
             "{id}: {convergence:?}"
         );
@@ -451,7 +454,11 @@ pub(crate) fn assert_quickstart_completed(response: &GetSessionResponse) -> anyh
         .context("TESTRUN-001 ran no fix loop")?;
     assert!(fix_loop.succeeded, "{fix_loop:?}");
     assert_eq!(fix_loop.iterations.len(), 1, "{fix_loop:?}");
-    assert_eq!(fix_loop.iterations[0].verdict, "kept", "{fix_loop:?}");
+    assert_eq!(
+        troupe_proto::names::name(fix_loop.iterations[0].verdict()),
+        "kept",
+        "{fix_loop:?}"
+    );
     assert!(fix_loop.flaky_tests.is_empty(), "{fix_loop:?}");
     let fixed_test = troupe_testkit::git(
         repo_path,
@@ -490,7 +497,11 @@ pub(crate) fn assert_quickstart_completed(response: &GetSessionResponse) -> anyh
             .context("no goal verification")?,
         other => bail!("VERIFY-001 has no validation report: {other:?}"),
     };
-    assert_eq!(verification.status, "passed", "{verification:?}");
+    assert_eq!(
+        troupe_proto::names::name(verification.status()),
+        "passed",
+        "{verification:?}"
+    );
     assert_eq!(
         (verification.tasks_checked, verification.tasks_passed),
         (2, 2),

@@ -152,7 +152,10 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
         assert_eq!(report.outcome(), TestOutcome::Passed, "{framework}");
         let fix = report.fix_loop.clone().expect("fix loop");
         assert!(fix.succeeded, "{framework}: {fix:#?}");
-        assert_eq!(fix.iterations[0].verdict, "kept");
+        assert_eq!(
+            troupe_proto::names::name(fix.iterations[0].verdict()),
+            "kept"
+        );
         // The fix is on the session branch now.
         let branch = format!("troupe/{}", session.id);
         let head = git(repo.path(), &["rev-parse", &branch]).expect("branch");
