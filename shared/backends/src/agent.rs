@@ -386,7 +386,7 @@ fn http_error(status: reqwest::StatusCode, body: &str) -> BackendError {
 }
 
 impl AgentLoopBackend {
-    #[tracing::instrument(skip_all, fields(backend = NAME, worktree = %spec.worktree.display()))]
+    #[tracing::instrument(name = "troupe.backend.run", skip_all, fields(backend = NAME, worktree = %spec.worktree.display()))]
     async fn run_loop(
         &self,
         spec: RunSpec,

@@ -467,7 +467,7 @@ impl CliBackend {
         Ok((args, env))
     }
 
-    #[tracing::instrument(skip_all, fields(backend = self.kind.name(), worktree = %spec.worktree.display()))]
+    #[tracing::instrument(name = "troupe.backend.run", skip_all, fields(backend = self.kind.name(), worktree = %spec.worktree.display()))]
     async fn run_cli(
         &self,
         spec: RunSpec,

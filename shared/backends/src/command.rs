@@ -43,7 +43,7 @@ impl Backend for CommandBackend {
     }
 }
 
-#[tracing::instrument(skip_all, fields(backend = NAME, worktree = %spec.worktree.display()))]
+#[tracing::instrument(name = "troupe.backend.run", skip_all, fields(backend = NAME, worktree = %spec.worktree.display()))]
 async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, BackendError> {
     if spec.command.is_empty() {
         return Err(BackendError::InvalidTask {

@@ -39,6 +39,7 @@ use crate::{Connector, CoordinatorClient, Error, ServiceHealth, is_transient, ti
 
 mod lease;
 mod metrics;
+mod trace;
 
 pub use lease::LeaseLost;
 use lease::{Beat, LeaseSpec, LeaseState};
@@ -592,7 +593,15 @@ async fn run_one<H: TaskHandler>(slot: &Slot<H>, claimed: ClaimedTask, sent: Ins
         tracing::warn!(task_id = %task.id, "claimed task without a lease, ignoring");
         return None;
     };
-    let span = tracing::info_span!("task", session_id = %task.session_id, task_id = %task.id, attempt = lease.attempt);
+    let span = troupe_telemetry::spans::attempt_span(
+        troupe_telemetry::spans::AttemptIds {
+            session_id: &task.session_id,
+            task_id: &task.id,
+            attempt: lease.attempt,
+            role: metrics::role_name(task.role()),
+        },
+        &claimed.traceparent,
+    );
     run_leased(slot, claimed, task, lease, sent)
         .instrument(span)
         .await
@@ -669,6 +678,7 @@ async fn run_leased<H: TaskHandler>(
         tracing::warn!(reason = %reason, "attempt abandoned: its lease is lost, the result is dropped");
         Counters::add(&counters.abandoned, 1);
         metrics::attempt(&task, began.elapsed(), &metrics::Outcome::Abandoned);
+        trace::attempt(&metrics::Outcome::Abandoned, &reason.to_string());
         return None;
     };
 
@@ -680,6 +690,7 @@ async fn run_leased<H: TaskHandler>(
                 began.elapsed(),
                 &metrics::Outcome::Completed(&result),
             );
+            trace::attempt(&metrics::Outcome::Completed(&result), "");
             // The slot's next task comes with the completion, unless the worker is stopping.
             let claim_next = (!shutdown.is_cancelled()).then(|| claim_request(config, 1, None));
             let mut request = CompleteTaskRequest {
@@ -712,11 +723,9 @@ async fn run_leased<H: TaskHandler>(
                 failure.error.retryable = true;
             }
             tracing::warn!(kind = ?failure.error.kind(), error = %failure.error.message, "task failed");
-            metrics::attempt(
-                &task,
-                began.elapsed(),
-                &metrics::Outcome::Failed(failure.error.kind(), failure.partial.as_ref()),
-            );
+            let outcome = metrics::Outcome::Failed(failure.error.kind(), failure.partial.as_ref());
+            metrics::attempt(&task, began.elapsed(), &outcome);
+            trace::attempt(&outcome, &failure.error.message);
             let request = FailTaskRequest {
                 session_id: task.session_id.clone(),
                 task_id: task.id.clone(),
