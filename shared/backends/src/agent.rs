@@ -511,6 +511,7 @@ impl AgentLoopBackend {
                     duration: started.elapsed(),
                     native_session_id: None,
                     usage: Some(usage),
+                    model: Some(model.clone()),
                     final_message: content,
                     tool_calls,
                     events,

@@ -635,6 +635,7 @@ impl CliBackend {
             duration: output.duration,
             native_session_id: transcript.session_id.clone(),
             usage: transcript.usage,
+            model: self.model(),
             final_message: transcript.final_message.clone(),
             tool_calls: transcript.tool_calls().map(str::to_owned).collect(),
             events: transcript

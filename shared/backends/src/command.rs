@@ -166,6 +166,7 @@ async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, Ba
             duration: output.duration,
             native_session_id: None,
             usage: None,
+            model: None,
             final_message: String::new(),
             tool_calls: Vec::new(),
             events: Vec::new(),

@@ -39,6 +39,7 @@ use crate::{Connector, CoordinatorClient, Error, ServiceHealth, is_transient, ti
 
 mod lease;
 mod metrics;
+pub mod prices;
 mod trace;
 
 pub use lease::LeaseLost;
@@ -292,6 +293,11 @@ pub struct WorkerTuning {
     /// taken from a plan.
     #[arg(long, env = "TROUPE_GIT_CREDENTIALS")]
     pub git_credentials: Option<std::path::PathBuf>,
+    /// Price table the cost metrics count by: a TOML file of USD per million tokens per model
+    /// (`[models."<name>"]` with `input`, `output`, optional `cached_input`; see
+    /// docs/operating.md). Without it no cost is counted.
+    #[arg(long, env = "TROUPE_MODEL_PRICES")]
+    pub model_prices: Option<std::path::PathBuf>,
 }
 
 impl WorkerTuning {
@@ -312,6 +318,11 @@ impl Default for WorkerTuning {
             lease_seconds: 30.0,
             rpc_timeout_seconds: 10.0,
             git_credentials: None,
+            // `troupe up` builds its workers' tuning by default: the table still comes from
+            // the environment there.
+            model_prices: std::env::var_os("TROUPE_MODEL_PRICES")
+                .filter(|path| !path.is_empty())
+                .map(std::path::PathBuf::from),
         }
     }
 }
@@ -391,6 +402,9 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
         shutdown.cancelled().await;
         return Ok(());
     };
+    if let Some(path) = &settings.tuning.model_prices {
+        prices::set(prices::Prices::load(path)?);
+    }
     let role_name = metrics::role_name(settings.role);
     let worker_id = settings
         .worker_id
@@ -920,7 +934,7 @@ mod tests {
             .tuned(&WorkerTuning {
                 lease_seconds: 3.0,
                 rpc_timeout_seconds: 0.5,
-                git_credentials: None,
+                ..WorkerTuning::default()
             })
             .expect("valid");
         assert_eq!(
@@ -933,7 +947,7 @@ mod tests {
                 .tuned(&WorkerTuning {
                     lease_seconds: lease,
                     rpc_timeout_seconds: rpc,
-                    git_credentials: None,
+                    ..WorkerTuning::default()
                 })
                 .expect_err("refused");
             assert!(

@@ -120,6 +120,19 @@ pub fn histogram(name: &str, help: &str, buckets: fn() -> Histogram) -> Histogra
     register(name, help, None, Family::new_with_constructor(buckets))
 }
 
+/// `troupe_sandbox_denials_total`: children whose failure the sandbox caused, by `kind`
+/// (`path`, `connect`). Counted where a denial is attributed (`troupe-process`); registered by
+/// whichever comes first, that or a worker's start, so a scrape shows it before any denial.
+pub fn sandbox_denials() -> &'static Family<Labels, Counter> {
+    static DENIALS: OnceLock<Family<Labels, Counter>> = OnceLock::new();
+    DENIALS.get_or_init(|| {
+        counter(
+            "troupe_sandbox_denials",
+            "Children whose failure the sandbox caused (an access its ruleset does not grant), by kind (path, connect).",
+        )
+    })
+}
+
 /// Buckets for service latencies: 1 ms to about 65 s.
 pub fn latency_buckets() -> Histogram {
     Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(

@@ -28,6 +28,9 @@ pub(crate) fn attempt(outcome: &Outcome<'_>, message: &str) {
         if !report.backend.is_empty() {
             span.set_attribute(spans::BACKEND, report.backend.clone());
         }
+        if !report.model.is_empty() {
+            span.set_attribute(spans::MODEL, report.model.clone());
+        }
         if let Some(usage) = &report.usage {
             span.set_attribute(
                 spans::INPUT_TOKENS,
