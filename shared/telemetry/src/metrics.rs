@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use prometheus_client::encoding::prometheus_text;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, prometheus_text};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry, Unit};
 
 pub use prometheus_client::metrics::counter::Counter;
@@ -65,15 +66,32 @@ fn registry() -> &'static Mutex<Registry> {
     REGISTRY.get_or_init(|| Mutex::new(Registry::default()))
 }
 
+/// A registered metric whose `# HELP` and `# TYPE` lines are served even before its first
+/// series (the registry skips empty families otherwise): a scrape shows every family the
+/// process has, and dashboards can be checked against it.
+#[derive(Debug)]
+struct Declared<M>(M);
+
+impl<M: EncodeMetric> EncodeMetric for Declared<M> {
+    fn encode(&self, encoder: MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+}
+
 fn register<M: Metric + Clone>(name: &str, help: &str, unit: Option<Unit>, metric: M) -> M {
     // The encoder ends the help with a full stop of its own.
     let help = help.trim_end_matches('.');
     let mut registry = registry()
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
+    let declared = Declared(metric.clone());
     match unit {
-        Some(unit) => registry.register_with_unit(name, help, unit, metric.clone()),
-        None => registry.register(name, help, metric.clone()),
+        Some(unit) => registry.register_with_unit(name, help, unit, declared),
+        None => registry.register(name, help, declared),
     }
     metric
 }
@@ -251,7 +269,12 @@ mod tests {
         let series = took.get_or_create(&labels([("role", "executor")]));
         series.observe(0.003);
         series.observe(100.0);
+        counter("troupe_test_unused", "A family with no series yet.");
         let text = encode();
+        assert!(
+            text.contains("# TYPE troupe_test_unused_total counter\n"),
+            "an empty family is declared: {text}"
+        );
         assert!(
             text.contains("# HELP troupe_test_encoded_total Tasks counted by the test.\n"),
             "{text}"
