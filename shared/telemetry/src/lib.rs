@@ -17,6 +17,7 @@ pub mod spans;
 use std::io::IsTerminal;
 
 mod logs;
+mod otlp_metrics;
 mod redact;
 
 pub use redact::{
@@ -80,6 +81,7 @@ pub fn init(service_name: &str) -> Result<TelemetryGuard, Error> {
 /// their own progress want `warn`).
 pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<TelemetryGuard, Error> {
     register_secrets_from_env();
+    let _ = SERVICE_NAME.set(service_name.to_owned());
     let provider = tracer_provider(service_name)?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     opentelemetry::global::set_tracer_provider(provider.clone());
@@ -118,6 +120,9 @@ pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<Tele
     result.map_err(|err| Error::AlreadyInstalled(err.to_string()))?;
     Ok(TelemetryGuard { provider })
 }
+
+/// The name [`init`] was given, for the resource of pushed metrics.
+pub(crate) static SERVICE_NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// The resource every span (and metric) names: `OTEL_SERVICE_NAME` when set, else
 /// `service_name`; plus `OTEL_RESOURCE_ATTRIBUTES`.

@@ -198,13 +198,33 @@ pub fn encode() -> String {
 }
 
 /// Binds `args`' address when one is given, and serves `GET /metrics` there (after
-/// `refresh`) until `shutdown` completes. Returns the bound address, or `None` when metrics
-/// are off.
+/// `refresh`) until `shutdown` completes; when an OTLP endpoint is configured, also pushes the
+/// same metrics there (see the `otlp_metrics` module). Returns the bound address, or `None`
+/// when the endpoint is off.
 pub async fn spawn(
     args: &MetricsArgs,
     refresh: Vec<Refresh>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Option<SocketAddr>, MetricsError> {
+    // Both the endpoint and the OTLP push stop with `shutdown`.
+    let (stopped, stop) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stopped.send(true);
+    });
+    let until_stopped = move || {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        }
+    };
+    if let Some(config) = crate::otlp_metrics::Config::from_env() {
+        tokio::spawn(crate::otlp_metrics::push_until(
+            config,
+            refresh.clone(),
+            until_stopped(),
+        ));
+    }
     let Some(addr) = args.metrics_listen else {
         return Ok(None);
     };
@@ -214,7 +234,7 @@ pub async fn spawn(
     let bound = listener
         .local_addr()
         .map_err(|source| MetricsError::Bind { addr, source })?;
-    tokio::spawn(serve(listener, refresh, shutdown));
+    tokio::spawn(serve(listener, refresh, until_stopped()));
     tracing::info!(addr = %bound, "serving metrics on /metrics");
     Ok(Some(bound))
 }

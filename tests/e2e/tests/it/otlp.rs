@@ -7,6 +7,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use opentelemetry_proto::tonic::collector::metrics::v1::metrics_service_server::{
+    MetricsService, MetricsServiceServer,
+};
+use opentelemetry_proto::tonic::collector::metrics::v1::{
+    ExportMetricsServiceRequest, ExportMetricsServiceResponse,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -14,6 +20,7 @@ use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
 use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::metrics::v1::{Metric, metric, number_data_point};
 use opentelemetry_proto::tonic::trace::v1::Span;
 use troupe_proto::v1::{
     CreateSessionRequest, ListSessionsRequest, SessionState, WatchSessionRequest,
@@ -21,9 +28,46 @@ use troupe_proto::v1::{
 
 use crate::support::ChildService;
 
+/// One metrics export: its resource's `service.name` and its metrics.
+type Export = (String, Vec<Metric>);
+
 #[derive(Clone, Default)]
 struct Collector {
     spans: Arc<Mutex<Vec<(String, Span)>>>,
+    metrics: Arc<Mutex<Vec<Export>>>,
+}
+
+fn service_name(resource: Option<&opentelemetry_proto::tonic::resource::v1::Resource>) -> String {
+    resource
+        .iter()
+        .flat_map(|resource| &resource.attributes)
+        .find(|attribute| attribute.key == "service.name")
+        .and_then(|attribute| attribute.value.as_ref()?.value.as_ref())
+        .map(|value| match value {
+            Value::StringValue(name) => name.clone(),
+            other => format!("{other:?}"),
+        })
+        .unwrap_or_default()
+}
+
+#[async_trait::async_trait]
+impl MetricsService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportMetricsServiceRequest>,
+    ) -> Result<tonic::Response<ExportMetricsServiceResponse>, tonic::Status> {
+        let mut exports = self.metrics.lock().expect("collector lock");
+        for resource_metrics in request.into_inner().resource_metrics {
+            let service = service_name(resource_metrics.resource.as_ref());
+            let metrics = resource_metrics
+                .scope_metrics
+                .into_iter()
+                .flat_map(|scope| scope.metrics)
+                .collect();
+            exports.push((service, metrics));
+        }
+        Ok(tonic::Response::new(ExportMetricsServiceResponse::default()))
+    }
 }
 
 #[async_trait::async_trait]
@@ -69,7 +113,8 @@ async fn start_collector() -> anyhow::Result<(
         let stop = stop.clone();
         async move {
             tonic::transport::Server::builder()
-                .add_service(TraceServiceServer::new(collector))
+                .add_service(TraceServiceServer::new(collector.clone()))
+                .add_service(MetricsServiceServer::new(collector))
                 .serve_with_incoming_shutdown(
                     tonic::transport::server::TcpIncoming::from(listener),
                     stop.cancelled_owned(),
@@ -562,5 +607,152 @@ async fn each_task_attempt_is_one_trace_across_the_services_it_touched() -> anyh
             .count();
         assert!(traced > 0, "no {name} log line names an attempt's trace");
     }
+    Ok(())
+}
+
+/// The value of the last pushed data point of `name` whose attributes include `labels` (a
+/// histogram's: its count).
+fn pushed(exports: &[Export], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let matches = |attributes: &[opentelemetry_proto::tonic::common::v1::KeyValue]| {
+        labels.iter().all(|(key, want)| {
+            attributes.iter().any(|a| {
+                a.key == *key
+                    && matches!(a.value.as_ref().and_then(|v| v.value.as_ref()),
+                        Some(Value::StringValue(v)) if v == want)
+            })
+        })
+    };
+    let metric = exports
+        .last()?
+        .1
+        .iter()
+        .find(|metric| metric.name == name)?;
+    let number =
+        |point: &opentelemetry_proto::tonic::metrics::v1::NumberDataPoint| match point.value {
+            Some(number_data_point::Value::AsDouble(v)) => Some(v),
+            Some(number_data_point::Value::AsInt(v)) => Some(v as f64),
+            None => None,
+        };
+    match metric.data.as_ref()? {
+        metric::Data::Gauge(gauge) => gauge
+            .data_points
+            .iter()
+            .find(|p| matches(&p.attributes))
+            .and_then(number),
+        metric::Data::Sum(sum) => sum
+            .data_points
+            .iter()
+            .find(|p| matches(&p.attributes))
+            .and_then(number),
+        metric::Data::Histogram(histogram) => histogram
+            .data_points
+            .iter()
+            .find(|p| matches(&p.attributes))
+            .map(|p| p.count as f64),
+        _ => None,
+    }
+}
+
+/// The coordinator alone, pushing OTLP metrics every 300 ms: the ready depth of a new session
+/// and the claim a worker then makes arrive as the same values `/metrics` serves, under the
+/// coordinator's `service.name`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_pushed_over_otlp_as_served_on_metrics() -> anyhow::Result<()> {
+    use troupe_proto::v1::{ClaimTasksRequest, Role, TaskState};
+
+    let (collector, endpoint, stop_collector, collector_task) = start_collector().await?;
+    let data = tempfile::tempdir()?;
+    let data_dir = data.path().display().to_string();
+    let metrics_addr = crate::support::free_addr().to_string();
+    let coordinator = ChildService::start(
+        "troupe-coordinator",
+        &["--data-dir", &data_dir, "--metrics-listen", &metrics_addr],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_METRIC_EXPORT_INTERVAL", "300"),
+        ],
+    )
+    .await?;
+    let url = coordinator.url();
+    let plan_dir = crate::support::quickstart_dir();
+    let mut client = troupe_grpc::coordinator_client(&url)?;
+    let created = client
+        .create_session(CreateSessionRequest {
+            plan_json: std::fs::read_to_string(plan_dir.join("plan.json"))?,
+            base_dir: plan_dir.display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let ready = created
+        .tasks
+        .iter()
+        .filter(|task| task.role() == Role::Executor && task.state() == TaskState::Ready)
+        .count() as f64;
+    assert!(
+        ready > 0.0,
+        "the quickstart starts with ready executor tasks"
+    );
+    let wait_for = |name: &'static str, labels: Vec<(&'static str, &'static str)>, want: f64| {
+        let collector = collector.clone();
+        async move {
+            troupe_testkit::eventually(&format!("{name} {labels:?} pushed as {want}"), || {
+                let collector = collector.clone();
+                let labels = labels.clone();
+                async move {
+                    let exports = collector.metrics.lock().expect("lock").clone();
+                    (pushed(&exports, name, &labels) == Some(want)).then_some(())
+                }
+            })
+            .await;
+        }
+    };
+    wait_for("troupe_tasks_ready", vec![("role", "executor")], ready).await;
+
+    let claimed = client
+        .claim_tasks(ClaimTasksRequest {
+            worker_id: "otlp-test".to_owned(),
+            roles: vec![Role::Executor as i32],
+            max_tasks: 1,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    assert_eq!(claimed.tasks.len(), 1);
+    wait_for(
+        "troupe_tasks_ready",
+        vec![("role", "executor")],
+        ready - 1.0,
+    )
+    .await;
+    wait_for(
+        "troupe_claim_duration_seconds",
+        vec![("outcome", "claimed")],
+        1.0,
+    )
+    .await;
+    wait_for(
+        "troupe_task_pickup_seconds",
+        vec![("role", "executor")],
+        1.0,
+    )
+    .await;
+    wait_for(
+        "troupe_tasks",
+        vec![("role", "executor"), ("state", "running")],
+        1.0,
+    )
+    .await;
+
+    coordinator.terminate(Duration::from_secs(20)).await?;
+    stop_collector.cancel();
+    collector_task.await??;
+    let exports = collector.metrics.lock().expect("lock").clone();
+    assert!(
+        exports
+            .iter()
+            .all(|(service, _)| service == "troupe-coordinator"),
+        "service.name of the pushed metrics"
+    );
     Ok(())
 }
