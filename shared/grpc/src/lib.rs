@@ -2,10 +2,9 @@
 //!
 //! [`serve`] runs every service of a process on one listener with `grpc.health.v1` (a status
 //! per service), server reflection v1 and v1alpha (grpcurl 1.8 only speaks v1alpha), a span
-//! per request named and attributed by the RPC semantic conventions, parented on the caller's W3C
-//! `traceparent`, a default request deadline, and a
-//! graceful shutdown: health flips to NOT_SERVING first, then in-flight calls drain within a
-//! bound. [`channel`] and [`coordinator_client`] build outbound clients that carry a default
+//! per request named and attributed by the RPC semantic conventions and parented on the
+//! caller's W3C `traceparent`, a default request deadline, and a graceful shutdown: health
+//! flips to NOT_SERVING first, then in-flight calls drain within a bound. [`channel`] and [`coordinator_client`] build outbound clients that carry a default
 //! deadline and the current trace context; [`within`] bounds one call on the caller's side too,
 //! and [`is_transient`] says which failures are worth repeating. [`worker`] is the claim →
 //! heartbeat → report loop the executor, validator and test-runner share.
