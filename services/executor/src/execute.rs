@@ -1777,12 +1777,13 @@ impl Executor {
     }
 }
 
-/// Copies a run's exit code, output, session id and usage into the report.
+/// Copies a run's exit code, output, session id, model and usage into the report.
 fn absorb(report: &mut ImplementationReport, outcome: &RunOutcome) {
     report.exit_code = outcome.exit_code;
     report.output_tail = outcome.output_tail();
     report.native_session_id = outcome.native_session_id.clone().unwrap_or_default();
     report.permission_denials = outcome.permission_denials();
+    report.model = outcome.model.clone().unwrap_or_default();
     if let Some(usage) = outcome.usage {
         report.usage = Some(troupe_proto::v1::Usage {
             input_tokens: usage.input_tokens,

@@ -17,6 +17,7 @@ const VALIDATE_DEADLINE: Duration = Duration::from_secs(900);
 
 /// Calls `Validate` on `url` for `commit` measured against `base`, with `connector`'s
 /// credentials.
+#[tracing::instrument(name = "troupe.self_validation", skip_all, fields(commit = %commit))]
 pub(crate) async fn validate(
     connector: &troupe_grpc::Connector,
     url: &str,

@@ -20,6 +20,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use troupe_process::Command;
 use troupe_proto::names;
 use troupe_proto::v1::{
@@ -359,7 +360,7 @@ fn prompt(
 }
 
 /// Runs the loop from the first report; returns the final report with `fix_loop` filled in.
-#[tracing::instrument(skip_all, fields(max = ctx.fix.max_iterations, scope = scope_name(ctx.fix.scope)))]
+#[tracing::instrument(name = "troupe.fix_loop", skip_all, fields(max = ctx.fix.max_iterations, scope = scope_name(ctx.fix.scope)))]
 pub(crate) async fn run_loop(
     ctx: FixContext<'_>,
     base: TestRunReport,
@@ -493,6 +494,11 @@ pub(crate) async fn run_loop(
             },
             cancel,
         )
+        .instrument(tracing::info_span!(
+            "troupe.fix.iteration",
+            iteration,
+            strategy = troupe_proto::names::name(strategy)
+        ))
         .await;
         if cancel.is_cancelled() {
             return Err(Error::Cancelled);

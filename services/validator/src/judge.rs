@@ -711,6 +711,7 @@ mod tests {
             duration: Duration::ZERO,
             native_session_id: None,
             usage: None,
+            model: None,
             final_message: final_message.to_owned(),
             tool_calls: Vec::new(),
             events: Vec::new(),

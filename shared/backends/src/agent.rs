@@ -395,7 +395,7 @@ fn http_error(status: reqwest::StatusCode, body: &str) -> BackendError {
 }
 
 impl AgentLoopBackend {
-    #[tracing::instrument(skip_all, fields(backend = NAME, worktree = %spec.worktree.display()))]
+    #[tracing::instrument(name = "troupe.backend.run", skip_all, fields(backend = NAME, worktree = %spec.worktree.display()))]
     async fn run_loop(
         &self,
         spec: RunSpec,
@@ -520,6 +520,7 @@ impl AgentLoopBackend {
                     duration: started.elapsed(),
                     native_session_id: None,
                     usage: Some(usage),
+                    model: Some(model.clone()),
                     final_message: content,
                     tool_calls,
                     events,

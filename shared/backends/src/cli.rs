@@ -529,7 +529,7 @@ impl CliBackend {
         Ok((args, env))
     }
 
-    #[tracing::instrument(skip_all, fields(backend = self.kind.name(), worktree = %spec.worktree.display()))]
+    #[tracing::instrument(name = "troupe.backend.run", skip_all, fields(backend = self.kind.name(), worktree = %spec.worktree.display()))]
     async fn run_cli(
         &self,
         spec: RunSpec,
@@ -772,6 +772,7 @@ impl CliBackend {
             duration: output.duration,
             native_session_id: transcript.session_id.clone(),
             usage: transcript.usage,
+            model: self.model(),
             final_message: transcript.final_message.clone(),
             tool_calls: transcript.tool_calls().map(str::to_owned).collect(),
             events: transcript

@@ -44,7 +44,7 @@ impl Backend for CommandBackend {
     }
 }
 
-#[tracing::instrument(skip_all, fields(backend = NAME, worktree = %spec.worktree.display()))]
+#[tracing::instrument(name = "troupe.backend.run", skip_all, fields(backend = NAME, worktree = %spec.worktree.display()))]
 async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, BackendError> {
     if spec.command.is_empty() {
         return Err(BackendError::InvalidTask {
@@ -167,6 +167,7 @@ async fn run(spec: RunSpec, cancel: &CancellationToken) -> Result<RunOutcome, Ba
             duration: output.duration,
             native_session_id: None,
             usage: None,
+            model: None,
             final_message: String::new(),
             tool_calls: Vec::new(),
             events: Vec::new(),

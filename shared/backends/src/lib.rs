@@ -171,6 +171,8 @@ pub struct RunOutcome {
     pub native_session_id: Option<String>,
     /// Token usage, when the tool reports it.
     pub usage: Option<Usage>,
+    /// The model the backend was configured to use, when its configuration names one.
+    pub model: Option<String>,
     /// The agent's final message.
     pub final_message: String,
     /// Names of the tools the agent called, in order.

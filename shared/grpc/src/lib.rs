@@ -2,9 +2,9 @@
 //!
 //! [`serve`] runs every service of a process on one listener with `grpc.health.v1` (a status
 //! per service), server reflection v1 and v1alpha (grpcurl 1.8 only speaks v1alpha), a span
-//! per request parented on the caller's W3C `traceparent`, a default request deadline, and a
-//! graceful shutdown: health flips to NOT_SERVING first, then in-flight calls drain within a
-//! bound. [`channel`] and [`coordinator_client`] build outbound clients that carry a default
+//! per request named and attributed by the RPC semantic conventions and parented on the
+//! caller's W3C `traceparent`, a default request deadline, and a graceful shutdown: health
+//! flips to NOT_SERVING first, then in-flight calls drain within a bound. [`channel`] and [`coordinator_client`] build outbound clients that carry a default
 //! deadline and the current trace context; [`within`] bounds one call on the caller's side too,
 //! and [`is_transient`] says which failures are worth repeating. [`worker`] is the claim →
 //! heartbeat → report loop the executor, validator and test-runner share.
@@ -24,6 +24,7 @@ pub mod auth;
 pub mod backoff;
 pub mod boot;
 mod connect;
+mod rpc_span;
 pub mod status;
 pub mod worker;
 
@@ -304,14 +305,17 @@ pub async fn serve(
     let mut builder = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .trace_fn(request_span);
+        .trace_fn(rpc_span::request_span);
     if let Some(deadline) = options.default_deadline {
         builder = builder.timeout(deadline);
     }
     if let Some(tls) = options.auth.tls_config() {
         builder = builder.tls_config(tls)?;
     }
-    let mut builder = builder.layer(auth::AuthLayer::new(&options.auth));
+    // The status recorder goes outermost, so it sees the auth layer's refusals too.
+    let mut builder = builder
+        .layer(rpc_span::RpcStatusLayer)
+        .layer(auth::AuthLayer::new(&options.auth));
     tracing::info!(
         addr = %local_addr,
         services = ?services.names,
@@ -376,16 +380,6 @@ impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-fn request_span(request: &http::Request<()>) -> tracing::Span {
-    let span = tracing::info_span!(
-        "grpc",
-        otel.kind = "server",
-        rpc = %request.uri().path(),
-    );
-    troupe_telemetry::set_parent_from(&span, request.headers());
-    span
 }
 
 /// Returns `http://<addr>` for a bound address, the form outbound clients take.

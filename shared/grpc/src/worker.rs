@@ -39,6 +39,8 @@ use crate::{Connector, CoordinatorClient, Error, ServiceHealth, is_transient, ti
 
 mod lease;
 mod metrics;
+pub mod prices;
+mod trace;
 
 pub use lease::LeaseLost;
 use lease::{Beat, LeaseSpec, LeaseState};
@@ -291,6 +293,11 @@ pub struct WorkerTuning {
     /// taken from a plan.
     #[arg(long, env = "TROUPE_GIT_CREDENTIALS")]
     pub git_credentials: Option<std::path::PathBuf>,
+    /// Price table the cost metrics count by: a TOML file of USD per million tokens per model
+    /// (`[models."<name>"]` with `input`, `output`, optional `cached_input`; see
+    /// docs/operating.md). Without it no cost is counted.
+    #[arg(long, env = "TROUPE_MODEL_PRICES")]
+    pub model_prices: Option<std::path::PathBuf>,
 }
 
 impl WorkerTuning {
@@ -311,6 +318,11 @@ impl Default for WorkerTuning {
             lease_seconds: 30.0,
             rpc_timeout_seconds: 10.0,
             git_credentials: None,
+            // `troupe up` builds its workers' tuning by default: the table still comes from
+            // the environment there.
+            model_prices: std::env::var_os("TROUPE_MODEL_PRICES")
+                .filter(|path| !path.is_empty())
+                .map(std::path::PathBuf::from),
         }
     }
 }
@@ -390,6 +402,9 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
         shutdown.cancelled().await;
         return Ok(());
     };
+    if let Some(path) = &settings.tuning.model_prices {
+        prices::set(prices::Prices::load(path)?);
+    }
     let role_name = metrics::role_name(settings.role);
     let worker_id = settings
         .worker_id
@@ -592,7 +607,15 @@ async fn run_one<H: TaskHandler>(slot: &Slot<H>, claimed: ClaimedTask, sent: Ins
         tracing::warn!(task_id = %task.id, "claimed task without a lease, ignoring");
         return None;
     };
-    let span = tracing::info_span!("task", session_id = %task.session_id, task_id = %task.id, attempt = lease.attempt);
+    let span = troupe_telemetry::spans::attempt_span(
+        troupe_telemetry::spans::AttemptIds {
+            session_id: &task.session_id,
+            task_id: &task.id,
+            attempt: lease.attempt,
+            role: metrics::role_name(task.role()),
+        },
+        &claimed.traceparent,
+    );
     run_leased(slot, claimed, task, lease, sent)
         .instrument(span)
         .await
@@ -669,6 +692,7 @@ async fn run_leased<H: TaskHandler>(
         tracing::warn!(reason = %reason, "attempt abandoned: its lease is lost, the result is dropped");
         Counters::add(&counters.abandoned, 1);
         metrics::attempt(&task, began.elapsed(), &metrics::Outcome::Abandoned);
+        trace::attempt(&metrics::Outcome::Abandoned, &reason.to_string());
         return None;
     };
 
@@ -680,6 +704,7 @@ async fn run_leased<H: TaskHandler>(
                 began.elapsed(),
                 &metrics::Outcome::Completed(&result),
             );
+            trace::attempt(&metrics::Outcome::Completed(&result), "");
             // The slot's next task comes with the completion, unless the worker is stopping.
             let claim_next = (!shutdown.is_cancelled()).then(|| claim_request(config, 1, None));
             let mut request = CompleteTaskRequest {
@@ -712,11 +737,9 @@ async fn run_leased<H: TaskHandler>(
                 failure.error.retryable = true;
             }
             tracing::warn!(kind = ?failure.error.kind(), error = %failure.error.message, "task failed");
-            metrics::attempt(
-                &task,
-                began.elapsed(),
-                &metrics::Outcome::Failed(failure.error.kind(), failure.partial.as_ref()),
-            );
+            let outcome = metrics::Outcome::Failed(failure.error.kind(), failure.partial.as_ref());
+            metrics::attempt(&task, began.elapsed(), &outcome);
+            trace::attempt(&outcome, &failure.error.message);
             let request = FailTaskRequest {
                 session_id: task.session_id.clone(),
                 task_id: task.id.clone(),
@@ -876,7 +899,7 @@ mod tests {
             .tuned(&WorkerTuning {
                 lease_seconds: 3.0,
                 rpc_timeout_seconds: 0.5,
-                git_credentials: None,
+                ..WorkerTuning::default()
             })
             .expect("valid");
         assert_eq!(
@@ -889,7 +912,7 @@ mod tests {
                 .tuned(&WorkerTuning {
                     lease_seconds: lease,
                     rpc_timeout_seconds: rpc,
-                    git_credentials: None,
+                    ..WorkerTuning::default()
                 })
                 .expect_err("refused");
             assert!(

@@ -366,7 +366,23 @@ impl Sandbox {
     /// grant next to a permission error: a path (`"/etc/x: Permission denied"`,
     /// `"cannot open '/x': Operation not permitted"`) or a `/dev/tcp/<host>/<port>`
     /// connection to a port that is not allowed. `None` when nothing points at the sandbox.
+    ///
+    /// Each denial found counts in `troupe_sandbox_denials_total` (by `kind`: `path` or
+    /// `connect`): callers ask once per failed child.
     pub fn denied(&self, output: &str, cwd: Option<&Path>) -> Option<String> {
+        let denied = self.find_denial(output, cwd)?;
+        let kind = if denied.starts_with("tcp port ") {
+            "connect"
+        } else {
+            "path"
+        };
+        troupe_telemetry::metrics::sandbox_denials()
+            .get_or_create(&troupe_telemetry::metrics::labels([("kind", kind)]))
+            .inc();
+        Some(denied)
+    }
+
+    fn find_denial(&self, output: &str, cwd: Option<&Path>) -> Option<String> {
         if self.mode == Mode::Off {
             return None;
         }

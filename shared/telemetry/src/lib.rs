@@ -12,9 +12,12 @@
 //! process in them.
 
 pub mod metrics;
+pub mod spans;
 
 use std::io::IsTerminal;
 
+mod logs;
+mod otlp_metrics;
 mod redact;
 
 pub use redact::{
@@ -64,7 +67,9 @@ impl TelemetryGuard {
     }
 }
 
-/// Installs logging and tracing for `service_name` as the process-global subscriber.
+/// Installs logging and tracing for `service_name` (overridden by `OTEL_SERVICE_NAME`) as the
+/// process-global subscriber. Log lines inside a traced span carry its `trace_id` and
+/// `span_id`.
 ///
 /// Log format: human-readable when stderr is a terminal, JSON lines otherwise; override with
 /// `TROUPE_LOG_FORMAT=json|text`. Filter with `RUST_LOG` (default `info`).
@@ -76,6 +81,7 @@ pub fn init(service_name: &str) -> Result<TelemetryGuard, Error> {
 /// their own progress want `warn`).
 pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<TelemetryGuard, Error> {
     register_secrets_from_env();
+    let _ = SERVICE_NAME.set(service_name.to_owned());
     let provider = tracer_provider(service_name)?;
     opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
     opentelemetry::global::set_tracer_provider(provider.clone());
@@ -97,6 +103,7 @@ pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<Tele
                     .json()
                     .with_current_span(true)
                     .with_span_list(false)
+                    .map_event_format(|inner| logs::WithTraceIds { inner, json: true })
                     .with_writer(redact::RedactingStderr),
             )
             .try_init()
@@ -105,6 +112,7 @@ pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<Tele
             .with(
                 tracing_subscriber::fmt::layer()
                     .compact()
+                    .map_event_format(|inner| logs::WithTraceIds { inner, json: false })
                     .with_writer(redact::RedactingStderr),
             )
             .try_init()
@@ -113,11 +121,26 @@ pub fn init_with_filter(service_name: &str, default_filter: &str) -> Result<Tele
     Ok(TelemetryGuard { provider })
 }
 
+/// The name [`init`] was given, for the resource of pushed metrics.
+pub(crate) static SERVICE_NAME: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The resource every span (and metric) names: `OTEL_SERVICE_NAME` when set, else
+/// `service_name`; plus `OTEL_RESOURCE_ATTRIBUTES`.
+pub(crate) fn resource(service_name: &str) -> opentelemetry_sdk::Resource {
+    let builder = opentelemetry_sdk::Resource::builder();
+    // The builder reads OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES itself; the binary's
+    // own name is only the fallback.
+    if std::env::var("OTEL_SERVICE_NAME").is_ok_and(|name| !name.trim().is_empty()) {
+        builder.build()
+    } else {
+        builder.with_service_name(service_name.to_owned()).build()
+    }
+}
+
 fn tracer_provider(service_name: &str) -> Result<SdkTracerProvider, Error> {
-    let resource = opentelemetry_sdk::Resource::builder()
-        .with_service_name(service_name.to_owned())
-        .build();
-    let builder = SdkTracerProvider::builder().with_resource(resource);
+    let builder = SdkTracerProvider::builder()
+        .with_resource(resource(service_name))
+        .with_id_generator(spans::PinnedIds::default());
     let endpoint_set = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT")
         .or_else(|_| std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
         .is_ok_and(|value| !value.trim().is_empty());

@@ -15,7 +15,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use prometheus_client::encoding::prometheus_text;
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, prometheus_text};
+use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::{Metric, Registry, Unit};
 
 pub use prometheus_client::metrics::counter::Counter;
@@ -65,15 +66,32 @@ fn registry() -> &'static Mutex<Registry> {
     REGISTRY.get_or_init(|| Mutex::new(Registry::default()))
 }
 
+/// A registered metric whose `# HELP` and `# TYPE` lines are served even before its first
+/// series (the registry skips empty families otherwise): a scrape shows every family the
+/// process has, and dashboards can be checked against it.
+#[derive(Debug)]
+struct Declared<M>(M);
+
+impl<M: EncodeMetric> EncodeMetric for Declared<M> {
+    fn encode(&self, encoder: MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+}
+
 fn register<M: Metric + Clone>(name: &str, help: &str, unit: Option<Unit>, metric: M) -> M {
     // The encoder ends the help with a full stop of its own.
     let help = help.trim_end_matches('.');
     let mut registry = registry()
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
+    let declared = Declared(metric.clone());
     match unit {
-        Some(unit) => registry.register_with_unit(name, help, unit, metric.clone()),
-        None => registry.register(name, help, metric.clone()),
+        Some(unit) => registry.register_with_unit(name, help, unit, declared),
+        None => registry.register(name, help, declared),
     }
     metric
 }
@@ -118,6 +136,19 @@ pub fn seconds_histogram(name: &str, help: &str, buckets: fn() -> Histogram) -> 
 /// Registers a histogram family without a unit (ratios) with `buckets`.
 pub fn histogram(name: &str, help: &str, buckets: fn() -> Histogram) -> HistogramFamily {
     register(name, help, None, Family::new_with_constructor(buckets))
+}
+
+/// `troupe_sandbox_denials_total`: children whose failure the sandbox caused, by `kind`
+/// (`path`, `connect`). Counted where a denial is attributed (`troupe-process`); registered by
+/// whichever comes first, that or a worker's start, so a scrape shows it before any denial.
+pub fn sandbox_denials() -> &'static Family<Labels, Counter> {
+    static DENIALS: OnceLock<Family<Labels, Counter>> = OnceLock::new();
+    DENIALS.get_or_init(|| {
+        counter(
+            "troupe_sandbox_denials",
+            "Children whose failure the sandbox caused (an access its ruleset does not grant), by kind (path, connect).",
+        )
+    })
 }
 
 /// Buckets for service latencies: 1 ms to about 65 s.
@@ -167,13 +198,33 @@ pub fn encode() -> String {
 }
 
 /// Binds `args`' address when one is given, and serves `GET /metrics` there (after
-/// `refresh`) until `shutdown` completes. Returns the bound address, or `None` when metrics
-/// are off.
+/// `refresh`) until `shutdown` completes; when an OTLP endpoint is configured, also pushes the
+/// same metrics there (see the `otlp_metrics` module). Returns the bound address, or `None`
+/// when the endpoint is off.
 pub async fn spawn(
     args: &MetricsArgs,
     refresh: Vec<Refresh>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<Option<SocketAddr>, MetricsError> {
+    // Both the endpoint and the OTLP push stop with `shutdown`.
+    let (stopped, stop) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stopped.send(true);
+    });
+    let until_stopped = move || {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        }
+    };
+    if let Some(config) = crate::otlp_metrics::Config::from_env() {
+        tokio::spawn(crate::otlp_metrics::push_until(
+            config,
+            refresh.clone(),
+            until_stopped(),
+        ));
+    }
     let Some(addr) = args.metrics_listen else {
         return Ok(None);
     };
@@ -183,7 +234,7 @@ pub async fn spawn(
     let bound = listener
         .local_addr()
         .map_err(|source| MetricsError::Bind { addr, source })?;
-    tokio::spawn(serve(listener, refresh, shutdown));
+    tokio::spawn(serve(listener, refresh, until_stopped()));
     tracing::info!(addr = %bound, "serving metrics on /metrics");
     Ok(Some(bound))
 }
@@ -238,7 +289,12 @@ mod tests {
         let series = took.get_or_create(&labels([("role", "executor")]));
         series.observe(0.003);
         series.observe(100.0);
+        counter("troupe_test_unused", "A family with no series yet.");
         let text = encode();
+        assert!(
+            text.contains("# TYPE troupe_test_unused_total counter\n"),
+            "an empty family is declared: {text}"
+        );
         assert!(
             text.contains("# HELP troupe_test_encoded_total Tasks counted by the test.\n"),
             "{text}"

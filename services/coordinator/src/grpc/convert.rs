@@ -17,6 +17,13 @@ pub(super) fn claimed_protos(claimed: Vec<Claimed>) -> Vec<pb::ClaimedTask> {
     claimed
         .into_iter()
         .map(|claimed| pb::ClaimedTask {
+            // Each attempt is a trace of its own, opened here and joined by its worker.
+            traceparent: troupe_telemetry::spans::claim_span(troupe_telemetry::spans::AttemptIds {
+                session_id: &claimed.task.session_id,
+                task_id: &claimed.task.id,
+                attempt: claimed.task.attempt,
+                role: crate::check::role_name(claimed.task.role),
+            }),
             lease: Some(pb::Lease {
                 fencing_token: claimed.task.fencing_token,
                 expires_at: opt_timestamp(claimed.task.lease_expires_at),

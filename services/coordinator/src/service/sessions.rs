@@ -145,6 +145,16 @@ impl Coordinator {
         }
         self.notify();
         tracing::info!(session_id = %session_id, tasks = plan.tasks.len(), "session created");
+        troupe_telemetry::spans::record_session(
+            &session_id,
+            vec![
+                troupe_telemetry::spans::KeyValue::new("troupe.plan.name", plan.name.clone()),
+                troupe_telemetry::spans::KeyValue::new(
+                    "troupe.plan.tasks",
+                    i64::try_from(plan.tasks.len()).unwrap_or(i64::MAX),
+                ),
+            ],
+        );
         self.store.get_session(&session_id).await
     }
 

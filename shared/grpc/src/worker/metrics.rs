@@ -16,6 +16,7 @@ struct Metrics {
     attempts: Family<Labels, Counter>,
     failures: Family<Labels, Counter>,
     tokens: Family<Labels, Counter>,
+    cost: Family<Labels, Counter<f64>>,
     pass_rate: Family<Labels, FloatGauge>,
     coverage: Family<Labels, FloatGauge>,
 }
@@ -38,7 +39,12 @@ fn metrics() -> &'static Metrics {
         ),
         tokens: metrics::counter(
             "troupe_tokens",
-            "Model tokens the backends reported, by backend and kind (input, output, cached_input).",
+            "Model tokens the backends reported, by backend, model and kind (input, output, cached_input).",
+        ),
+        cost: metrics::counter_in(
+            "troupe_cost",
+            "What the backends' tokens cost by the configured price table, by backend and model.",
+            "usd",
         ),
         pass_rate: metrics::float_gauge(
             "troupe_test_pass_rate",
@@ -54,6 +60,7 @@ fn metrics() -> &'static Metrics {
 /// Registers the families, so a scrape shows them before the first task.
 pub(crate) fn register() {
     metrics();
+    metrics::sandbox_denials();
 }
 
 /// The label of a role.
@@ -104,6 +111,11 @@ pub(crate) fn attempt(task: &Task, took: Duration, outcome: &Outcome<'_>) {
             if !report.backend.is_empty() {
                 backend = &report.backend;
             }
+            let model = if report.model.is_empty() {
+                "unknown"
+            } else {
+                report.model.as_str()
+            };
             if let Some(usage) = &report.usage {
                 for (kind, count) in [
                     ("input", usage.input_tokens),
@@ -112,8 +124,18 @@ pub(crate) fn attempt(task: &Task, took: Duration, outcome: &Outcome<'_>) {
                 ] {
                     metrics
                         .tokens
-                        .get_or_create(&labels([("backend", backend), ("kind", kind)]))
+                        .get_or_create(&labels([
+                            ("backend", backend),
+                            ("model", model),
+                            ("kind", kind),
+                        ]))
                         .inc_by(count);
+                }
+                if let Some(cost) = super::prices::current().cost(&report.model, usage) {
+                    metrics
+                        .cost
+                        .get_or_create(&labels([("backend", backend), ("model", model)]))
+                        .inc_by(cost);
                 }
             }
         }

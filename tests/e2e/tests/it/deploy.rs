@@ -5,7 +5,8 @@
 //! binary reports SERVING on its health listener; every container is locked down and bounded;
 //! every autoscaler targets a Deployment on that Deployment's ready-task depth; every Secret
 //! the pods need is made by the overlay or created by docs/kubernetes.md. The Dockerfile
-//! passes hadolint. The tools come from scripts/setup/60-deploy-tools.sh.
+//! passes hadolint. The Grafana dashboard is JSON whose every query reads a metric a running
+//! coordinator or worker serves. The tools come from scripts/setup/60-deploy-tools.sh.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -775,6 +776,154 @@ fn the_walkthrough_creates_every_secret_key_the_pods_read() -> anyhow::Result<()
                 "troupe-git has no {key} for its rule"
             );
         }
+    }
+    Ok(())
+}
+
+/// The metric names an expression reads: each `troupe_…` word.
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("troupe_") {
+        let word: String = rest[at..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        rest = &rest[at + word.len()..];
+        names.push(word);
+    }
+    names
+}
+
+/// The sample names a scrape's `# TYPE` lines promise (a histogram's `_bucket`, `_sum`,
+/// `_count`), families with no series yet included.
+async fn exported_names(addr: std::net::SocketAddr) -> anyhow::Result<BTreeSet<String>> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let text = reqwest::get(format!("http://{addr}/metrics"))
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    let mut names = BTreeSet::new();
+    for line in text.lines() {
+        let Some(declared) = line.strip_prefix("# TYPE ") else {
+            continue;
+        };
+        let mut words = declared.split_whitespace();
+        let (Some(name), Some(kind)) = (words.next(), words.next()) else {
+            bail!("a TYPE line without a name and a type: {line}");
+        };
+        if kind == "histogram" {
+            for suffix in ["_bucket", "_sum", "_count"] {
+                names.insert(format!("{name}{suffix}"));
+            }
+        } else {
+            names.insert(name.to_owned());
+        }
+    }
+    Ok(names)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grafana_dashboard_reads_only_metrics_the_binaries_export() -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(root().join("deploy/grafana/troupe.json"))?;
+    let dashboard: Value = serde_json::from_str(&text).context("the dashboard is not JSON")?;
+    let mut exprs = Vec::new();
+    for panel in dashboard["panels"].as_array().context("no panels")? {
+        if panel["type"] == "row" {
+            continue;
+        }
+        let targets = panel["targets"]
+            .as_array()
+            .with_context(|| format!("panel {} has no targets", panel["title"]))?;
+        ensure!(
+            !targets.is_empty(),
+            "panel {} has no targets",
+            panel["title"]
+        );
+        for target in targets {
+            let expr = target["expr"].as_str().context("a target without expr")?;
+            ensure!(
+                !metric_names(expr).is_empty(),
+                "panel {}: {expr} reads no troupe metric",
+                panel["title"]
+            );
+            exprs.push((panel["title"].to_string(), expr.to_owned()));
+        }
+    }
+
+    // What a real coordinator and a real executor worker serve (the worker families are the
+    // same in every worker service).
+    let data = tempfile::tempdir()?;
+    let coordinator_metrics = free_addr();
+    let coordinator_dir = data.path().join("coordinator").display().to_string();
+    let coordinator = ChildService::start(
+        "troupe-coordinator",
+        &[
+            "--data-dir",
+            &coordinator_dir,
+            "--metrics-listen",
+            &coordinator_metrics.to_string(),
+        ],
+        &[],
+    )
+    .await?;
+    let executor_metrics = free_addr();
+    let executor_dir = data.path().join("executor").display().to_string();
+    let executor = ChildService::start(
+        "troupe-executor",
+        &[
+            "--data-dir",
+            &executor_dir,
+            "--coordinator-url",
+            &coordinator.url(),
+            "--metrics-listen",
+            &executor_metrics.to_string(),
+        ],
+        &[],
+    )
+    .await?;
+    let mut exported = exported_names(coordinator_metrics).await?;
+    exported.extend(exported_names(executor_metrics).await?);
+    executor
+        .terminate(std::time::Duration::from_secs(20))
+        .await?;
+    coordinator
+        .terminate(std::time::Duration::from_secs(20))
+        .await?;
+
+    let mut read = BTreeSet::new();
+    for (panel, expr) in &exprs {
+        for name in metric_names(expr) {
+            ensure!(
+                exported.contains(&name),
+                "panel {panel} reads {name}, which no binary exports ({exported:?})"
+            );
+            read.insert(name);
+        }
+    }
+    // Every family an operator needs is on the dashboard.
+    for family in [
+        "troupe_tasks_ready",
+        "troupe_tasks",
+        "troupe_task_pickup_seconds_bucket",
+        "troupe_claim_duration_seconds_bucket",
+        "troupe_task_duration_seconds_bucket",
+        "troupe_task_attempts_total",
+        "troupe_task_failures_total",
+        "troupe_task_retries_total",
+        "troupe_lease_expiries_total",
+        "troupe_backend_fallbacks_total",
+        "troupe_tokens_total",
+        "troupe_cost_usd_total",
+        "troupe_sandbox_denials_total",
+        "troupe_test_pass_rate",
+        "troupe_test_coverage_percent",
+    ] {
+        ensure!(
+            read.contains(family),
+            "the dashboard does not show {family}"
+        );
     }
     Ok(())
 }

@@ -318,3 +318,170 @@ async fn troupe_up_serves_every_service_metrics_on_one_endpoint() -> anyhow::Res
     up.terminate(Duration::from_secs(20)).await?;
     Ok(())
 }
+
+/// `troupe up` with the built-in agent backend on the scripted model server, a price table,
+/// and a command agent the sandbox stops: the tokens count by backend and model exactly as the
+/// report says, the cost is those tokens at the table's prices, and the denial counts once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_cost_and_sandbox_denials_count_exactly_what_ran() -> anyhow::Result<()> {
+    use troupe_modelserver::{ModelServer, Script};
+    use troupe_proto::v1::{ErrorKind, WatchSessionRequest};
+
+    let (model_url, _model) = ModelServer::start(Script::write_file(
+        "notes/hello.txt",
+        "notes/hello.txt",
+        "hello from the model\n",
+    ))
+    .await?;
+    let root = tempfile::tempdir()?;
+    let config = root.path().join("executor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "fallback = []\nretries = 0\n[backends.agent]\nmodel = \"fake-model\"\n\
+             endpoint = \"{model_url}/v1\"\napi_key = \"fake-key\"\nfast_fail = true\n\
+             timeout_seconds = 120\n"
+        ),
+    )?;
+    let prices = root.path().join("prices.toml");
+    std::fs::write(
+        &prices,
+        "[models.\"fake-model\"]\ninput = 3.0\noutput = 15.0\ncached_input = 0.3\n",
+    )?;
+    let outside = tempfile::tempdir()?;
+    let plan_dir = root.path().join("plan");
+    std::fs::create_dir_all(plan_dir.join("repo"))?;
+    std::fs::write(plan_dir.join("repo/README.md"), "priced\n")?;
+    let plan = serde_json::json!({
+        "name": "priced", "repos": {"app": {"template": "repo"}},
+        "tasks": [
+            {"id": "IMPL-001", "title": "Create notes/hello.txt",
+             "description": "Create the file notes/hello.txt with a greeting.",
+             "files": [{"path": "notes/hello.txt", "action": "create", "change": "new file"}],
+             "agent": {"backend": "agent"}},
+            {"id": "IMPL-002", "title": "escape",
+             "files": [{"path": "x.txt", "action": "create"}],
+             "agent": {"backend": "command", "command": ["bash", "-c",
+                 format!("echo pwned > {}/escaped.txt", outside.path().display())]}}
+        ]
+    });
+
+    let data = root.path().join("data").display().to_string();
+    let metrics = support::free_addr();
+    let metrics_arg = metrics.to_string();
+    let config_text = config.display().to_string();
+    let prices_text = prices.display().to_string();
+    let up = ChildService::start(
+        "troupe",
+        &["up", "--data-dir", &data, "--metrics-listen", &metrics_arg],
+        &[
+            ("TROUPE_EXECUTOR_CONFIG", config_text.as_str()),
+            ("TROUPE_MODEL_PRICES", prices_text.as_str()),
+        ],
+    )
+    .await?;
+    let before = scrape(metrics).await?;
+    let mut client = troupe_grpc::coordinator_client(&up.url())?;
+    let created = client
+        .create_session(CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: plan_dir.display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let session_id = created.session.context("no session")?.id;
+    let mut events = client
+        .watch_session(WatchSessionRequest {
+            session_id: session_id.clone(),
+            after_sequence: 0,
+            follow: false,
+        })
+        .await?
+        .into_inner();
+    tokio::time::timeout(Duration::from_secs(240), async {
+        while events.message().await?.is_some() {}
+        anyhow::Ok(())
+    })
+    .await??;
+    let done = get_session(&up.url(), &session_id).await?;
+    let after = scrape(metrics).await?;
+    up.terminate(Duration::from_secs(20)).await?;
+
+    let task = |id: &str| {
+        done.tasks
+            .iter()
+            .find(|task| task.id == id)
+            .with_context(|| format!("no {id}"))
+    };
+    let priced = task("IMPL-001")?;
+    assert_eq!(priced.state(), TaskState::Completed, "{priced:?}");
+    let Some(Detail::Implementation(report)) = priced
+        .result
+        .as_ref()
+        .and_then(|result| result.detail.as_ref())
+    else {
+        bail!("no implementation report: {priced:?}");
+    };
+    assert_eq!(
+        (report.backend.as_str(), report.model.as_str()),
+        ("agent", "fake-model")
+    );
+    let usage = report.usage.context("the agent reported no usage")?;
+    assert!(
+        usage.input_tokens > 0 && usage.output_tokens > 0,
+        "{usage:?}"
+    );
+    let moved = |metric: &str, labels: &[(&str, &str)]| {
+        value(&after, metric, labels) - value(&before, metric, labels)
+    };
+    let model = [("backend", "agent"), ("model", "fake-model")];
+    for (kind, count) in [
+        ("input", usage.input_tokens),
+        ("output", usage.output_tokens),
+        ("cached_input", usage.cached_input_tokens),
+    ] {
+        let labels = [model[0], model[1], ("kind", kind)];
+        assert_eq!(
+            moved("troupe_tokens_total", &labels),
+            count as f64,
+            "{kind} tokens"
+        );
+    }
+    let cached = usage.cached_input_tokens as f64;
+    let expected_cost = ((usage.input_tokens as f64 - cached) * 3.0
+        + cached * 0.3
+        + usage.output_tokens as f64 * 15.0)
+        / 1e6;
+    let cost = moved("troupe_cost_usd_total", &model);
+    assert!(
+        (cost - expected_cost).abs() < 1e-12,
+        "cost {cost}, expected {expected_cost}"
+    );
+    // The command agent has no model and no tokens: nothing priced for it.
+    assert_eq!(
+        moved("troupe_cost_usd_total", &[("backend", "command")]),
+        0.0
+    );
+
+    let denied = task("IMPL-002")?;
+    let error = denied
+        .last_error
+        .as_ref()
+        .with_context(|| format!("IMPL-002 has no error: {denied:?}"))?;
+    assert_eq!(error.kind(), ErrorKind::SandboxDenied, "{error:?}");
+    assert!(!outside.path().join("escaped.txt").exists());
+    assert_eq!(
+        moved("troupe_sandbox_denials_total", &[("kind", "path")]),
+        f64::from(denied.attempt),
+        "one denial per attempt"
+    );
+    assert_eq!(
+        moved(
+            "troupe_task_failures_total",
+            &[("role", "executor"), ("kind", "sandbox_denied")]
+        ),
+        f64::from(denied.attempt)
+    );
+    Ok(())
+}
