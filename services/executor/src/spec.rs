@@ -50,6 +50,8 @@ pub struct TaskSpec {
     pub(crate) phase: Option<Value>,
     /// `pre_analysis[]` steps, run in the worktree before the agent.
     pub(crate) pre_analysis: Vec<PreAnalysisStep>,
+    /// The plan's `sandbox` for the task: it may tighten the executor's, never loosen it.
+    pub(crate) sandbox: Option<troupe_process::SandboxMode>,
 }
 
 impl TaskSpec {
@@ -166,6 +168,7 @@ impl TaskSpec {
                 .filter(|v| v.is_number() || v.is_string())
                 .cloned(),
             pre_analysis: blocks.pre_analysis,
+            sandbox: blocks.sandbox.and_then(|mode| mode.as_str().parse().ok()),
             id,
         };
         if problems.is_empty() {

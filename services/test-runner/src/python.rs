@@ -477,6 +477,7 @@ pub(crate) async fn foreign_origins(
     cwd: &Path,
     worktree: &Path,
     env: &std::collections::BTreeMap<String, String>,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<Vec<String>, Error> {
     let mut all: Vec<String> = names.to_vec();
@@ -494,6 +495,7 @@ pub(crate) async fn foreign_origins(
         .envs(env.clone())
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .timeout(Duration::from_secs(60))
+        .sandbox(sandbox.clone())
         .run(cancel)
         .await
         .map_err(|source| Error::process(python, source))?;

@@ -229,6 +229,11 @@ impl TestRunHandler {
             setup: test.setup.clone(),
             workdir: test.workdir.clone(),
             python: test.python.clone(),
+            // The plan may tighten the service's sandbox for this task, never loosen it.
+            sandbox: spec_json
+                .as_object()
+                .and_then(troupe_plan::spec::sandbox_of)
+                .and_then(|mode| mode.as_str().parse().ok()),
             placeholders: [
                 ("plan_dir".to_owned(), task.plan_dir.clone()),
                 ("session_id".to_owned(), session.to_owned()),

@@ -76,7 +76,8 @@ enum Command {
     Resume(SessionArgs),
     /// Pauses a session: running tasks finish, nothing new starts until `resume`.
     Pause(PauseArgs),
-    /// Lists the agent backends (installed or not, versions) via `Executor.ListBackends`.
+    /// Lists the agent backends (installed or not, versions) via `Executor.ListBackends`, and
+    /// this kernel's Landlock ABI (whether `--sandbox enforce` can work).
     Doctor(DoctorArgs),
 }
 
@@ -633,11 +634,13 @@ async fn pause(args: PauseArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `troupe doctor`: one line per backend from `Executor.ListBackends`.
+/// `troupe doctor`: one line per backend from `Executor.ListBackends`, then what this kernel's
+/// Landlock support means for the sandbox.
 async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     use troupe_proto::v1::{ListBackendsRequest, executor_client::ExecutorClient};
     let shutdown = CancellationToken::new();
     let scratch = std::env::temp_dir().join(format!("troupe-doctor-{}", std::process::id()));
+    let args_connect = args.connect.is_some();
     let (url, connector, server) = match args.connect {
         Some(url) => (url, Connector::new(&args.credentials).await?, None),
         None => {
@@ -688,6 +691,18 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
             b.name, b.version, b.detail
         );
     }
+    // This machine's kernel, with the mode the TROUPE_SANDBOX* variables give here.
+    let sandbox =
+        troupe_process::sandbox::SandboxArgs::from_env().map_err(anyhow::Error::msg)?;
+    println!(
+        "{}{}",
+        troupe_process::sandbox::support(
+            troupe_process::sandbox::landlock_abi(),
+            sandbox.mode,
+            sandbox.connect_ports.is_some(),
+        ),
+        if args_connect { " [this machine's kernel, not the executor's]" } else { "" }
+    );
     Ok(ExitCode::SUCCESS)
 }
 

@@ -168,6 +168,7 @@ impl ValidateHandler {
             task_id: &task.id,
             title: &task.title,
             description: &task.description,
+            sandbox: plan_sandbox(&spec),
         };
         progress(format!("checking {} at {}", task.id, &head.as_str()[..12]));
         let (checks, review) = self
@@ -237,6 +238,7 @@ impl ValidateHandler {
                 judge,
                 task_id: id,
                 title: spec.get("title").and_then(Value::as_str).unwrap_or(""),
+                sandbox: plan_sandbox(&spec),
                 description: spec
                     .get("description")
                     .and_then(Value::as_str)
@@ -296,6 +298,7 @@ impl ValidateHandler {
                         task_id: id,
                         title,
                         description,
+                        sandbox: plan_sandbox(&spec),
                         ..TreeJob::default()
                     };
                     let (done, _) = self
@@ -351,6 +354,13 @@ fn executor_upstream(claimed: &ClaimedTask) -> impl Iterator<Item = &UpstreamRes
 }
 
 /// An upstream task's spec as the claim carries it.
+/// The plan's `sandbox` for a task (its spec): it may tighten the validator's, never loosen it.
+fn plan_sandbox(spec: &Value) -> Option<troupe_process::SandboxMode> {
+    spec.as_object()
+        .and_then(troupe_plan::spec::sandbox_of)
+        .and_then(|mode| mode.as_str().parse().ok())
+}
+
 fn upstream_spec(upstream: &UpstreamResult) -> Option<Value> {
     upstream
         .spec
