@@ -304,7 +304,9 @@ impl Runner {
     /// The sandbox of a run's installers, before the directory each builds is added.
     fn installer_sandbox(&self, spec: &RunSpec) -> troupe_process::Sandbox {
         crate::sandbox::installer(
-            self.sandbox.base(&self.data_dir).tighten(spec.sandbox.unwrap_or(troupe_process::SandboxMode::Off)),
+            self.sandbox
+                .base(&self.data_dir)
+                .tighten(spec.sandbox.unwrap_or(troupe_process::SandboxMode::Off)),
             &crate::sandbox::caches(&self.data_dir),
             &self.out_dir(&spec.run_id).join(INSTALL_HOME),
         )
@@ -915,9 +917,13 @@ impl Runner {
         asked.dedup();
         // The interpreters and venvs the suite runs on.
         let mut access = crate::sandbox::Access::default();
-        for interpreter in [Some(python.as_str()), Some(base_python.as_str()), requirements_python.as_deref()]
-            .into_iter()
-            .flatten()
+        for interpreter in [
+            Some(python.as_str()),
+            Some(base_python.as_str()),
+            requirements_python.as_deref(),
+        ]
+        .into_iter()
+        .flatten()
         {
             for prefix in crate::sandbox::python_prefixes(Path::new(interpreter)) {
                 if !access.read.contains(&prefix) {
@@ -1642,6 +1648,44 @@ mod tests {
             "Unrecognized CLI Parameter: Unrecognized option \"testTimeout\". CLI Options Documentation:"
         );
         assert_eq!(crash_reason(""), "");
+    }
+
+    #[test]
+    fn a_plan_tightens_the_services_sandbox_but_never_loosens_it() {
+        use troupe_process::SandboxMode;
+        let data = tempfile::tempdir().expect("tempdir");
+        let runner = |mode| {
+            Runner::new(data.path().to_path_buf(), "python3".to_owned()).with_sandbox(
+                troupe_process::sandbox::SandboxArgs {
+                    mode,
+                    ..Default::default()
+                },
+            )
+        };
+        let mut spec = RunSpec::from_request(request("/repo")).expect("valid");
+        let worktree = data.path().join("worktrees/test-runs/x-0");
+        let access = crate::sandbox::Access::default();
+        spec.sandbox = Some(SandboxMode::Enforce);
+        let mode = |runner: &Runner, spec: &RunSpec| {
+            (
+                runner.run_sandbox(spec, &worktree, &access).mode(),
+                runner.installer_sandbox(spec).mode(),
+            )
+        };
+        assert_eq!(
+            mode(&runner(SandboxMode::Off), &spec),
+            (SandboxMode::Enforce, SandboxMode::Enforce)
+        );
+        spec.sandbox = Some(SandboxMode::Off);
+        assert_eq!(
+            mode(&runner(SandboxMode::Warn), &spec),
+            (SandboxMode::Warn, SandboxMode::Warn)
+        );
+        spec.sandbox = None;
+        assert_eq!(
+            mode(&runner(SandboxMode::Enforce), &spec),
+            (SandboxMode::Enforce, SandboxMode::Enforce)
+        );
     }
 
     #[test]

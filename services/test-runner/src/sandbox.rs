@@ -66,7 +66,10 @@ pub(crate) const DENIED: &str = "denied by the sandbox: ";
 /// What a step's output says the sandbox refused (the rest of the line after [`DENIED`]).
 pub(crate) fn denial_in(text: &str) -> Option<String> {
     text.lines()
-        .find_map(|line| line.split_once(DENIED).map(|(_, rest)| rest.trim().to_owned()))
+        .find_map(|line| {
+            line.split_once(DENIED)
+                .map(|(_, rest)| rest.trim().to_owned())
+        })
         .filter(|denied| !denied.is_empty())
 }
 
@@ -147,11 +150,7 @@ fn url_port(url: &str) -> Option<u16> {
 /// An installer's sandbox on top of `base`: the download caches writable (created first, so
 /// the grant holds), `home` its own, the registries' ports reachable. The caller adds the
 /// install's own directory.
-pub(crate) fn installer(
-    base: Sandbox,
-    caches: &BTreeMap<String, PathBuf>,
-    home: &Path,
-) -> Sandbox {
+pub(crate) fn installer(base: Sandbox, caches: &BTreeMap<String, PathBuf>, home: &Path) -> Sandbox {
     let mut sandbox = base.home(home);
     for dir in caches.values() {
         if let Err(err) = std::fs::create_dir_all(dir) {
@@ -279,12 +278,7 @@ fn list_links(dir: &Path, out: &mut Vec<PathBuf>) {
 /// Turns a run that did not pass into SANDBOX_DENIED when what it printed (`output`) or its
 /// failure messages name something the sandbox refused (docs/sandbox.md, "How a denial is
 /// reported"). A passing run is left alone: whatever it was refused, it coped.
-pub(crate) fn mark_denied(
-    report: &mut TestRunReport,
-    sandbox: &Sandbox,
-    output: &str,
-    cwd: &Path,
-) {
+pub(crate) fn mark_denied(report: &mut TestRunReport, sandbox: &Sandbox, output: &str, cwd: &Path) {
     if matches!(
         report.outcome(),
         TestOutcome::Passed | TestOutcome::CoverageBelowTarget | TestOutcome::CoverageThreshold

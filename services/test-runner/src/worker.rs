@@ -442,6 +442,20 @@ fn verdict(report: TestRunReport) -> Result<TaskResult, TaskFailure> {
     };
     if outcome == TestOutcome::Passed || fixed {
         Ok(result)
+    } else if outcome == TestOutcome::SandboxDenied {
+        // The kernel refused the suite (or its install or setup) something outside the run:
+        // not a test result, and another attempt would be refused the same.
+        let denied = match &result.detail {
+            Some(task_result::Detail::TestRun(report)) => report.sandbox_denied.clone(),
+            _ => String::new(),
+        };
+        Err(TaskFailure::new(
+            ErrorKind::SandboxDenied,
+            format!("test run was denied by the sandbox: {denied}: {summary}"),
+            false,
+        )
+        .with_details(details)
+        .with_partial(result))
     } else {
         let reason = why(&result);
         Err(TaskFailure::new(
@@ -557,6 +571,19 @@ mod tests {
     use serde_json::json;
 
     use super::*;
+
+    #[test]
+    fn a_sandbox_refusal_fails_the_task_as_sandbox_denied() {
+        let report = TestRunReport {
+            outcome: TestOutcome::SandboxDenied as i32,
+            sandbox_denied: "/srv/data/troupe.db".to_owned(),
+            ..TestRunReport::default()
+        };
+        let failure = verdict(report).expect_err("a refusal fails the task");
+        assert_eq!(failure.error.kind(), ErrorKind::SandboxDenied);
+        assert!(failure.error.message.contains("/srv/data/troupe.db"));
+        assert!(!failure.error.retryable);
+    }
 
     #[test]
     fn parses_the_test_object_with_defaults() {

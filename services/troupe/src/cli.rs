@@ -692,8 +692,7 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
         );
     }
     // This machine's kernel, with the mode the TROUPE_SANDBOX* variables give here.
-    let sandbox =
-        troupe_process::sandbox::SandboxArgs::from_env().map_err(anyhow::Error::msg)?;
+    let sandbox = troupe_process::sandbox::SandboxArgs::from_env().map_err(anyhow::Error::msg)?;
     println!(
         "{}{}",
         troupe_process::sandbox::support(
@@ -701,7 +700,11 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
             sandbox.mode,
             sandbox.connect_ports.is_some(),
         ),
-        if args_connect { " [this machine's kernel, not the executor's]" } else { "" }
+        if args_connect {
+            " [this machine's kernel, not the executor's]"
+        } else {
+            ""
+        }
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -41,6 +41,14 @@ impl Tools {
         }
     }
 
+    /// These tools, also allowed to write `path` (which must exist), when confined.
+    pub(crate) fn granting_write(&self, path: &Path) -> Self {
+        Self {
+            dirs: self.dirs.clone(),
+            sandbox: self.sandbox.clone().map(|sandbox| sandbox.write(path)),
+        }
+    }
+
     /// These tools, run under `sandbox` (checks of one worktree: read-only on it).
     pub(crate) fn confined(&self, sandbox: troupe_process::Sandbox) -> Self {
         Self {
@@ -109,6 +117,19 @@ impl Tools {
             command = command.stdin(bytes);
         }
         if let Some(sandbox) = &self.sandbox {
+            // The worktree is read-only: caches that tools keep beside the code go to the
+            // tool's own home (`py_compile` writes `__pycache__`, ruff `.ruff_cache`).
+            if let Some(home) = sandbox.home_dir() {
+                command = command
+                    .env(
+                        "PYTHONPYCACHEPREFIX",
+                        home.join("pycache").display().to_string(),
+                    )
+                    .env(
+                        "RUFF_CACHE_DIR",
+                        home.join("ruff-cache").display().to_string(),
+                    );
+            }
             command = command.sandbox(sandbox.clone());
         }
         match command.run(cancel).await {
@@ -126,8 +147,8 @@ impl Tools {
                     output.stderr = stderr;
                 }
                 match output.termination {
-                Termination::Cancelled => Err(Error::Cancelled),
-                Termination::TimedOut | Termination::IdleTimedOut => Ok(Ran::TimedOut(output)),
+                    Termination::Cancelled => Err(Error::Cancelled),
+                    Termination::TimedOut | Termination::IdleTimedOut => Ok(Ran::TimedOut(output)),
                     Termination::Exited => Ok(Ran::Exited(output)),
                 }
             }

@@ -313,13 +313,16 @@ impl Validator {
                 source,
             });
         }
-        let tools = self.tools.confined(
-            base.clone()
-                .read(worktree)
-                .git_worktree(worktree)
-                .write(&cargo_target)
-                .home(&tools_home),
-        );
+        let mut confined = base
+            .clone()
+            .read(worktree)
+            .git_worktree(worktree)
+            .write(&cargo_target)
+            .home(&tools_home);
+        for dir in rust_toolchains() {
+            confined = confined.read(dir);
+        }
+        let tools = self.tools.confined(confined);
         let checked = self
             .tool_checks(worktree, commit, &job, &tools, &base, checks, cancel)
             .await;
@@ -413,6 +416,24 @@ impl Validator {
                 uuid::Uuid::new_v4().simple()
             ))
     }
+}
+
+/// Rust's toolchains and registry (`RUSTUP_HOME`, `CARGO_HOME`, else `~/.rustup`, `~/.cargo`):
+/// the `cargo` on `PATH` is often rustup's proxy, which reads them. Read only.
+fn rust_toolchains() -> Vec<PathBuf> {
+    let home = std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map(PathBuf::from);
+    [("RUSTUP_HOME", ".rustup"), ("CARGO_HOME", ".cargo")]
+        .into_iter()
+        .filter_map(|(name, default)| {
+            std::env::var_os(name)
+                .filter(|value| !value.is_empty())
+                .map(PathBuf::from)
+                .or_else(|| home.as_ref().map(|home| home.join(default)))
+        })
+        .filter(|dir| dir.is_dir())
+        .collect()
 }
 
 /// Runs `argv` in `worktree`: PASS on exit 0, FAIL on another exit, ERROR when it cannot run

@@ -161,7 +161,10 @@ pub(crate) fn parse(text: &str) -> Result<Plan, PlanError> {
     let mut tasks = tasks(&root, &repos, max_attempts, &mut problems);
     // A plan-level `sandbox` goes into each task that sets none: workers read it there.
     if let Some(mode) = sandbox {
-        for task in tasks.iter_mut().filter(|task| task.blocks.sandbox.is_none()) {
+        for task in tasks
+            .iter_mut()
+            .filter(|task| task.blocks.sandbox.is_none())
+        {
             task.blocks.sandbox = Some(mode);
             task.spec
                 .insert("sandbox".to_owned(), Value::from(mode.as_str()));

@@ -265,7 +265,9 @@ impl Sandbox {
             // `node_modules/.bin` holds links into its packages (`bun -> ../bun/bin/bun.exe`).
             if dir.file_name().is_some_and(|name| name == ".bin")
                 && let Some(modules) = dir.parent()
-                && modules.file_name().is_some_and(|name| name == "node_modules")
+                && modules
+                    .file_name()
+                    .is_some_and(|name| name == "node_modules")
             {
                 read.push(modules.to_path_buf());
             }
@@ -659,23 +661,39 @@ fn path_tokens(line: &str) -> Vec<String> {
     let mut tokens = Vec::new();
     for quote in ['\'', '"', '`', '‘', '’'] {
         let parts: Vec<&str> = line.split(quote).collect();
-        tokens.extend(
-            parts
-                .iter()
-                .skip(1)
-                .step_by(2)
-                .filter(|part| {
-                    part.starts_with('/') || part.starts_with("./") || part.starts_with("../")
-                })
-                .map(|part| (*part).to_owned()),
-        );
+        for index in (1..parts.len()).step_by(2) {
+            let (before, part) = (parts[index - 1], parts[index]);
+            let pathlike =
+                part.starts_with('/') || part.starts_with("./") || part.starts_with("../");
+            // A bare relative name right after the refusal: Python's `Permission denied:
+            // 'x'`, Node's `EACCES: permission denied, open 'x'`.
+            let lower = before.to_ascii_lowercase();
+            let named = !part.is_empty()
+                && !part.contains(char::is_whitespace)
+                && (lower.trim_end().ends_with("denied:")
+                    || (lower.contains("denied, ")
+                        && lower.ends_with(' ')
+                        && lower
+                            .trim_end()
+                            .rsplit(' ')
+                            .next()
+                            .is_some_and(|word| word.chars().all(|c| c.is_ascii_lowercase()))));
+            if pathlike || named {
+                tokens.push(part.to_owned());
+            }
+        }
     }
     // `prog: NAME: Permission denied` names NAME even without a slash (`cat: link: ...`).
     let segments: Vec<&str> = line.split(": ").collect();
     for pair in segments.windows(2) {
         let lower = pair[1].to_ascii_lowercase();
         let name = pair[0].trim();
+        // An errno name (`EACCES: permission denied, ...`) is not a file name.
+        let errno = name
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit());
         if (lower.starts_with("permission denied") || lower.starts_with("operation not permitted"))
+            && !errno
             && !name.is_empty()
             && !name.contains(char::is_whitespace)
             && !tokens.iter().any(|t| t == name)
@@ -811,6 +829,16 @@ mod tests {
             denied("touch: cannot touch '/srv/elsewhere': Operation not permitted").as_deref(),
             Some("/srv/elsewhere")
         );
+        // Bare relative names, as Node and Python print them, are judged against the cwd.
+        assert_eq!(
+            denied("Error: EACCES: permission denied, open '../t2/x'").as_deref(),
+            Some("../t2/x")
+        );
+        assert_eq!(
+            denied("PermissionError: [Errno 13] Permission denied: '../t2/x'").as_deref(),
+            Some("../t2/x")
+        );
+        assert_eq!(denied("EACCES: permission denied, open 'x'"), None);
         assert_eq!(
             denied("bash: /dev/tcp/127.0.0.1/5432: Permission denied").as_deref(),
             Some("tcp port 5432")

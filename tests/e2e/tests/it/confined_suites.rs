@@ -47,9 +47,7 @@ async fn run(url: &str, request: RunTestsRequest) -> anyhow::Result<TestRunRepor
     let response = tokio::time::timeout(Duration::from_secs(180), client.run_tests(request))
         .await??
         .into_inner();
-    response
-        .report
-        .ok_or_else(|| anyhow::anyhow!("no report"))
+    response.report.ok_or_else(|| anyhow::anyhow!("no report"))
 }
 
 /// The run was refused by the sandbox, names one of `paths`, and each of `paths` appears in a
