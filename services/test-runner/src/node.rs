@@ -283,7 +283,6 @@ pub(crate) async fn ensure_tool(
     source_checkout: &Path,
     tool: &str,
     install: bool,
-    cache_root: &Path,
     installer: &Installer<'_>,
     cancel: &CancellationToken,
 ) -> Result<Installed, Error> {
@@ -343,7 +342,7 @@ pub(crate) async fn ensure_tool(
         )));
     }
     let manager = package_manager(worktree);
-    let cached = cached_install(manager, &wanted, cache_root, installer, cancel).await?;
+    let cached = cached_install(manager, &wanted, installer.root, installer, cancel).await?;
     link_modules(&cached.dir, worktree, &packages).await?;
     let bin = find_bin(worktree, workdir, tool).ok_or_else(|| Error::Install {
         step: cached.command.clone(),
@@ -634,6 +633,8 @@ async fn cached_install(
 /// How installers run: confined (see `sandbox::installer`), with the download caches' variables.
 #[derive(Debug, Clone)]
 pub(crate) struct Installer<'a> {
+    /// Where cached installs live (`<data_dir>/node`).
+    pub(crate) root: &'a Path,
     pub(crate) sandbox: &'a troupe_process::Sandbox,
     pub(crate) env: &'a std::collections::BTreeMap<String, PathBuf>,
 }

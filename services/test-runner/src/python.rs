@@ -470,6 +470,8 @@ print(json.dumps(out))
 /// when it resolves to a copy of itself elsewhere (a path ending in its own repo-relative
 /// path: another checkout of the same repository), while a released copy in site-packages of
 /// a same-named third-party distribution is left alone. Returns `name: path` entries.
+// One probe's inputs; a struct for them would only be unpacked here.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn foreign_origins(
     python: &str,
     names: &[String],

@@ -749,8 +749,8 @@ impl Runner {
                 &spec.repo_path,
                 name,
                 spec.install,
-                &self.data_dir.join("node"),
                 &crate::node::Installer {
+                    root: &self.data_dir.join("node"),
                     sandbox: &installs,
                     env: &caches,
                 },
