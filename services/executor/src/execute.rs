@@ -480,12 +480,20 @@ impl Executor {
     }
 
     /// The sandbox of `p`'s children before the worktree and home are added: the service's
-    /// settings (or `backend`'s own mode), with read access to the session's read-only
-    /// context repositories.
+    /// settings (or `backend`'s own mode), tightened by the plan's `sandbox` for the task,
+    /// with read access to the session's read-only context repositories.
     fn base_sandbox(&self, p: &Prepared, backend: Option<&str>) -> troupe_process::Sandbox {
         let mut sandbox = self.options.sandbox.base(&self.data_dir);
         if let Some(mode) = backend.and_then(|name| self.config.backend(name).sandbox_mode()) {
             sandbox = sandbox.with_mode(mode);
+        }
+        if let Some(mode) = p
+            .spec
+            .blocks
+            .sandbox
+            .and_then(|mode| mode.as_str().parse().ok())
+        {
+            sandbox = sandbox.tighten(mode);
         }
         for (_, path) in &p.context {
             sandbox = sandbox.read(path);

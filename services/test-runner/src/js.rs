@@ -99,6 +99,7 @@ pub(crate) async fn capabilities(
     bin: &Path,
     version: Option<String>,
     cwd: &Path,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Capabilities {
     let help = Command::new(bin.display().to_string())
@@ -107,6 +108,7 @@ pub(crate) async fn capabilities(
         .env("CI", "true")
         .env("NO_COLOR", "1")
         .timeout(Duration::from_secs(60))
+        .sandbox(sandbox.clone())
         .run(cancel)
         .await;
     let help = match help {
@@ -139,6 +141,8 @@ pub(crate) struct JsRun<'a> {
     pub(crate) capabilities: &'a Capabilities,
     /// Repo-relative directory the suite runs in.
     pub(crate) workdir: &'a Path,
+    /// What the suite may touch.
+    pub(crate) sandbox: &'a troupe_process::Sandbox,
 }
 
 /// The argv for one run (test-frameworks.md §1).
@@ -197,6 +201,11 @@ pub(crate) fn command_argv(run: &JsRun<'_>) -> Vec<String> {
             argv.push("--includeTaskLocation".to_owned());
         }
         argv.push(results);
+        // Vitest's results cache lives in `node_modules/.vite`, the install's, which a
+        // confined suite may read but not write (docs/sandbox.md).
+        if caps.accepts("--cache") {
+            argv.push("--cache=false".to_owned());
+        }
         if run.coverage {
             argv.extend(
                 [
@@ -656,6 +665,7 @@ pub(crate) async fn run(
         .envs(run.env.clone())
         .timeout(run.timeout)
         .max_output_bytes(256 * 1024)
+        .sandbox(run.sandbox.clone())
         .run(cancel)
         .await
         .map_err(|source| Error::process(tool, source))?;
@@ -775,7 +785,7 @@ pub(crate) async fn run(
     let results = results.unwrap_or_default();
     // Kept for every run: the evidence of what the framework said besides its report.
     let stderr_tail = troupe_process::tail(&strip_ansi(&output.stderr_text()), 40, 8000);
-    let report = TestRunReport {
+    let mut report = TestRunReport {
         framework: run.framework as i32,
         outcome: outcome as i32,
         command: argv,
@@ -798,6 +808,12 @@ pub(crate) async fn run(
         projects: Vec::new(),
         ..TestRunReport::default()
     };
+    crate::sandbox::mark_denied(
+        &mut report,
+        run.sandbox,
+        &format!("{}\n{}", output.stdout_text(), output.stderr_text()),
+        &run.worktree.join(run.workdir),
+    );
     Ok((report, results.timed_out, results.files))
 }
 
@@ -928,6 +944,7 @@ mod tests {
     fn builds_the_documented_commands() {
         let env = BTreeMap::new();
         let caps = Capabilities::default();
+        let sandbox = troupe_process::Sandbox::off();
         let mut run = JsRun {
             framework: TestFramework::Vitest,
             bin: Path::new("/w/node_modules/.bin/vitest"),
@@ -941,11 +958,12 @@ mod tests {
             env: &env,
             capabilities: &caps,
             workdir: Path::new(""),
+            sandbox: &sandbox,
         };
         assert_eq!(
             command_argv(&run).join(" "),
             "/w/node_modules/.bin/vitest run --reporter=json --includeTaskLocation --outputFile=/out/results.json \
-             --coverage.enabled --coverage.provider=v8 --coverage.reporter=json-summary --coverage.reporter=json \
+             --cache=false --coverage.enabled --coverage.provider=v8 --coverage.reporter=json-summary --coverage.reporter=json \
              --coverage.reportOnFailure --coverage.reportsDirectory=/out/coverage --testTimeout=30000"
         );
         run.selection = Selection::Related(vec!["src/math.ts".into()]);

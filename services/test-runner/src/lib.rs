@@ -29,6 +29,7 @@ mod project_venv;
 mod pytest;
 mod python;
 mod runner;
+mod sandbox;
 mod setup;
 mod source;
 mod venv;
@@ -86,7 +87,8 @@ pub struct Config {
     /// and the credentials of its own calls.
     #[command(flatten)]
     pub security: troupe_grpc::auth::Security,
-    /// Confinement of the plan's `test.setup` commands (Landlock; see docs/sandbox.md).
+    /// Confinement of installers, `test.setup` commands and the suites (Landlock; see
+    /// docs/sandbox.md).
     #[command(flatten)]
     pub sandbox: troupe_process::sandbox::SandboxArgs,
 }

@@ -271,6 +271,9 @@ pub(crate) struct Installed {
     pub(crate) log: String,
     /// Workspace package directories (repo-relative).
     pub(crate) packages: Vec<PathBuf>,
+    /// Whether `node_modules` is the repository's own (committed): then nothing it links to
+    /// outside the worktree is trusted.
+    pub(crate) committed: bool,
 }
 
 /// The tool's binary, ready to run in `worktree`, plus how it got there.
@@ -280,7 +283,7 @@ pub(crate) async fn ensure_tool(
     source_checkout: &Path,
     tool: &str,
     install: bool,
-    cache_root: &Path,
+    installer: &Installer<'_>,
     cancel: &CancellationToken,
 ) -> Result<Installed, Error> {
     let packages = workspace_dirs(worktree);
@@ -289,6 +292,7 @@ pub(crate) async fn ensure_tool(
             bin,
             installer: "node_modules committed in the repository".to_owned(),
             packages,
+            committed: true,
             ..Installed::default()
         });
     }
@@ -338,7 +342,7 @@ pub(crate) async fn ensure_tool(
         )));
     }
     let manager = package_manager(worktree);
-    let cached = cached_install(manager, &wanted, cache_root, cancel).await?;
+    let cached = cached_install(manager, &wanted, installer.root, installer, cancel).await?;
     link_modules(&cached.dir, worktree, &packages).await?;
     let bin = find_bin(worktree, workdir, tool).ok_or_else(|| Error::Install {
         step: cached.command.clone(),
@@ -365,6 +369,7 @@ pub(crate) async fn ensure_tool(
         installer: note,
         log: cached.log,
         packages,
+        committed: false,
     })
 }
 
@@ -537,6 +542,7 @@ async fn cached_install(
     manager: Manager,
     files: &[(PathBuf, Vec<u8>)],
     cache_root: &Path,
+    installer: &Installer<'_>,
     cancel: &CancellationToken,
 ) -> Result<Cached, Error> {
     let key = manifest_hash(files);
@@ -578,14 +584,18 @@ async fn cached_install(
     let mut done = false;
     if let Some(argv) = &frozen {
         used = argv.join(" ");
-        match install(manager, &dir, argv, cancel).await? {
+        match install(manager, &dir, argv, installer, cancel).await? {
             Ok(tail) => {
                 log = tail;
                 done = true;
             }
             // npm 11 rejects some lockfiles it wrote itself (§5.9); the others' frozen
             // installs fail when the lockfile does not match package.json.
-            Err(tail) if manager != Manager::Npm || tail.contains("EUSAGE") => {
+            // A refusal of the sandbox is not the lockfile's fault.
+            Err(tail)
+                if (manager != Manager::Npm || tail.contains("EUSAGE"))
+                    && !tail.contains(crate::sandbox::DENIED) =>
+            {
                 log = format!("`{used}` failed, retrying without the frozen lockfile:\n{tail}\n");
             }
             Err(tail) => {
@@ -598,7 +608,7 @@ async fn cached_install(
     }
     if !done {
         used = fallback.join(" ");
-        match install(manager, &dir, &fallback, cancel).await? {
+        match install(manager, &dir, &fallback, installer, cancel).await? {
             Ok(tail) => log.push_str(&tail),
             Err(tail) => {
                 return Err(Error::Install {
@@ -620,27 +630,43 @@ async fn cached_install(
     })
 }
 
-/// Runs one install argv in `dir`; the inner result is the output tail.
+/// How installers run: confined (see `sandbox::installer`), with the download caches' variables.
+#[derive(Debug, Clone)]
+pub(crate) struct Installer<'a> {
+    /// Where cached installs live (`<data_dir>/node`).
+    pub(crate) root: &'a Path,
+    pub(crate) sandbox: &'a troupe_process::Sandbox,
+    pub(crate) env: &'a std::collections::BTreeMap<String, PathBuf>,
+}
+
+/// Runs one install argv in `dir`, confined to it (and the caches); the inner result is the
+/// output tail.
 async fn install(
     manager: Manager,
     dir: &Path,
     argv: &[&str],
+    installer: &Installer<'_>,
     cancel: &CancellationToken,
 ) -> Result<Result<String, String>, Error> {
+    let sandbox = installer.sandbox.clone().write(dir);
     let mut command = Command::from_argv(argv)
         .map_err(|source| Error::process(argv[0], source))?
         .cwd(dir)
         .env("CI", "true")
         .env("COREPACK_ENABLE_DOWNLOAD_PROMPT", "0")
-        .timeout(INSTALL_TIMEOUT);
+        .envs(
+            installer
+                .env
+                .iter()
+                .map(|(name, path)| (name.clone(), path.display().to_string())),
+        )
+        .timeout(INSTALL_TIMEOUT)
+        .sandbox(sandbox.clone());
     for name in [
-        "COREPACK_HOME",
         "COREPACK_NPM_REGISTRY",
         "COREPACK_INTEGRITY_KEYS",
         "NPM_CONFIG_REGISTRY",
         "npm_config_registry",
-        "npm_config_cache",
-        "YARN_CACHE_FOLDER",
         "PNPM_HOME",
         "HTTP_PROXY",
         "HTTPS_PROXY",
@@ -661,11 +687,13 @@ async fn install(
         .run(cancel)
         .await
         .map_err(|source| Error::process(argv[0], source))?;
-    let tail = troupe_process::tail(
-        &format!("{}\n{}", output.stdout_text(), output.stderr_text()),
-        20,
-        4000,
-    );
+    let text = format!("{}\n{}", output.stdout_text(), output.stderr_text());
+    let mut tail = troupe_process::tail(&text, 20, 4000);
+    if !output.success()
+        && let Some(denied) = sandbox.denied(&text, Some(dir))
+    {
+        tail = format!("{}{denied}\n{tail}", crate::sandbox::DENIED);
+    }
     match output.termination {
         Termination::Cancelled => Err(Error::Cancelled),
         Termination::TimedOut | Termination::IdleTimedOut => Ok(Err(format!(

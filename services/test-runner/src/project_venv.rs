@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use troupe_process::{Command, Termination};
+use troupe_process::{Command, Sandbox, Termination};
 
 use crate::Error;
 use crate::venv::VenvCache;
@@ -52,6 +52,7 @@ pub(crate) async fn install(
     cached_python: &Path,
     project: &Path,
     dir: &Path,
+    sandbox: &Sandbox,
     cancel: &CancellationToken,
 ) -> Result<ProjectVenv, Error> {
     match tokio::fs::remove_dir_all(dir).await {
@@ -64,6 +65,20 @@ pub(crate) async fn install(
             });
         }
     }
+    // Made first: Landlock grants only paths that exist (`python -m venv` takes an empty one).
+    tokio::fs::create_dir_all(dir)
+        .await
+        .map_err(|source| Error::Io {
+            path: dir.to_owned(),
+            source,
+        })?;
+    // Writes its venv and the project (an editable install leaves `*.egg-info` there); reads
+    // the cached venv it layers on.
+    let mut sandbox = sandbox.clone().write(dir).write(project);
+    for prefix in crate::sandbox::python_prefixes(cached_python) {
+        sandbox = sandbox.read(prefix);
+    }
+    let sandbox = &sandbox;
     let mut log = cache
         .step(
             "create the run's venv",
@@ -71,10 +86,11 @@ pub(crate) async fn install(
                 .args(["-m", "venv", "--without-pip"])
                 .arg(dir.display().to_string()),
             STEP_TIMEOUT,
+            sandbox,
             cancel,
         )
         .await?;
-    let (own, cached) = site_dirs(cached_python, dir, cancel).await?;
+    let (own, cached) = site_dirs(cached_python, dir, sandbox, cancel).await?;
     // `import` lines of a .pth file run at start-up; `addsitedir` also reads the cached
     // venv's own .pth files (editable dependencies, namespace packages).
     let lines: String = cached
@@ -115,6 +131,7 @@ pub(crate) async fn install(
                     .arg(project.display().to_string())
                     .cwd(project),
                 STEP_TIMEOUT,
+                sandbox,
                 cancel,
             )
             .await?,
@@ -126,13 +143,17 @@ pub(crate) async fn install(
 async fn site_dirs(
     cached_python: &Path,
     dir: &Path,
+    sandbox: &Sandbox,
     cancel: &CancellationToken,
 ) -> Result<(Vec<PathBuf>, Vec<PathBuf>), Error> {
     let program = cached_python.display().to_string();
+    // The cached venv's `.pth` files run at start-up: confined like the installs that made them.
     let output = Command::new(&program)
         .args(["-c", SITE_DIRS])
         .arg(dir.display().to_string())
+        .cwd(dir)
         .timeout(Duration::from_secs(60))
+        .sandbox(sandbox.clone())
         .run(cancel)
         .await
         .map_err(|source| Error::process(&program, source))?;

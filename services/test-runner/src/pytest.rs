@@ -148,6 +148,7 @@ pub(crate) async fn probe(
     cwd: &Path,
     env: &std::collections::BTreeMap<String, String>,
     packages: &[String],
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<Probe, Error> {
     let output = Command::new(python)
@@ -157,6 +158,7 @@ pub(crate) async fn probe(
         .envs(env.clone())
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .timeout(Duration::from_secs(60))
+        .sandbox(sandbox.clone())
         .run(cancel)
         .await
         .map_err(|source| Error::process(python, source))?;
@@ -475,6 +477,8 @@ pub(crate) struct PytestRun<'a> {
     pub(crate) workdir: &'a Path,
     /// Environment on top of troupe's (the run's `env`, PYTHONPATH).
     pub(crate) env: &'a std::collections::BTreeMap<String, String>,
+    /// What the suite may touch.
+    pub(crate) sandbox: &'a troupe_process::Sandbox,
 }
 
 /// `path` (relative to `base`, or absolute) as a repo-relative path, when inside `worktree`.
@@ -556,6 +560,7 @@ pub(crate) async fn run(
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .timeout(run.timeout)
         .max_output_bytes(256 * 1024)
+        .sandbox(run.sandbox.clone())
         .run(cancel)
         .await
         .map_err(|source| Error::process(run.python, source))?;
@@ -663,7 +668,7 @@ pub(crate) async fn run(
         // Pytest prints collection errors and most crashes on stdout.
         stderr_tail = troupe_process::tail(&strip_ansi(&output.stdout_text()), 40, 8000);
     }
-    Ok(TestRunReport {
+    let mut report = TestRunReport {
         framework: TestFramework::Pytest as i32,
         outcome: outcome as i32,
         command: argv,
@@ -684,7 +689,14 @@ pub(crate) async fn run(
         outside_paths,
         skip_reasons: results.skip_reasons.into_iter().collect(),
         ..TestRunReport::default()
-    })
+    };
+    crate::sandbox::mark_denied(
+        &mut report,
+        run.sandbox,
+        &format!("{}\n{}", output.stdout_text(), output.stderr_text()),
+        &cwd,
+    );
+    Ok(report)
 }
 
 async fn read_if_present(path: &Path) -> Result<Option<String>, Error> {

@@ -470,6 +470,8 @@ print(json.dumps(out))
 /// when it resolves to a copy of itself elsewhere (a path ending in its own repo-relative
 /// path: another checkout of the same repository), while a released copy in site-packages of
 /// a same-named third-party distribution is left alone. Returns `name: path` entries.
+// One probe's inputs; a struct for them would only be unpacked here.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn foreign_origins(
     python: &str,
     names: &[String],
@@ -477,6 +479,7 @@ pub(crate) async fn foreign_origins(
     cwd: &Path,
     worktree: &Path,
     env: &std::collections::BTreeMap<String, String>,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> Result<Vec<String>, Error> {
     let mut all: Vec<String> = names.to_vec();
@@ -494,6 +497,7 @@ pub(crate) async fn foreign_origins(
         .envs(env.clone())
         .env("PYTHONDONTWRITEBYTECODE", "1")
         .timeout(Duration::from_secs(60))
+        .sandbox(sandbox.clone())
         .run(cancel)
         .await
         .map_err(|source| Error::process(python, source))?;

@@ -22,6 +22,11 @@ use crate::js::{self, JsRun, Selection};
 use crate::pytest::{self, CoverageSource, Plugins, PytestRun};
 use crate::venv::VenvCache;
 
+/// The home of a run's own children (setup, probes, the suite), in its report directory.
+const RUN_HOME: &str = "home";
+/// The home of a run's installers.
+const INSTALL_HOME: &str = "install-home";
+
 /// Wall-clock limit of a run when none is given.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
 /// Per-test limit passed to pytest-timeout when none is given.
@@ -69,6 +74,8 @@ pub struct RunSpec {
     /// Values for the fix agent's argv placeholders (`{plan_dir}`, `{session_id}`, `{task_id}`)
     /// when the run belongs to a session task; `{worktree}` and `{repo}` are always set.
     pub placeholders: std::collections::BTreeMap<String, String>,
+    /// The plan's `sandbox` for this task: it may tighten the service's mode, never loosen it.
+    pub sandbox: Option<troupe_process::SandboxMode>,
 }
 
 impl RunSpec {
@@ -134,6 +141,7 @@ impl RunSpec {
             workdir: request.workdir,
             python: request.python,
             placeholders: std::collections::BTreeMap::new(),
+            sandbox: None,
         };
         spec.validate()?;
         crate::setup::check_env(&spec.env)?;
@@ -233,7 +241,7 @@ impl Drop for Slot {
 impl Runner {
     /// A runner keeping its worktrees, reports and venvs under `data_dir` (absolute).
     pub fn new(data_dir: PathBuf, python: String) -> Self {
-        let venvs = VenvCache::new(data_dir.join("venvs"));
+        let venvs = VenvCache::new(&data_dir);
         Self {
             data_dir,
             python,
@@ -247,11 +255,61 @@ impl Runner {
         }
     }
 
-    /// Confines the plan's setup commands as `sandbox` says.
+    /// Confines installers, setup commands and suites as `sandbox` says (see `sandbox`).
     #[must_use]
     pub fn with_sandbox(mut self, sandbox: troupe_process::sandbox::SandboxArgs) -> Self {
         self.sandbox = sandbox;
         self
+    }
+
+    /// The sandbox of a run's own children (setup commands, probes, the suite): the worktree,
+    /// the run's own venv, its report directory and a home of its own writable; `access` (the
+    /// interpreter and venvs in use, where `node_modules` leads) as it says.
+    pub(crate) fn run_sandbox(
+        &self,
+        spec: &RunSpec,
+        worktree: &Path,
+        access: &crate::sandbox::Access,
+    ) -> troupe_process::Sandbox {
+        let out_dir = self.out_dir(&spec.run_id);
+        let sandbox = self
+            .sandbox
+            .base(&self.data_dir)
+            .tighten(spec.sandbox.unwrap_or(troupe_process::SandboxMode::Off))
+            .write(worktree)
+            .git_worktree(worktree)
+            .write(crate::project_venv::dir_for(worktree))
+            .write(&out_dir)
+            .home(out_dir.join(RUN_HOME));
+        access.grant(sandbox)
+    }
+
+    /// The sandbox of the interpreter probes that judge where the project imports from: the
+    /// run's, plus read access to the user's checkout, so that an editable install of it is
+    /// seen (and reported as WRONG_SOURCE) rather than hidden by the sandbox.
+    fn probe_sandbox(
+        &self,
+        spec: &RunSpec,
+        worktree: &Path,
+        access: &crate::sandbox::Access,
+    ) -> troupe_process::Sandbox {
+        let sandbox = self.run_sandbox(spec, worktree, access);
+        if spec.repo_path.as_os_str().is_empty() {
+            sandbox
+        } else {
+            sandbox.read(&spec.repo_path)
+        }
+    }
+
+    /// The sandbox of a run's installers, before the directory each builds is added.
+    fn installer_sandbox(&self, spec: &RunSpec) -> troupe_process::Sandbox {
+        crate::sandbox::installer(
+            self.sandbox
+                .base(&self.data_dir)
+                .tighten(spec.sandbox.unwrap_or(troupe_process::SandboxMode::Off)),
+            &crate::sandbox::caches(&self.data_dir),
+            &self.out_dir(&spec.run_id).join(INSTALL_HOME),
+        )
     }
 
     /// Builds fix agents from `config` (the executor's backend configuration).
@@ -366,12 +424,17 @@ impl Runner {
                 self.run_in(spec, &worktree, &out_dir, &commit, cancel)
             })
             .await?;
-        // The run's own venv (`project_venv`), when it made one.
-        let own_venv = crate::project_venv::dir_for(&worktree);
-        if let Err(err) = tokio::fs::remove_dir_all(&own_venv).await
-            && err.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::warn!(venv = %own_venv.display(), error = %err, "cannot remove the run's venv");
+        // The run's own venv (`project_venv`), when it made one, and its children's homes.
+        for dir in [
+            crate::project_venv::dir_for(&worktree),
+            out_dir.join(RUN_HOME),
+            out_dir.join(INSTALL_HOME),
+        ] {
+            if let Err(err) = tokio::fs::remove_dir_all(&dir).await
+                && err.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(dir = %dir.display(), error = %err, "cannot remove a run's own directory");
+            }
         }
         result
     }
@@ -401,9 +464,15 @@ impl Runner {
                         .unwrap_or(TestFramework::Unspecified),
                     other => other,
                 };
+                let denied = crate::sandbox::denial_in(&detail).unwrap_or_default();
                 let report = TestRunReport {
                     framework: framework as i32,
-                    outcome: TestOutcome::InstallFailed as i32,
+                    outcome: if denied.is_empty() {
+                        TestOutcome::InstallFailed as i32
+                    } else {
+                        TestOutcome::SandboxDenied as i32
+                    },
+                    sandbox_denied: denied,
                     commit: commit.to_string(),
                     coverage_target: spec.coverage_target,
                     installer: step.clone(),
@@ -429,6 +498,7 @@ impl Runner {
             python,
             origins,
         } = prepared;
+        let sandbox = self.run_sandbox(spec, worktree, tool.access());
         let run_env = tool.env().clone();
         let base = TestRunReport {
             framework: tool.framework() as i32,
@@ -447,20 +517,7 @@ impl Runner {
             ..TestRunReport::default()
         };
         // The project's build steps, with the run's environment (and its venv first on PATH),
-        // confined: the worktree, the run's own venv and a home of their own are writable; the
-        // cached installs they build on are readable.
-        let mut sandbox = self
-            .sandbox
-            .base(&self.data_dir)
-            .write(worktree)
-            .git_worktree(worktree)
-            .write(crate::project_venv::dir_for(worktree))
-            .home(out_dir.join("setup-home"))
-            .read(self.data_dir.join("venvs"))
-            .read(self.data_dir.join("node"));
-        if let Some(env) = Path::new(&python).parent().and_then(Path::parent) {
-            sandbox = sandbox.read(env);
-        }
+        // confined as the suite is.
         let (steps, setup_ok) = crate::setup::run_setup(
             &spec.setup,
             &worktree.join(workdir),
@@ -474,6 +531,10 @@ impl Runner {
             let failed = steps.last().cloned().unwrap_or_default();
             let mut report = base;
             report.outcome = TestOutcome::SetupFailed as i32;
+            if let Some(denied) = crate::sandbox::denial_in(&failed.output_tail) {
+                report.outcome = TestOutcome::SandboxDenied as i32;
+                report.sandbox_denied = denied;
+            }
             report.warnings = notes;
             report.warnings.push(format!(
                 "setup command `{}` failed (exit {}): {}",
@@ -506,6 +567,7 @@ impl Runner {
                     &worktree.join(workdir),
                     worktree,
                     &run_env,
+                    &self.probe_sandbox(spec, worktree, tool.access()),
                     cancel,
                 )
                 .await?
@@ -677,18 +739,42 @@ impl Runner {
             other => other,
         };
         let mut env = spec.env.clone();
+        let installs = self.installer_sandbox(spec);
         if framework != TestFramework::Pytest {
             let name = troupe_proto::names::name(framework);
+            let caches = crate::sandbox::caches(&self.data_dir);
             let installed = crate::node::ensure_tool(
                 worktree,
                 workdir,
                 &spec.repo_path,
                 name,
                 spec.install,
-                &self.data_dir.join("node"),
+                &crate::node::Installer {
+                    root: &self.data_dir.join("node"),
+                    sandbox: &installs,
+                    env: &caches,
+                },
                 cancel,
             )
             .await?;
+            // Where node_modules really is, as Node resolves it; nothing outside the worktree
+            // for node_modules the repository itself committed.
+            let access = if installed.committed {
+                crate::sandbox::Access::default()
+            } else {
+                crate::sandbox::Access {
+                    read: crate::sandbox::readable_sources(
+                        crate::sandbox::node_modules_sources(worktree, &installed.packages),
+                        &self.data_dir,
+                        &spec.repo_path,
+                    ),
+                    write: if framework == TestFramework::Vitest {
+                        crate::sandbox::vite_temp_dirs(worktree, workdir)
+                    } else {
+                        Vec::new()
+                    },
+                }
+            };
             let mut notes = installed.notes;
             if !notes.iter().any(|n| n.starts_with("package manager:")) {
                 notes.push(format!(
@@ -705,7 +791,13 @@ impl Runner {
                         .is_dir()
                 });
             let capabilities = self
-                .capabilities(framework, &installed.bin, &root, cancel)
+                .capabilities(
+                    framework,
+                    &installed.bin,
+                    &root,
+                    &self.run_sandbox(spec, worktree, &access),
+                    cancel,
+                )
                 .await;
             return Ok(Prepared {
                 tool: Tool::Js {
@@ -715,6 +807,7 @@ impl Runner {
                     capabilities,
                     env,
                     packages: installed.packages.clone(),
+                    access,
                 },
                 notes,
                 installer: installed.installer,
@@ -735,18 +828,30 @@ impl Runner {
         .await?;
         notes.extend(chosen);
         let mut requirements_bin = None;
+        let mut requirements_python: Option<String> = None;
         let (python, installer, install_log) = if spec.install {
-            let venv = self.venvs.ensure(&root, &base_python, cancel).await?;
+            let venv = self
+                .venvs
+                .ensure(&root, &base_python, &installs, cancel)
+                .await?;
             if venv.built {
                 notes.push(format!("built a venv at {}", venv.python.display()));
             }
             requirements_bin = venv.python.parent().map(Path::to_path_buf);
+            requirements_python = Some(venv.python.display().to_string());
             let (mut python, mut installer, mut log) =
                 (venv.python.display().to_string(), venv.installer, venv.log);
             if crate::python::build_requirements(&root).is_some() {
                 let own = crate::project_venv::dir_for(worktree);
-                match crate::project_venv::install(&self.venvs, &venv.python, &root, &own, cancel)
-                    .await
+                match crate::project_venv::install(
+                    &self.venvs,
+                    &venv.python,
+                    &root,
+                    &own,
+                    &installs,
+                    cancel,
+                )
+                .await
                 {
                     Ok(installed) => {
                         python = installed.python.display().to_string();
@@ -810,7 +915,31 @@ impl Runner {
         asked.extend(others.iter().map(|(n, _)| n.clone()));
         asked.sort();
         asked.dedup();
-        let probe = pytest::probe(&python, &root, &env, &asked, cancel).await?;
+        // The interpreters and venvs the suite runs on.
+        let mut access = crate::sandbox::Access::default();
+        for interpreter in [
+            Some(python.as_str()),
+            Some(base_python.as_str()),
+            requirements_python.as_deref(),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            for prefix in crate::sandbox::python_prefixes(Path::new(interpreter)) {
+                if !access.read.contains(&prefix) {
+                    access.read.push(prefix);
+                }
+            }
+        }
+        let probe = pytest::probe(
+            &python,
+            &root,
+            &env,
+            &asked,
+            &self.probe_sandbox(spec, worktree, &access),
+            cancel,
+        )
+        .await?;
         if !probe.plugins.pytest {
             return Err(Error::NotInstalled(format!(
                 "pytest is not importable by `{python}`; install it there or run with install to build a venv from the repository's requirements"
@@ -829,6 +958,7 @@ impl Runner {
                 extra_args: monorepo,
                 version: probe.version,
                 env,
+                access,
             },
             notes,
             installer,
@@ -845,6 +975,7 @@ impl Runner {
         framework: TestFramework,
         bin: &Path,
         cwd: &Path,
+        sandbox: &troupe_process::Sandbox,
         cancel: &CancellationToken,
     ) -> js::Capabilities {
         let real = std::fs::canonicalize(bin).unwrap_or_else(|_| bin.to_path_buf());
@@ -858,7 +989,7 @@ impl Runner {
         {
             return found.clone();
         }
-        let found = js::capabilities(bin, version, cwd, cancel).await;
+        let found = js::capabilities(bin, version, cwd, sandbox, cancel).await;
         self.flags
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -924,6 +1055,7 @@ impl Runner {
                 path: out_dir.to_owned(),
                 source,
             })?;
+        let sandbox = self.run_sandbox(spec, worktree, tool.access());
         match tool {
             Tool::Js {
                 framework,
@@ -932,6 +1064,7 @@ impl Runner {
                 capabilities,
                 env,
                 packages,
+                ..
             } => {
                 let (mut report, _, files) = js::run(
                     JsRun {
@@ -947,6 +1080,7 @@ impl Runner {
                         env,
                         capabilities,
                         workdir: Path::new(&spec.workdir),
+                        sandbox: &sandbox,
                     },
                     cancel,
                 )
@@ -966,6 +1100,7 @@ impl Runner {
                 extra_args,
                 version,
                 env,
+                ..
             } => {
                 let mut extra = extra_args.clone();
                 match selection {
@@ -989,6 +1124,7 @@ impl Runner {
                         extra_args: extra,
                         workdir: Path::new(&spec.workdir),
                         env,
+                        sandbox: &sandbox,
                     },
                     cancel,
                 )
@@ -1025,6 +1161,8 @@ pub(crate) enum Tool {
         env: BTreeMap<String, String>,
         /// Workspace package directories (repo-relative), for per-project counts.
         packages: Vec<PathBuf>,
+        /// What the suite touches outside its worktree: where `node_modules` leads.
+        access: crate::sandbox::Access,
     },
     Pytest {
         python: String,
@@ -1034,6 +1172,8 @@ pub(crate) enum Tool {
         version: Option<String>,
         /// The run's environment, PYTHONPATH and the venv's PATH included.
         env: BTreeMap<String, String>,
+        /// What the suite reads outside its worktree: the interpreters' and venvs' prefixes.
+        access: crate::sandbox::Access,
     },
 }
 
@@ -1048,6 +1188,13 @@ impl Tool {
     pub(crate) fn env(&self) -> &BTreeMap<String, String> {
         match self {
             Self::Js { env, .. } | Self::Pytest { env, .. } => env,
+        }
+    }
+
+    /// What the suite touches outside its worktree (see `sandbox`).
+    pub(crate) fn access(&self) -> &crate::sandbox::Access {
+        match self {
+            Self::Js { access, .. } | Self::Pytest { access, .. } => access,
         }
     }
 
@@ -1400,6 +1547,7 @@ fn run_file_json(report: &TestRunReport, spec: &RunSpec, number: u32) -> serde_j
             String::new()
         },
         "outside_paths": report.outside_paths,
+        "sandbox_denied": report.sandbox_denied,
         "missing_generated": report.missing_generated,
         "skip_reasons": report.skip_reasons.iter().collect::<BTreeMap<_, _>>(),
         "setup": report.setup_steps.iter().map(|s| serde_json::json!({
@@ -1484,6 +1632,44 @@ mod tests {
             "Unrecognized CLI Parameter: Unrecognized option \"testTimeout\". CLI Options Documentation:"
         );
         assert_eq!(crash_reason(""), "");
+    }
+
+    #[test]
+    fn a_plan_tightens_the_services_sandbox_but_never_loosens_it() {
+        use troupe_process::SandboxMode;
+        let data = tempfile::tempdir().expect("tempdir");
+        let runner = |mode| {
+            Runner::new(data.path().to_path_buf(), "python3".to_owned()).with_sandbox(
+                troupe_process::sandbox::SandboxArgs {
+                    mode,
+                    ..Default::default()
+                },
+            )
+        };
+        let mut spec = RunSpec::from_request(request("/repo")).expect("valid");
+        let worktree = data.path().join("worktrees/test-runs/x-0");
+        let access = crate::sandbox::Access::default();
+        spec.sandbox = Some(SandboxMode::Enforce);
+        let mode = |runner: &Runner, spec: &RunSpec| {
+            (
+                runner.run_sandbox(spec, &worktree, &access).mode(),
+                runner.installer_sandbox(spec).mode(),
+            )
+        };
+        assert_eq!(
+            mode(&runner(SandboxMode::Off), &spec),
+            (SandboxMode::Enforce, SandboxMode::Enforce)
+        );
+        spec.sandbox = Some(SandboxMode::Off);
+        assert_eq!(
+            mode(&runner(SandboxMode::Warn), &spec),
+            (SandboxMode::Warn, SandboxMode::Warn)
+        );
+        spec.sandbox = None;
+        assert_eq!(
+            mode(&runner(SandboxMode::Enforce), &spec),
+            (SandboxMode::Enforce, SandboxMode::Enforce)
+        );
     }
 
     #[test]

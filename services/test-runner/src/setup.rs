@@ -110,7 +110,7 @@ pub(crate) async fn run_setup(
         ) {
             tail = format!("timed out after {}s\n{tail}", limit.as_secs());
         } else if !ok && let Some(denied) = sandbox.denied(&tail, Some(cwd)) {
-            tail = format!("denied by the sandbox: {denied}\n{tail}");
+            tail = format!("{}{denied}\n{tail}", crate::sandbox::DENIED);
         }
         steps.push(SetupStep {
             argv: argv.clone(),

@@ -23,7 +23,7 @@ use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
-use troupe_process::{Command, Termination};
+use troupe_process::{Command, Sandbox, Termination};
 
 use crate::Error;
 use crate::pytest::{self, Plugins};
@@ -81,6 +81,8 @@ pub(crate) struct Venv {
 #[derive(Debug, Clone)]
 pub(crate) struct VenvCache {
     root: PathBuf,
+    /// The service's data dir, where the download caches default to (`sandbox::caches`).
+    data_dir: PathBuf,
 }
 
 /// What a venv is built from.
@@ -100,8 +102,11 @@ struct Inputs {
 }
 
 impl VenvCache {
-    pub(crate) fn new(root: PathBuf) -> Self {
-        Self { root }
+    pub(crate) fn new(data_dir: &Path) -> Self {
+        Self {
+            root: data_dir.join("venvs"),
+            data_dir: data_dir.to_path_buf(),
+        }
     }
 
     /// Returns the venv (on `base_python`) for the requirements in `worktree`, building it
@@ -111,6 +116,7 @@ impl VenvCache {
         &self,
         worktree: &Path,
         base_python: &str,
+        sandbox: &Sandbox,
         cancel: &CancellationToken,
     ) -> Result<Venv, Error> {
         let requirements = present_requirements(worktree).await?;
@@ -175,6 +181,20 @@ impl VenvCache {
                     source,
                 })?;
         }
+        // The builders write the venv and the worktree (an `-e .` requirement builds there) and
+        // read the interpreter.
+        let mut sandbox = sandbox.clone().write(&dir).write(worktree);
+        for prefix in crate::sandbox::python_prefixes(Path::new(base_python)) {
+            sandbox = sandbox.read(prefix);
+        }
+        let sandbox = &sandbox;
+        // Made first: Landlock grants only paths that exist (`python -m venv` takes an empty one).
+        tokio::fs::create_dir_all(&dir)
+            .await
+            .map_err(|source| Error::Io {
+                path: dir.clone(),
+                source,
+            })?;
         let dir_text = dir.display().to_string();
         let mut log = String::new();
         log.push_str(
@@ -183,6 +203,7 @@ impl VenvCache {
                     "create venv",
                     Command::new(base_python).args(["-m", "venv", &dir_text]),
                     Duration::from_secs(300),
+                    sandbox,
                     cancel,
                 )
                 .await?,
@@ -211,7 +232,7 @@ impl VenvCache {
                 .env_passthrough("UV_DEFAULT_INDEX");
             log.push_str(
                 &self
-                    .step("uv sync --frozen", uv, PIP_TIMEOUT, cancel)
+                    .step("uv sync --frozen", uv, PIP_TIMEOUT, sandbox, cancel)
                     .await?,
             );
         } else if let Some((_, locked)) = &inputs.poetry {
@@ -242,6 +263,7 @@ impl VenvCache {
                         "pip install --no-deps (poetry.lock)",
                         pip,
                         PIP_TIMEOUT,
+                        sandbox,
                         cancel,
                     )
                     .await?,
@@ -257,6 +279,7 @@ impl VenvCache {
                         "pip install (pyproject.toml requirements)",
                         pip,
                         PIP_TIMEOUT,
+                        sandbox,
                         cancel,
                     )
                     .await?,
@@ -273,6 +296,7 @@ impl VenvCache {
                         "pip install (the project's build system)",
                         pip,
                         PIP_TIMEOUT,
+                        sandbox,
                         cancel,
                     )
                     .await?,
@@ -291,15 +315,22 @@ impl VenvCache {
                 .cwd(worktree);
             log.push_str(
                 &self
-                    .step(&format!("pip install -r {name}"), pip, PIP_TIMEOUT, cancel)
+                    .step(
+                        &format!("pip install -r {name}"),
+                        pip,
+                        PIP_TIMEOUT,
+                        sandbox,
+                        cancel,
+                    )
                     .await?,
             );
         }
         let plugins = pytest::probe(
             &python_text,
-            &self.root,
+            &dir,
             &std::collections::BTreeMap::new(),
             &[],
+            sandbox,
             cancel,
         )
         .await?
@@ -316,6 +347,7 @@ impl VenvCache {
                         &format!("pip install {}", missing.join(" ")),
                         pip,
                         PIP_TIMEOUT,
+                        sandbox,
                         cancel,
                     )
                     .await?,
@@ -380,13 +412,21 @@ impl VenvCache {
         what: &str,
         command: Command,
         limit: Duration,
+        sandbox: &Sandbox,
         cancel: &CancellationToken,
     ) -> Result<String, Error> {
         let command = PIP_ENV
             .iter()
             .fold(command, |cmd, key| cmd.env_passthrough(*key))
             .env("PYTHONDONTWRITEBYTECODE", "1")
-            .timeout(limit);
+            .envs(
+                crate::sandbox::caches(&self.data_dir)
+                    .into_iter()
+                    .map(|(name, dir)| (name, dir.display().to_string())),
+            )
+            .timeout(limit)
+            .sandbox(sandbox.clone());
+        let cwd = command.working_dir().map(Path::to_path_buf);
         let program = command.program().to_owned();
         let output = command
             .run(cancel)
@@ -402,18 +442,22 @@ impl VenvCache {
                 "$ {what}\n{}\n",
                 troupe_process::tail(&output.stdout_text(), 5, 1000)
             )),
-            Termination::Exited => Err(Error::Install {
-                step: what.to_owned(),
-                detail: format!(
-                    "exit {:?}: {}",
-                    output.exit_code,
-                    troupe_process::tail(
-                        &format!("{}\n{}", output.stdout_text(), output.stderr_text()),
-                        15,
-                        3000
-                    )
-                ),
-            }),
+            Termination::Exited => {
+                let text = format!("{}\n{}", output.stdout_text(), output.stderr_text());
+                let tail = troupe_process::tail(&text, 15, 3000);
+                let detail = match sandbox.denied(&text, cwd.as_deref()) {
+                    Some(denied) => format!(
+                        "{}{denied}\nexit {:?}: {tail}",
+                        crate::sandbox::DENIED,
+                        output.exit_code
+                    ),
+                    None => format!("exit {:?}: {tail}", output.exit_code),
+                };
+                Err(Error::Install {
+                    step: what.to_owned(),
+                    detail,
+                })
+            }
         }
     }
 }
@@ -551,7 +595,7 @@ mod tests {
 
     #[test]
     fn key_depends_on_requirement_contents() {
-        let cache = VenvCache::new(PathBuf::from("/x"));
+        let cache = VenvCache::new(Path::new("/x"));
         let inputs = |text: &[u8], python: &str, pyproject: &[&str]| Inputs {
             base_python: python.to_owned(),
             files: vec![("requirements.txt".into(), text.to_vec())],

@@ -130,6 +130,11 @@ impl TestRunHandler {
             .map(troupe_plan::TaskSpec::try_from)
             .transpose()
             .map_err(|err| into_failure(Error::InvalidArgument(format!("invalid task: {err}"))))?;
+        // The plan may tighten the service's sandbox for this task, never loosen it.
+        let plan_sandbox = typed
+            .as_ref()
+            .and_then(|spec| troupe_plan::spec::sandbox_of(&spec.object))
+            .and_then(|mode| mode.as_str().parse().ok());
         let test = TestSpec::with_defaults(typed.and_then(|spec| spec.blocks.test));
         let repo = task.repo.as_ref().ok_or_else(|| {
             into_failure(Error::InvalidArgument(
@@ -229,6 +234,7 @@ impl TestRunHandler {
             setup: test.setup.clone(),
             workdir: test.workdir.clone(),
             python: test.python.clone(),
+            sandbox: plan_sandbox,
             placeholders: [
                 ("plan_dir".to_owned(), task.plan_dir.clone()),
                 ("session_id".to_owned(), session.to_owned()),
@@ -432,6 +438,20 @@ fn verdict(report: TestRunReport) -> Result<TaskResult, TaskFailure> {
     };
     if outcome == TestOutcome::Passed || fixed {
         Ok(result)
+    } else if outcome == TestOutcome::SandboxDenied {
+        // The kernel refused the suite (or its install or setup) something outside the run:
+        // not a test result, and another attempt would be refused the same.
+        let denied = match &result.detail {
+            Some(task_result::Detail::TestRun(report)) => report.sandbox_denied.clone(),
+            _ => String::new(),
+        };
+        Err(TaskFailure::new(
+            ErrorKind::SandboxDenied,
+            format!("test run was denied by the sandbox: {denied}: {summary}"),
+            false,
+        )
+        .with_details(details)
+        .with_partial(result))
     } else {
         let reason = why(&result);
         Err(TaskFailure::new(
@@ -566,6 +586,19 @@ mod tests {
         };
         let spec = troupe_plan::TaskSpec::try_from(&task)?;
         Ok(TestSpec::with_defaults(spec.blocks.test))
+    }
+
+    #[test]
+    fn a_sandbox_refusal_fails_the_task_as_sandbox_denied() {
+        let report = TestRunReport {
+            outcome: TestOutcome::SandboxDenied as i32,
+            sandbox_denied: "/srv/data/troupe.db".to_owned(),
+            ..TestRunReport::default()
+        };
+        let failure = verdict(report).expect_err("a refusal fails the task");
+        assert_eq!(failure.error.kind(), ErrorKind::SandboxDenied);
+        assert!(failure.error.message.contains("/srv/data/troupe.db"));
+        assert!(!failure.error.retryable);
     }
 
     #[test]

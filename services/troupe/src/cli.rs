@@ -98,7 +98,8 @@ enum Command {
     Resume(SessionArgs),
     /// Pauses a session: running tasks finish, nothing new starts until `resume`.
     Pause(PauseArgs),
-    /// Lists the agent backends (installed or not, versions) via `Executor.ListBackends`.
+    /// Lists the agent backends (installed or not, versions) via `Executor.ListBackends`, and
+    /// this kernel's Landlock ABI (whether `--sandbox enforce` can work).
     Doctor(DoctorArgs),
     /// Cancels a session: nothing new starts, running tasks are told to stop.
     Cancel(CancelArgs),
@@ -848,8 +849,10 @@ async fn session_report(args: ReportArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `troupe doctor`: the server's services, then one line per backend (see [`crate::doctor`]).
+/// `troupe doctor`: the server's services, one line per backend (see [`crate::doctor`]), then
+/// what this kernel's Landlock support means for the sandbox.
 async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
+    let connected = args.connect.is_some();
     let shutdown = CancellationToken::new();
     let scratch = std::env::temp_dir().join(format!("troupe-doctor-{}", std::process::id()));
     let (url, connector, server) = match args.connect {
@@ -888,6 +891,21 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     }
     let report = checked?;
     print!("{}", report.text);
+    // This machine's kernel, with the mode the TROUPE_SANDBOX* variables give here.
+    let sandbox = troupe_process::sandbox::SandboxArgs::from_env().map_err(anyhow::Error::msg)?;
+    println!(
+        "{}{}",
+        troupe_process::sandbox::support(
+            troupe_process::sandbox::landlock_abi(),
+            sandbox.mode,
+            sandbox.connect_ports.is_some(),
+        ),
+        if connected {
+            " [this machine's kernel, not the executor's]"
+        } else {
+            ""
+        }
+    );
     // A failed live call is worth a non-zero exit: scripts check the machine with it.
     Ok(if report.probe_failed {
         ExitCode::FAILURE

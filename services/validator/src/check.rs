@@ -19,6 +19,8 @@ use crate::validate::{NO_CRITERION_CHECKER, confined, millis};
 #[derive(Debug)]
 pub(crate) struct CriteriaEnv<'a> {
     pub(crate) tools: &'a Tools,
+    /// The judge's base sandbox (its backend adds the worktree, read-only, and its home).
+    pub(crate) judge_sandbox: &'a troupe_process::Sandbox,
     /// A checkout of the commit.
     pub(crate) worktree: &'a Path,
     /// The validator's scratch directory (judge prompt files).
@@ -53,6 +55,7 @@ pub(crate) async fn criteria_checks(
                             env.worktree,
                             env.scratch,
                             &env.context,
+                            env.judge_sandbox,
                             env.cancel,
                         )
                         .await;

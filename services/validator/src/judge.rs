@@ -267,6 +267,7 @@ pub(crate) async fn ask(
     worktree: &Path,
     scratch: &Path,
     context: &JudgeContext<'_>,
+    sandbox: &troupe_process::Sandbox,
     cancel: &CancellationToken,
 ) -> (CheckStatus, String) {
     let who = judge.who();
@@ -318,8 +319,11 @@ pub(crate) async fn ask(
         command: judge.command.clone(),
         timeout: Some(judge.timeout),
         idle_timeout: judge.settings.idle_timeout(),
-        home: (judge.backend != "command").then(|| run_dir.join("home")),
+        // A confined judge needs a home it may write (the service's is out of its reach).
+        home: (judge.backend != "command" || sandbox.mode() != troupe_process::SandboxMode::Off)
+            .then(|| run_dir.join("home")),
         read_only: true,
+        sandbox: sandbox.clone(),
         ..RunSpec::default()
     };
     let outcome = backend.run(spec, cancel).await;

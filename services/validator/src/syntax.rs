@@ -63,6 +63,27 @@ fn nearest(root: &Path, file: &str, marker: &str) -> Option<PathBuf> {
     None
 }
 
+/// Where cargo keeps the lockfile of the crate at `crate_dir`: an existing `Cargo.lock` at or
+/// above it (inside the worktree), else beside the outermost `Cargo.toml` declaring a
+/// `[workspace]`, else beside the crate's own.
+fn cargo_lock(worktree: &Path, crate_dir: &Path) -> PathBuf {
+    let dirs: Vec<&Path> = crate_dir
+        .ancestors()
+        .take_while(|dir| dir.starts_with(worktree))
+        .collect();
+    if let Some(dir) = dirs.iter().find(|dir| dir.join("Cargo.lock").is_file()) {
+        return dir.join("Cargo.lock");
+    }
+    dirs.iter()
+        .rev()
+        .find(|dir| {
+            std::fs::read_to_string(dir.join("Cargo.toml"))
+                .is_ok_and(|text| text.lines().any(|l| l.trim() == "[workspace]"))
+        })
+        .unwrap_or(&crate_dir)
+        .join("Cargo.lock")
+}
+
 fn rel_display(dir: &Path, file: &str) -> String {
     let joined = dir.join(file);
     let s = joined.display().to_string();
@@ -236,7 +257,18 @@ impl SyntaxJob<'_> {
         ];
         argv.extend(extra.iter().map(|s| (*s).to_owned()));
         let cwd = self.worktree.join(dir);
-        let outcome = self.tool(argv, &cwd, &format!("cargo {sub}")).await?;
+        // The worktree is read-only to tools, but cargo writes `Cargo.lock` (creating it when
+        // the commit has none): that one file is granted, made empty first when missing
+        // (cargo fills an empty one in).
+        let lock = cargo_lock(self.worktree, &cwd);
+        if !lock.exists() && std::fs::write(&lock, "").is_err() {
+            tracing::warn!(lock = %lock.display(), "cannot make an empty Cargo.lock");
+        }
+        let tools = self.tools.granting_write(&lock);
+        let ran = tools
+            .run(&argv, &cwd, self.timeout, None, self.cancel)
+            .await?;
+        let outcome = judge_exit(ran, &format!("cargo {sub}"), self.worktree);
         Ok(prefix_dir(outcome, dir))
     }
 

@@ -17,6 +17,8 @@ use crate::Error;
 #[derive(Debug, Clone, Default)]
 pub struct Tools {
     dirs: Vec<PathBuf>,
+    /// The sandbox every tool runs under (see [`Tools::confined`]); `None`: not confined.
+    sandbox: Option<troupe_process::Sandbox>,
 }
 
 /// How a tool run ended, already classified for a check.
@@ -33,7 +35,26 @@ pub(crate) enum Ran {
 impl Tools {
     /// Tools looked up in `dirs` first, then on `PATH`.
     pub fn new(dirs: Vec<PathBuf>) -> Self {
-        Self { dirs }
+        Self {
+            dirs,
+            sandbox: None,
+        }
+    }
+
+    /// These tools, also allowed to write `path` (which must exist), when confined.
+    pub(crate) fn granting_write(&self, path: &Path) -> Self {
+        Self {
+            dirs: self.dirs.clone(),
+            sandbox: self.sandbox.clone().map(|sandbox| sandbox.write(path)),
+        }
+    }
+
+    /// These tools, run under `sandbox` (checks of one worktree: read-only on it).
+    pub(crate) fn confined(&self, sandbox: troupe_process::Sandbox) -> Self {
+        Self {
+            dirs: self.dirs.clone(),
+            sandbox: Some(sandbox),
+        }
     }
 
     /// `PATH` for children: the tool directories, then ours.
@@ -95,12 +116,42 @@ impl Tools {
         if let Some(bytes) = stdin {
             command = command.stdin(bytes);
         }
+        if let Some(sandbox) = &self.sandbox {
+            // The worktree is read-only: caches that tools keep beside the code go to the
+            // tool's own home (`py_compile` writes `__pycache__`, ruff `.ruff_cache`).
+            if let Some(home) = sandbox.home_dir() {
+                command = command
+                    .env(
+                        "PYTHONPYCACHEPREFIX",
+                        home.join("pycache").display().to_string(),
+                    )
+                    .env(
+                        "RUFF_CACHE_DIR",
+                        home.join("ruff-cache").display().to_string(),
+                    );
+            }
+            command = command.sandbox(sandbox.clone());
+        }
         match command.run(cancel).await {
-            Ok(output) => match output.termination {
-                Termination::Cancelled => Err(Error::Cancelled),
-                Termination::TimedOut | Termination::IdleTimedOut => Ok(Ran::TimedOut(output)),
-                Termination::Exited => Ok(Ran::Exited(output)),
-            },
+            Ok(mut output) => {
+                // A refusal of the sandbox is said first, so evidence names it.
+                if !output.success()
+                    && let Some(denied) = self
+                        .sandbox
+                        .as_ref()
+                        .and_then(|sandbox| sandbox.denied(&combined(&output), Some(cwd)))
+                {
+                    let mut stderr =
+                        format!("{}{denied}\n", crate::validate::SANDBOX_DENIED).into_bytes();
+                    stderr.extend_from_slice(&output.stderr);
+                    output.stderr = stderr;
+                }
+                match output.termination {
+                    Termination::Cancelled => Err(Error::Cancelled),
+                    Termination::TimedOut | Termination::IdleTimedOut => Ok(Ran::TimedOut(output)),
+                    Termination::Exited => Ok(Ran::Exited(output)),
+                }
+            }
             Err(troupe_process::Error::NotFound { program }) => Ok(Ran::Missing(program)),
             Err(err) => Err(Error::Process(err)),
         }

@@ -125,6 +125,8 @@ pub(crate) struct TreeJob<'a> {
     pub(crate) task_id: &'a str,
     pub(crate) title: &'a str,
     pub(crate) description: &'a str,
+    /// The plan's `sandbox` for the task: it may tighten the service's mode, never loosen it.
+    pub(crate) sandbox: Option<troupe_process::SandboxMode>,
 }
 
 /// Runs checks; shared by the gRPC service and the worker loop.
@@ -274,16 +276,18 @@ impl Validator {
         checks: &mut Vec<CheckResult>,
         cancel: &CancellationToken,
     ) -> Result<Option<ReviewReport>, Error> {
+        let base = self
+            .sandbox
+            .base(&self.data_dir)
+            .tighten(job.sandbox.unwrap_or(troupe_process::SandboxMode::Off));
+        let name = worktree
+            .file_name()
+            .map_or_else(|| "checks".into(), |name| name.to_os_string());
         if let Some(argv) = job.verification {
             // A private home beside the worktrees, removed after the run.
-            let home = self.data_dir.join("homes").join(
-                worktree
-                    .file_name()
-                    .map_or_else(|| "verification".into(), |name| name.to_os_string()),
-            );
-            let sandbox = self
-                .sandbox
-                .base(&self.data_dir)
+            let home = self.data_dir.join("homes").join(&name);
+            let sandbox = base
+                .clone()
                 .write(worktree)
                 .git_worktree(worktree)
                 .home(&home);
@@ -295,14 +299,62 @@ impl Validator {
             }
             checks.push(checked?);
         }
-        let changed = match job.changed {
+        // Syntax and lint tools, criteria commands: read-only on the worktree, a home of their
+        // own (their TMPDIR) and `cargo check`'s build directory writable.
+        let cargo_target = self.data_dir.join("cargo-target");
+        let tools_home = self
+            .data_dir
+            .join("homes")
+            .join(format!("{}-tools", name.to_string_lossy()));
+        if let Err(source) = tokio::fs::create_dir_all(&cargo_target).await {
+            return Err(Error::Io {
+                path: cargo_target,
+                source,
+            });
+        }
+        let mut confined = base
+            .clone()
+            .read(worktree)
+            .git_worktree(worktree)
+            .write(&cargo_target)
+            .home(&tools_home);
+        for dir in rust_toolchains() {
+            confined = confined.read(dir);
+        }
+        let tools = self.tools.confined(confined);
+        let checked = self
+            .tool_checks(worktree, commit, &job, &tools, &base, checks, cancel)
+            .await;
+        if let Err(err) = tokio::fs::remove_dir_all(&tools_home).await
+            && err.kind() != std::io::ErrorKind::NotFound
+        {
+            tracing::warn!(home = %tools_home.display(), error = %err, "cannot remove a tools home");
+        }
+        checked
+    }
+
+    /// The checks of `job` that run tools (syntax, lint, criteria and their judge) in
+    /// `worktree`, confined by `tools` (the judge by `base`, to which its backend adds the
+    /// worktree read-only).
+    #[allow(clippy::too_many_arguments)]
+    async fn tool_checks(
+        &self,
+        worktree: &Path,
+        commit: &Oid,
+        job: &TreeJob<'_>,
+        tools: &Tools,
+        base: &Sandbox,
+        checks: &mut Vec<CheckResult>,
+        cancel: &CancellationToken,
+    ) -> Result<Option<ReviewReport>, Error> {
+        let changed = match job.changed.clone() {
             Some(changed) => changed,
             None if job.syntax || job.review => crate::review::all_files(worktree),
             None => Vec::new(),
         };
         if job.syntax {
             let syntax = SyntaxJob {
-                tools: &self.tools,
+                tools,
                 worktree,
                 changed: &changed,
                 timeout: job.timeout,
@@ -322,7 +374,8 @@ impl Validator {
                 })?;
             let prior = checks.clone();
             let env = CriteriaEnv {
-                tools: &self.tools,
+                tools,
+                judge_sandbox: base,
                 worktree,
                 scratch: &scratch,
                 timeout: job.timeout,
@@ -362,6 +415,24 @@ impl Validator {
                 uuid::Uuid::new_v4().simple()
             ))
     }
+}
+
+/// Rust's toolchains and registry (`RUSTUP_HOME`, `CARGO_HOME`, else `~/.rustup`, `~/.cargo`):
+/// the `cargo` on `PATH` is often rustup's proxy, which reads them. Read only.
+fn rust_toolchains() -> Vec<PathBuf> {
+    let home = std::env::var_os("HOME")
+        .filter(|home| !home.is_empty())
+        .map(PathBuf::from);
+    [("RUSTUP_HOME", ".rustup"), ("CARGO_HOME", ".cargo")]
+        .into_iter()
+        .filter_map(|(name, default)| {
+            std::env::var_os(name)
+                .filter(|value| !value.is_empty())
+                .map(PathBuf::from)
+                .or_else(|| home.as_ref().map(|home| home.join(default)))
+        })
+        .filter(|dir| dir.is_dir())
+        .collect()
 }
 
 /// Runs `argv` in `worktree`: PASS on exit 0, FAIL on another exit, ERROR when it cannot run

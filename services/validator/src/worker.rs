@@ -161,6 +161,7 @@ impl ValidateHandler {
             task_id: &task.id,
             title: &task.title,
             description: &task.description,
+            sandbox: plan_sandbox(&spec.object),
         };
         progress(format!("checking {} at {}", task.id, &head.as_str()[..12]));
         let (checks, review) = self
@@ -232,6 +233,7 @@ impl ValidateHandler {
                 task_id: id,
                 title: &spec.title,
                 description: &spec.description,
+                sandbox: plan_sandbox(&spec.object),
                 ..TreeJob::default()
             };
             let (done, _) = self
@@ -281,6 +283,7 @@ impl ValidateHandler {
                         task_id: id,
                         title: &spec.title,
                         description: &spec.description,
+                        sandbox: plan_sandbox(&spec.object),
                         ..TreeJob::default()
                     };
                     let (done, _) = self
@@ -333,6 +336,13 @@ fn executor_upstream(claimed: &ClaimedTask) -> impl Iterator<Item = &UpstreamRes
         .upstream
         .iter()
         .filter(|u| matches!(u.role(), Role::Executor | Role::Unspecified))
+}
+
+/// The plan's `sandbox` for a task (its spec): it may tighten the validator's, never loosen it.
+fn plan_sandbox(
+    object: &serde_json::Map<String, serde_json::Value>,
+) -> Option<troupe_process::SandboxMode> {
+    troupe_plan::spec::sandbox_of(object).and_then(|mode| mode.as_str().parse().ok())
 }
 
 /// The claimed task, typed once by the plan's rules.

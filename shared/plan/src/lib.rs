@@ -431,6 +431,9 @@ pub struct Plan {
     pub repos: Vec<RepoSpec>,
     /// Tasks in topological order (by wave, then plan order).
     pub tasks: Vec<PlanTask>,
+    /// `sandbox`: the plan's confinement for its tasks (copied into each task that sets none;
+    /// workers apply the stricter of a task's and their own).
+    pub sandbox: Option<spec::SandboxMode>,
 }
 
 impl Plan {

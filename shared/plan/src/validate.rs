@@ -156,7 +156,19 @@ pub(crate) fn parse(text: &str) -> Result<Plan, PlanError> {
     let max_attempts =
         attempts(root.get("max_attempts"), "plan", &mut problems).unwrap_or(DEFAULT_MAX_ATTEMPTS);
     let repos = repos(&root, &repo_order, &mut problems);
-    let tasks = tasks(&root, &repos, max_attempts, &mut problems);
+    let sandbox = crate::spec::parse_sandbox(root.get("sandbox"), "plan", &mut problems);
+    let mut tasks = tasks(&root, &repos, max_attempts, &mut problems);
+    // A plan-level `sandbox` goes into each task that sets none: workers read it there.
+    if let Some(mode) = sandbox {
+        for task in tasks
+            .iter_mut()
+            .filter(|task| task.blocks.sandbox.is_none())
+        {
+            task.blocks.sandbox = Some(mode);
+            task.spec
+                .insert("sandbox".to_owned(), Value::from(mode.as_str()));
+        }
+    }
 
     if !problems.0.is_empty() {
         return Err(PlanError {
@@ -171,6 +183,7 @@ pub(crate) fn parse(text: &str) -> Result<Plan, PlanError> {
         max_attempts,
         repos,
         tasks,
+        sandbox,
     })
 }
 

@@ -330,6 +330,11 @@ impl Command {
             .or_else(|| std::env::var("PATH").ok())
     }
 
+    /// The working directory given with [`Command::cwd`].
+    pub fn working_dir(&self) -> Option<&Path> {
+        self.cwd.as_deref()
+    }
+
     /// The program this command runs.
     pub fn program(&self) -> &str {
         &self.program

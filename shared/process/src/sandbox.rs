@@ -262,6 +262,15 @@ impl Sandbox {
             {
                 read.push(prefix.to_path_buf());
             }
+            // `node_modules/.bin` holds links into its packages (`bun -> ../bun/bin/bun.exe`).
+            if dir.file_name().is_some_and(|name| name == ".bin")
+                && let Some(modules) = dir.parent()
+                && modules
+                    .file_name()
+                    .is_some_and(|name| name == "node_modules")
+            {
+                read.push(modules.to_path_buf());
+            }
         }
         let keep = |path: &PathBuf| {
             let path = normalize(path);
@@ -345,8 +354,9 @@ impl Sandbox {
             (false, Some(cwd)) => normalize(&cwd.join(path)),
             (false, None) => return true,
         };
-        // Symlinks are resolved by the kernel; resolve them too when the target exists.
-        let resolved = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
+        // Symlinks are resolved by the kernel; resolve them too, up to the deepest part that
+        // exists (a file created through a linked directory lands where the link leads).
+        let resolved = resolve_existing(&path);
         let path_var = std::env::var("PATH").ok();
         let (read, written) = self.grants(path_var.as_deref());
         let beneath = |roots: &[PathBuf], p: &Path| {
@@ -577,6 +587,57 @@ pub fn landlock_abi() -> Option<i32> {
     std::thread::scope(|scope| scope.spawn(probe).join().ok().flatten())
 }
 
+/// What this kernel's Landlock support means for `mode` (`troupe doctor`): whether `enforce`
+/// can confine children, and whether TCP port rules (needed when `connect_ports` is set) and
+/// signal/socket scoping are there. `abi` is [`landlock_abi`]'s answer.
+pub fn support(abi: Option<i32>, mode: Mode, ports_restricted: bool) -> String {
+    let Some(abi) = abi.filter(|abi| *abi > 0) else {
+        let effect = match mode {
+            Mode::Enforce => {
+                "`enforce` refuses to start agents, suites and checks here; use a kernel with Landlock (and a container runtime whose seccomp profile allows the landlock_* calls), or --sandbox warn or off"
+            }
+            Mode::Warn => "`warn` runs children unconfined here, with a warning",
+            Mode::Off => "children run unconfined (sandbox off)",
+        };
+        return format!("sandbox: no Landlock on this kernel: {effect} (mode: {mode})");
+    };
+    let tcp = if abi >= 4 {
+        "TCP port rules: yes"
+    } else {
+        "TCP port rules: no (ABI 4)"
+    };
+    let scoping = if abi >= 6 {
+        "signal and socket scoping: yes"
+    } else {
+        "signal and socket scoping: no (ABI 6)"
+    };
+    let effect = match mode {
+        Mode::Enforce if ports_restricted && abi < 4 => {
+            "`enforce` refuses to start children: connect ports are set and this kernel has no TCP rules"
+        }
+        Mode::Enforce => "`enforce` works",
+        Mode::Warn => "`warn` confines children",
+        Mode::Off => "children run unconfined (sandbox off); `enforce` would work",
+    };
+    format!("sandbox: Landlock ABI {abi} ({tcp}; {scoping}): {effect} (mode: {mode})")
+}
+
+/// `path` with its deepest existing ancestor resolved (symlinks followed) and the rest
+/// appended as it is.
+fn resolve_existing(path: &Path) -> PathBuf {
+    for ancestor in path.ancestors() {
+        if let Ok(real) = std::fs::canonicalize(ancestor) {
+            let rest = path.strip_prefix(ancestor).unwrap_or(Path::new(""));
+            return if rest.as_os_str().is_empty() {
+                real
+            } else {
+                real.join(rest)
+            };
+        }
+    }
+    path.to_path_buf()
+}
+
 /// `..` and `.` resolved lexically (no filesystem access).
 fn normalize(path: &Path) -> PathBuf {
     let mut out = PathBuf::new();
@@ -616,23 +677,39 @@ fn path_tokens(line: &str) -> Vec<String> {
     let mut tokens = Vec::new();
     for quote in ['\'', '"', '`', '‘', '’'] {
         let parts: Vec<&str> = line.split(quote).collect();
-        tokens.extend(
-            parts
-                .iter()
-                .skip(1)
-                .step_by(2)
-                .filter(|part| {
-                    part.starts_with('/') || part.starts_with("./") || part.starts_with("../")
-                })
-                .map(|part| (*part).to_owned()),
-        );
+        for index in (1..parts.len()).step_by(2) {
+            let (before, part) = (parts[index - 1], parts[index]);
+            let pathlike =
+                part.starts_with('/') || part.starts_with("./") || part.starts_with("../");
+            // A bare relative name right after the refusal: Python's `Permission denied:
+            // 'x'`, Node's `EACCES: permission denied, open 'x'`.
+            let lower = before.to_ascii_lowercase();
+            let named = !part.is_empty()
+                && !part.contains(char::is_whitespace)
+                && (lower.trim_end().ends_with("denied:")
+                    || (lower.contains("denied, ")
+                        && lower.ends_with(' ')
+                        && lower
+                            .trim_end()
+                            .rsplit(' ')
+                            .next()
+                            .is_some_and(|word| word.chars().all(|c| c.is_ascii_lowercase()))));
+            if pathlike || named {
+                tokens.push(part.to_owned());
+            }
+        }
     }
     // `prog: NAME: Permission denied` names NAME even without a slash (`cat: link: ...`).
     let segments: Vec<&str> = line.split(": ").collect();
     for pair in segments.windows(2) {
         let lower = pair[1].to_ascii_lowercase();
         let name = pair[0].trim();
+        // An errno name (`EACCES: permission denied, ...`) is not a file name.
+        let errno = name
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit());
         if (lower.starts_with("permission denied") || lower.starts_with("operation not permitted"))
+            && !errno
             && !name.is_empty()
             && !name.contains(char::is_whitespace)
             && !tokens.iter().any(|t| t == name)
@@ -690,19 +767,60 @@ mod tests {
     }
 
     #[test]
+    fn a_new_file_through_a_linked_directory_is_judged_where_it_lands() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let root = root.path().canonicalize().expect("canonical");
+        let (work, elsewhere) = (root.join("work"), root.join("elsewhere"));
+        std::fs::create_dir_all(&work).expect("mkdir");
+        std::fs::create_dir_all(&elsewhere).expect("mkdir");
+        std::os::unix::fs::symlink(&elsewhere, work.join("link")).expect("link");
+        let sandbox = Sandbox::new(Mode::Enforce).write(&work);
+        let line = format!(
+            "EACCES: permission denied, open '{}/link/new.txt'",
+            work.display()
+        );
+        assert!(
+            sandbox.denied(&line, Some(&work)).is_some(),
+            "a write through a link out of the worktree is not the worktree's"
+        );
+    }
+
+    #[test]
+    fn support_says_whether_enforce_works() {
+        let without = support(None, Mode::Enforce, false);
+        assert!(
+            without.contains("no Landlock") && without.contains("refuses"),
+            "{without}"
+        );
+        let full = support(Some(7), Mode::Enforce, true);
+        assert!(
+            full.contains("ABI 7") && full.contains("`enforce` works"),
+            "{full}"
+        );
+        let old = support(Some(3), Mode::Enforce, true);
+        assert!(old.contains("no TCP rules"), "{old}");
+        assert!(support(Some(3), Mode::Enforce, false).contains("`enforce` works"));
+    }
+
+    #[test]
     fn grants_never_cover_a_protected_path() {
         let sandbox = Sandbox::new(Mode::Enforce)
             .protect("/srv/data")
             .read("/srv")
             .read("/srv/data/plans/p1")
             .write("/srv/data/work/t1");
-        let (read, write) = sandbox.grants(Some("/srv/bin:/opt/node/bin:relative"));
+        let (read, write) =
+            sandbox.grants(Some("/srv/bin:/opt/node/bin:/t/node_modules/.bin:relative"));
         assert!(!read.contains(&PathBuf::from("/srv")), "{read:?}");
         assert!(read.contains(&PathBuf::from("/srv/bin")));
         assert!(read.contains(&PathBuf::from("/srv/data/plans/p1")));
         assert!(
             read.contains(&PathBuf::from("/opt/node")),
             "a bin's prefix: {read:?}"
+        );
+        assert!(
+            read.contains(&PathBuf::from("/t/node_modules")),
+            "the packages a node_modules/.bin links into: {read:?}"
         );
         assert!(!read.iter().any(|p| p == Path::new("relative")));
         assert_eq!(write, vec![PathBuf::from("/srv/data/work/t1")]);
@@ -727,6 +845,16 @@ mod tests {
             denied("touch: cannot touch '/srv/elsewhere': Operation not permitted").as_deref(),
             Some("/srv/elsewhere")
         );
+        // Bare relative names, as Node and Python print them, are judged against the cwd.
+        assert_eq!(
+            denied("Error: EACCES: permission denied, open '../t2/x'").as_deref(),
+            Some("../t2/x")
+        );
+        assert_eq!(
+            denied("PermissionError: [Errno 13] Permission denied: '../t2/x'").as_deref(),
+            Some("../t2/x")
+        );
+        assert_eq!(denied("EACCES: permission denied, open 'x'"), None);
         assert_eq!(
             denied("bash: /dev/tcp/127.0.0.1/5432: Permission denied").as_deref(),
             Some("tcp port 5432")

@@ -364,7 +364,8 @@ async fn the_projects_own_coverage_threshold_is_its_own_outcome() {
 }
 
 /// A `test.setup` command runs confined: it builds inside its worktree, but a write outside
-/// it is refused by the kernel, the run ends as SETUP_FAILED, and the step names the path.
+/// it is refused by the kernel, the run ends as SANDBOX_DENIED naming the path, and so does
+/// the step's output.
 #[tokio::test]
 async fn setup_commands_are_confined_to_their_worktree() {
     let outside = tempfile::tempdir().expect("tempdir");
@@ -389,7 +390,8 @@ async fn setup_commands_are_confined_to_their_worktree() {
     )
     .await
     .expect("run");
-    assert_eq!(report.outcome(), TestOutcome::SetupFailed, "{report:#?}");
+    assert_eq!(report.outcome(), TestOutcome::SandboxDenied, "{report:#?}");
+    assert_eq!(report.sandbox_denied, target.display().to_string());
     assert_eq!(report.setup_steps.len(), 2);
     assert_eq!(report.setup_steps[0].exit_code, 0, "{report:#?}");
     let denied = &report.setup_steps[1].output_tail;

@@ -144,7 +144,7 @@ async fn flaky_tests_are_reported_and_a_good_fix_is_kept() {
     );
     let tools = tempfile::tempdir().expect("tempdir");
     let agent = agent(tools.path());
-    let service = start().await;
+    let service = super::start_granting(&[markers.path()]).await;
     let req = fix_request(
         repo.path(),
         &agent,

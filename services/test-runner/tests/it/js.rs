@@ -261,12 +261,13 @@ async fn files_that_fail_to_load_are_load_errors() {
 
 #[tokio::test]
 async fn a_synchronous_infinite_loop_is_killed_at_the_wall_clock() {
-    let service = start().await;
+    let pid_dirs = tempfile::tempdir().expect("pid dirs");
+    let service = super::start_granting(&[pid_dirs.path()]).await;
     for (fixture, scenario, dest) in [
         ("jest-proj", "hang.test.js.txt", "tests/hang.test.js"),
         ("vitest-proj", "hang.test.ts.txt", "tests/hang.test.ts"),
     ] {
-        let pids = tempfile::tempdir().expect("pid dir");
+        let pids = tempfile::tempdir_in(pid_dirs.path()).expect("pid dir");
         let pid_file = pids.path().join("pids");
         let repo = fixture_repo(fixture, &[], &[(scenario, dest)], Some(&pid_file));
         let mut req = js_request(repo.path());

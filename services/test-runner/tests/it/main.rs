@@ -43,6 +43,16 @@ fn data_dir() -> PathBuf {
 }
 
 async fn start() -> TestService {
+    start_granting(&[]).await
+}
+
+/// A service whose confined children may also write `paths` (a test's pid or marker files:
+/// everything else outside a run's own directories is refused, docs/sandbox.md).
+async fn start_granting(paths: &[&std::path::Path]) -> TestService {
+    let sandbox = troupe_process::sandbox::SandboxArgs {
+        write_paths: paths.iter().map(|p| p.to_path_buf()).collect(),
+        ..Default::default()
+    };
     let config = troupe_test_runner::Config {
         listen: "127.0.0.1:0".parse().expect("address"),
         data_dir: data_dir(),
@@ -53,7 +63,7 @@ async fn start() -> TestService {
         concurrency: 1,
         backends_config: None,
         security: Default::default(),
-        sandbox: Default::default(),
+        sandbox,
     };
     TestService::spawn(move |listener, shutdown| {
         troupe_test_runner::run(config, listener, shutdown)
@@ -361,7 +371,7 @@ async fn a_hanging_suite_is_killed_at_the_wall_clock_limit() {
         ],
     )
     .expect("fixture repo");
-    let service = start().await;
+    let service = start_granting(&[pids.path()]).await;
     let mut req = request(dir.path());
     req.timeout_seconds = 3;
     req.test_timeout_seconds = 300;

@@ -203,3 +203,91 @@ async fn syntax_and_lint_pass_on_good_files_and_fail_on_bad_ones() {
     assert_eq!(report.verdict(), Verdict::Pass, "{report:#?}");
     service.stop().await;
 }
+
+/// A lint tool the repository brings (`npm run lint` runs its `lint.js`) runs confined: it
+/// may read the worktree but write neither into it nor outside it (only its own home); the
+/// kernel refuses both writes and the check's evidence names the refusal.
+#[tokio::test]
+async fn a_repository_lint_script_runs_read_only() {
+    if troupe_process::sandbox::landlock_abi().is_none() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI runs on a kernel with Landlock"
+        );
+        return;
+    }
+    let outside = tempfile::tempdir().expect("tempdir");
+    let escaped = outside.path().join("escaped.txt");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let lint = format!(
+        r#"const fs = require("fs");
+const os = require("os");
+let refused = 0;
+// Its own TMPDIR is writable.
+fs.writeFileSync(os.tmpdir() + "/scratch.txt", "ok");
+for (const path of ["written-by-lint.txt", {escaped:?}]) {{
+  try {{
+    fs.writeFileSync(path, "pwned");
+    console.log("wrote " + path);
+  }} catch (err) {{
+    console.error(err.message);
+    refused += 1;
+  }}
+}}
+console.log(fs.readFileSync("index.js", "utf8").length > 0 ? "read the worktree" : "empty");
+process.exit(refused > 0 ? 1 : 0);
+"#,
+        escaped = escaped.display().to_string()
+    );
+    let root = git_repo(dir.path(), &[("README.md", "x\n")]).expect("repo");
+    let head = commit(
+        dir.path(),
+        &[
+            ("package.json", PACKAGE),
+            ("lint.js", &lint),
+            ("index.js", "const a = 1;\nmodule.exports = a;\n"),
+        ],
+        "lint",
+    );
+    let (service, _data) = start(None).await;
+    let report = validate(
+        &service,
+        ValidateRequest {
+            repo_path: dir.path().display().to_string(),
+            r#ref: head,
+            base_ref: root,
+            syntax: true,
+            timeout_seconds: 120,
+            ..ValidateRequest::default()
+        },
+    )
+    .await
+    .expect("validate");
+    let checks = by_name(&report);
+    let check = checks
+        .get("lint:npm")
+        .unwrap_or_else(|| panic!("no lint:npm check in {report:#?}"));
+    assert_eq!(check.status(), CheckStatus::Fail, "{}", check.evidence);
+    assert!(
+        check.evidence.contains("denied by the sandbox: "),
+        "{}",
+        check.evidence
+    );
+    for path in ["written-by-lint.txt", &escaped.display().to_string()] {
+        assert!(
+            check
+                .evidence
+                .lines()
+                .any(|l| l.contains(path) && l.contains("permission denied")),
+            "no refusal of {path}: {}",
+            check.evidence
+        );
+    }
+    assert!(
+        check.evidence.contains("read the worktree"),
+        "{}",
+        check.evidence
+    );
+    assert!(!escaped.exists(), "the lint script wrote outside");
+    service.stop().await;
+}

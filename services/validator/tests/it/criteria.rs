@@ -329,7 +329,7 @@ async fn the_judge_must_cite_evidence_that_exists() {
             "could not give a verdict: backend `command` exited with code 2",
         ),
     ];
-    let (service, _data) = start(None).await;
+    let (service, _data) = crate::start_reading(None, &[judges.path()]).await;
     for (judge, want, evidence) in cases {
         let report = validate(
             &service,
@@ -369,7 +369,8 @@ async fn the_judge_must_cite_evidence_that_exists() {
         "ok2.py",
         r#"{"verdict": "pass", "evidence": [{"file": "stats.py", "line": 1}]}"#,
     );
-    let (service, _data) = start(Some(format!("python3 {ok}"))).await;
+    let (service, _data) =
+        crate::start_reading(Some(format!("python3 {ok}")), &[judges.path()]).await;
     let report = validate(
         &service,
         ValidateRequest {

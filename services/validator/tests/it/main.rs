@@ -85,9 +85,26 @@ pub(crate) async fn start_with_judge_config(
     start_with(None, Some(judge_config)).await
 }
 
+/// A validator whose confined children may also read `paths` (a test's judge scripts: the
+/// sandbox refuses everything else outside the checkout, docs/sandbox.md).
+pub(crate) async fn start_reading(
+    judge: Option<String>,
+    paths: &[&Path],
+) -> (TestService, tempfile::TempDir) {
+    start_with_reads(judge, None, paths).await
+}
+
 async fn start_with(
     judge: Option<String>,
     judge_config: Option<&str>,
+) -> (TestService, tempfile::TempDir) {
+    start_with_reads(judge, judge_config, &[]).await
+}
+
+async fn start_with_reads(
+    judge: Option<String>,
+    judge_config: Option<&str>,
+    reads: &[&Path],
 ) -> (TestService, tempfile::TempDir) {
     let data = tempfile::tempdir().expect("data dir");
     let judge_config = judge_config.map(|text| {
@@ -109,7 +126,10 @@ async fn start_with(
         judge,
         judge_config,
         judge_timeout_seconds: 30,
-        sandbox: Default::default(),
+        sandbox: troupe_process::sandbox::SandboxArgs {
+            read_paths: reads.iter().map(|p| p.to_path_buf()).collect(),
+            ..Default::default()
+        },
     };
     let service = TestService::spawn(move |listener, shutdown| async move {
         let metrics = Default::default();

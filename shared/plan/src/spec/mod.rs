@@ -27,6 +27,65 @@ use crate::Role;
 use crate::validate::Problems;
 use fields::At;
 
+/// A plan's `sandbox` (plan-level or per task): how strictly the task's children are
+/// confined. It can only tighten the worker's own setting (the strictest of the two applies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SandboxMode {
+    /// Confined; refuse to run where the kernel cannot confine.
+    Enforce,
+    /// Confined where the kernel can.
+    Warn,
+    /// No wish: the worker's setting applies.
+    Off,
+}
+
+impl SandboxMode {
+    /// Parses `enforce`, `warn` or `off`.
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "enforce" => Some(Self::Enforce),
+            "warn" => Some(Self::Warn),
+            "off" => Some(Self::Off),
+            _ => None,
+        }
+    }
+
+    /// The plan spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Enforce => "enforce",
+            Self::Warn => "warn",
+            Self::Off => "off",
+        }
+    }
+}
+
+/// The `sandbox` a task object carries (a plan-level one is copied into each task that sets
+/// none at intake), for workers; a value intake would refuse reads as none.
+pub fn sandbox_of(object: &Map<String, Value>) -> Option<SandboxMode> {
+    object
+        .get("sandbox")
+        .and_then(Value::as_str)
+        .and_then(SandboxMode::parse)
+}
+
+/// Checks a `sandbox` field (plan-level or a task's) at `owner`.
+pub(crate) fn parse_sandbox(
+    value: Option<&Value>,
+    owner: &str,
+    problems: &mut Problems,
+) -> Option<SandboxMode> {
+    let value = fields::present(value)?;
+    let parsed = value.as_str().and_then(SandboxMode::parse);
+    if parsed.is_none() {
+        At::new(owner, "sandbox").invalid(
+            problems,
+            format_args!("must be \"enforce\", \"warn\" or \"off\", got {value}"),
+        );
+    }
+    parsed
+}
+
 /// What to do with changes outside a task's `files[]`, `focus_paths` and `scope`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ScopePolicy {
@@ -60,6 +119,9 @@ pub struct TaskBlocks {
     pub excludes: Vec<String>,
     /// `allow_empty`: whether a run that changes nothing completes.
     pub allow_empty: bool,
+    /// `sandbox`: the plan's confinement for the task (the plan-level one when the task sets
+    /// none); workers apply the stricter of it and their own.
+    pub sandbox: Option<SandboxMode>,
 }
 
 pub(crate) fn parse(
@@ -131,6 +193,7 @@ pub(crate) fn parse(
         excludes: fields::strings(object.get("excludes"), &at("excludes"), problems),
         allow_empty: fields::boolean(object.get("allow_empty"), &at("allow_empty"), problems)
             .unwrap_or(false),
+        sandbox: parse_sandbox(object.get("sandbox"), owner, problems),
     }
 }
 

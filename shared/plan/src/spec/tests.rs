@@ -150,3 +150,47 @@ fn a_worker_reads_a_claimed_spec_by_the_same_rules() {
         "task FIX-1: `agent.env.K` must be a string, got a number"
     );
 }
+
+#[test]
+fn a_plan_level_sandbox_reaches_each_task_that_sets_none() {
+    let text = json!({"name": "p", "sandbox": "enforce", "tasks": [
+        {"id": "IMPL-1", "title": "a"},
+        {"id": "IMPL-2", "title": "b", "sandbox": "warn"},
+    ]})
+    .to_string();
+    let plan = Plan::from_json(&text).expect("valid plan");
+    assert_eq!(plan.sandbox, Some(SandboxMode::Enforce));
+    let task = |id: &str| plan.tasks.iter().find(|task| task.id == id).expect("task");
+    // Workers read the task's spec: the plan-level mode is copied into it.
+    assert_eq!(task("IMPL-1").blocks.sandbox, Some(SandboxMode::Enforce));
+    assert_eq!(sandbox_of(&task("IMPL-1").spec), Some(SandboxMode::Enforce));
+    assert_eq!(task("IMPL-2").blocks.sandbox, Some(SandboxMode::Warn));
+    assert_eq!(sandbox_of(&task("IMPL-2").spec), Some(SandboxMode::Warn));
+
+    let plain = json!({"name": "p", "tasks": [{"id": "IMPL-1", "title": "a"}]}).to_string();
+    let plain = Plan::from_json(&plain).expect("valid plan");
+    assert_eq!(plain.sandbox, None);
+    assert_eq!(plain.tasks[0].blocks.sandbox, None);
+    assert!(!plain.tasks[0].spec.contains_key("sandbox"));
+}
+
+#[test]
+fn a_bad_sandbox_is_refused_at_intake() {
+    let text = json!({"name": "p", "sandbox": "strict", "tasks": [
+        {"id": "IMPL-1", "title": "a", "sandbox": false},
+    ]})
+    .to_string();
+    let messages: Vec<String> = Plan::from_json(&text)
+        .expect_err("refused")
+        .problems
+        .into_iter()
+        .map(|problem| problem.message)
+        .collect();
+    assert_listed(
+        &messages,
+        &[
+            "plan: `sandbox` must be \"enforce\", \"warn\" or \"off\", got \"strict\"",
+            "task IMPL-1: `sandbox` must be \"enforce\", \"warn\" or \"off\", got false",
+        ],
+    );
+}

@@ -60,13 +60,14 @@ async fn a_bad_plan_is_refused_with_every_problem_and_nothing_is_stored() -> any
 /// `convergence` or loop block, which intake used to accept and a worker refused minutes later.
 const BAD_BLOCKS_PLAN: &str = r#"{
   "name": "bad-blocks",
+  "sandbox": "none",
   "repos": {"app": {"template": "repo"}},
   "tasks": [
     {"id": "IMPL-001", "title": "a",
      "agent": {"backend": "nonesuch", "env": {"K": 1}},
      "convergence": {"verification": []}},
     {"id": "IMPL-002", "title": "b", "agent": {"backend": "command", "command": []}},
-    {"id": "TESTRUN-001", "title": "c", "depends_on": ["IMPL-001"],
+    {"id": "TESTRUN-001", "title": "c", "depends_on": ["IMPL-001"], "sandbox": "strict",
      "test": {"framework": "mocha", "env": {"AWS_SECRET_ACCESS_KEY": "x"},
               "fix": {"agent": {"backend": "command"}}, "gc": {"max_rounds": 500}}},
     {"id": "VALIDATE-001", "title": "d", "depends_on": ["IMPL-001"],
@@ -106,12 +107,18 @@ async fn bad_task_blocks_are_refused_at_intake_with_every_problem_and_nothing_is
         "task TESTRUN-001: `test.fix.agent.command` is missing",
         "task TESTRUN-001: `test.gc.agent` is missing",
         "task TESTRUN-001: `test.gc.max_rounds` must be a whole number from 1 to 100",
+        "task TESTRUN-001: `sandbox` must be \"enforce\", \"warn\" or \"off\", got \"strict\"",
         "task VALIDATE-001: `judge.api_key` is not a judge setting a plan may give",
         "task VALIDATE-001: `gap_closure.agent.command` uses shell syntax",
     ];
     for line in expected {
         assert!(message.contains(line), "{line:?} not named in:\n{message}");
     }
+    let plan_level = "plan: `sandbox` must be \"enforce\", \"warn\" or \"off\", got \"none\"";
+    assert!(
+        message.contains(plan_level),
+        "{plan_level:?} not named in:\n{message}"
+    );
     assert_eq!(
         message
             .lines()

@@ -3,6 +3,7 @@
 mod agent_children;
 mod auth;
 mod bad_plan;
+mod confined_suites;
 mod deploy;
 mod distributed;
 mod docs;
