@@ -7,7 +7,8 @@
 //!   cargo bench -p troupe-coordinator --bench throughput -- --db postgres --tasks 2000 --workers 8 --batch 8
 //! ```
 //!
-//! S1 burn-down: one session of `--tasks` independent no-op tasks drained by `--workers`
+//! S1 burn-down: one session of `--tasks` no-op tasks (independent, or in the dependency
+//! `--shape` given: chains of 100, pairs, a layered DAG) drained by `--workers`
 //! concurrent workers claiming up to `--batch` tasks per `ClaimTasks`, completing each with
 //! `CompleteTask`; the rate is over the time from the first claim to the last completion.
 //! S2 pickup latency: a worker long-polls `ClaimTasks` while a task it waits for is
@@ -35,6 +36,11 @@ struct Args {
     /// S1: tasks to burn down.
     #[arg(long, default_value_t = 1000)]
     tasks: usize,
+    /// S1: the session's dependency shape: `flat` (independent tasks), `chains` (chains of
+    /// 100), `pairs` (every second task waits for the one before it) or `layered` (layers of
+    /// 100, each task waiting for 1 to 3 random tasks of the layer before).
+    #[arg(long, default_value = "flat")]
+    shape: String,
     /// S1: concurrent workers.
     #[arg(long, default_value_t = 4)]
     workers: usize,
@@ -137,10 +143,46 @@ async fn complete(client: &mut Client, claimed: &pb::ClaimedTask) -> anyhow::Res
     complete_then(client, claimed, None).await.map(drop)
 }
 
+/// The S1 plan's tasks in `shape` (see `--shape`).
+fn s1_tasks(shape: &str, count: usize) -> anyhow::Result<Vec<serde_json::Value>> {
+    // A fixed-seed generator (xorshift), so a shape is the same in every run.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut random = move |below: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % below as u64) as usize
+    };
+    let id = |i: usize| format!("IMPL-{i}");
+    (0..count)
+        .map(|i| {
+            let deps: Vec<String> = match shape {
+                "flat" => Vec::new(),
+                "chains" if i % 100 == 0 => Vec::new(),
+                "chains" => vec![id(i - 1)],
+                "pairs" if i % 2 == 0 => Vec::new(),
+                "pairs" => vec![id(i - 1)],
+                "layered" if i < 100 => Vec::new(),
+                "layered" => {
+                    let layer = i / 100 * 100;
+                    let mut deps: Vec<String> = Vec::new();
+                    for _ in 0..1 + random(3) {
+                        let dep = id(layer - 100 + random(100));
+                        if !deps.contains(&dep) {
+                            deps.push(dep);
+                        }
+                    }
+                    deps
+                }
+                other => bail!("unknown --shape {other}"),
+            };
+            Ok(json!({"id": id(i), "title": "no-op", "depends_on": deps}))
+        })
+        .collect()
+}
+
 async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
-    let tasks = (1..=args.tasks)
-        .map(|i| json!({"id": format!("IMPL-{i}"), "title": "no-op"}))
-        .collect();
+    let tasks = s1_tasks(&args.shape, args.tasks)?;
     let session = create(client, base_dir, "s1", tasks).await?;
     let done = Arc::new(AtomicUsize::new(0));
     // The rate runs to the last completion, as graphile-worker's burn-down does (its queue
@@ -216,8 +258,9 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
     };
     common::expect_completed(client, session).await?;
     println!(
-        "S1 db={} tasks={} workers={} batch={}{}: {:.2}s, {:.0} tasks/s{messages}",
+        "S1 db={} shape={} tasks={} workers={} batch={}{}: {:.2}s, {:.0} tasks/s{messages}",
         args.db,
+        args.shape,
         args.tasks,
         args.workers,
         args.batch,
