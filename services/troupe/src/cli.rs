@@ -669,6 +669,7 @@ async fn doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     let channel = connector.channel(&url)?;
     let deadline = std::time::Duration::from_secs(60);
     let listed = ExecutorClient::with_interceptor(channel, connector.outbound(deadline))
+        .max_decoding_message_size(connector.max_message())
         .list_backends(ListBackendsRequest {})
         .await
         .with_context(|| format!("listing backends at {url}"));

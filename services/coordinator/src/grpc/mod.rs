@@ -42,11 +42,15 @@ impl From<Error> for Status {
     }
 }
 
-/// Returns the tonic server for `coordinator`.
+/// Returns the tonic server for `coordinator`, accepting and sending messages up to
+/// `max_message` bytes.
 pub(crate) fn server(
     coordinator: Arc<Coordinator>,
+    max_message: usize,
 ) -> coordinator_server::CoordinatorServer<Adapter> {
     coordinator_server::CoordinatorServer::new(Adapter { coordinator })
+        .max_decoding_message_size(max_message)
+        .max_encoding_message_size(max_message)
 }
 
 /// Implements the generated service trait over the domain coordinator.

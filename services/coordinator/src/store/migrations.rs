@@ -33,7 +33,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "plan assets",
         include_str!("migrations/0008_plan_assets.sql"),
     ),
-    (9, "task deps", include_str!("migrations/0009_task_deps.sql")),
+    (
+        9,
+        "task deps",
+        include_str!("migrations/0009_task_deps.sql"),
+    ),
 ];
 
 /// The second step of migration 9: the dependency rows of tasks stored before it, read out of

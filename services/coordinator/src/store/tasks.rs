@@ -188,10 +188,7 @@ async fn insert_deps(tx: &mut Tx, deps: &[(&str, &str, &str)]) -> Result<(), Err
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for (session_id, task_id, dep_id) in chunk {
-            query = query
-                .bind(*session_id)
-                .bind(*task_id)
-                .bind(*dep_id);
+            query = query.bind(*session_id).bind(*task_id).bind(*dep_id);
         }
         query.execute(&mut **tx).await?;
     }

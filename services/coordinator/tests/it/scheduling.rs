@@ -211,11 +211,7 @@ async fn upstream_is_direct_for_workers_and_transitive_for_checkers(db: Db) {
     let harness = Harness::start(db).await;
     harness.create(json!({"name": "up", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("IMPL-3", &["IMPL-2"]), t("VALIDATE-1", &["IMPL-3"])]})).await;
     let upstream_ids = |claimed: &pb::ClaimedTask| -> Vec<String> {
-        claimed
-            .upstream
-            .iter()
-            .map(|u| u.task_id.clone())
-            .collect()
+        claimed.upstream.iter().map(|u| u.task_id.clone()).collect()
     };
     let mut seen = Vec::new();
     for _ in 0..3 {
@@ -228,7 +224,10 @@ async fn upstream_is_direct_for_workers_and_transitive_for_checkers(db: Db) {
         vec![vec![], vec!["IMPL-1".to_owned()], vec!["IMPL-2".to_owned()]]
     );
     let claimed = harness.claim(&[Role::Validator], 1).await;
-    assert_eq!(upstream_ids(&claimed[0]), vec!["IMPL-1", "IMPL-2", "IMPL-3"]);
+    assert_eq!(
+        upstream_ids(&claimed[0]),
+        vec!["IMPL-1", "IMPL-2", "IMPL-3"]
+    );
     harness.stop().await;
 }
 
