@@ -99,6 +99,7 @@ pub async fn fetch(
     let response = client
         .get_session(GetSessionRequest {
             session_id: session_id.to_owned(),
+            ..Default::default()
         })
         .await
         .map_err(rpc("GetSession"))?

@@ -474,6 +474,7 @@ async fn status(args: SessionArgs) -> anyhow::Result<ExitCode> {
     let response = client
         .get_session(GetSessionRequest {
             session_id: args.session,
+            ..Default::default()
         })
         .await
         .map_err(follow::CallFailed)?

@@ -163,6 +163,7 @@ impl Follower {
         self.call(is_transient, |mut client| {
             let request = GetSessionRequest {
                 session_id: session_id.to_owned(),
+                ..Default::default()
             };
             async move { client.get_session(request).await }
         })

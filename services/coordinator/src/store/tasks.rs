@@ -19,6 +19,15 @@ const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, 
      worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
      progress, result, last_error, superseded_by, convergence";
 
+/// [`TASK_COLUMNS`] of a table named `t`.
+static QUALIFIED_COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    TASK_COLUMNS
+        .split(", ")
+        .map(|column| format!("t.{column}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+});
+
 /// [`TASK_COLUMNS`] without `spec` (an empty object instead): for transactions that move the
 /// graph without parsing every task's plan object; such rows are never written back whole
 /// (the UPDATE leaves `spec` alone) nor sent to clients.
@@ -297,7 +306,9 @@ pub(super) async fn update_tasks(tx: &mut Tx, tasks: &[&Task]) -> Result<(), Err
         let sql = format!(
             "WITH v (session_id, id, {}) AS (VALUES {}) {}",
             MUTABLE_COLUMNS.join(", "),
-            task_values(1, chunk.len()),
+            // Anonymous parameters on SQLite (see `values`): a session's first settling
+            // updates every task.
+            values(tx.dialect, chunk.len(), MUTABLE_COLUMNS.len() + 2),
             *UPDATE_FROM_V
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
@@ -576,11 +587,16 @@ pub(crate) async fn read_batch(
             ));
             // Their pending dependents, through the dependency index. States are constants
             // in the statement (see `pick_session`).
+            // From `task_deps` to the tasks (CROSS JOIN keeps that order on SQLite, whose
+            // planner would otherwise walk every pending task of the session); a task waiting
+            // on two of them comes twice, and is kept once below.
             parts.push(format!(
-                "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {} AND id IN \
-                 (SELECT task_id FROM task_deps WHERE session_id = $1 AND dep_id IN ({}))",
+                "SELECT {} FROM task_deps d CROSS JOIN tasks t WHERE d.session_id = $1 \
+                 AND d.dep_id IN ({}) AND t.session_id = d.session_id AND t.id = d.task_id \
+                 AND t.state = {}",
+                *QUALIFIED_COLUMNS,
+                these.join(", "),
                 TaskState::Pending as i32,
-                these.join(", ")
             ));
             if single {
                 // Whether any other task is ready or running: then the session goes on
@@ -864,4 +880,111 @@ impl Store {
             .map(|row| Ok(row.try_get("session_id")?))
             .collect()
     }
+}
+
+/// Which of a session's tasks a listing wants (every filter given must hold).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct TaskFilter {
+    /// Any state when empty.
+    pub(crate) states: Vec<TaskState>,
+    /// Any role when empty.
+    pub(crate) roles: Vec<pb::Role>,
+    pub(crate) repo: Option<String>,
+    pub(crate) id_prefix: Option<String>,
+}
+
+/// Up to `limit` tasks of a session matching `filter`, in plan order, after position `after`
+/// (an index range of `tasks_position`), and whether more match.
+pub(crate) async fn list_tasks(
+    tx: &mut Tx,
+    session_id: &str,
+    filter: &TaskFilter,
+    after: Option<i64>,
+    limit: usize,
+) -> Result<(Vec<Task>, bool), Error> {
+    let mut next = 1;
+    let mut param = || {
+        next += 1;
+        format!("${next}")
+    };
+    let mut sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1");
+    if after.is_some() {
+        sql.push_str(&format!(" AND position > {}", param()));
+    }
+    if !filter.states.is_empty() {
+        // States and roles are enum numbers, written into the statement.
+        let states: Vec<String> = filter
+            .states
+            .iter()
+            .map(|state| (*state as i32).to_string())
+            .collect();
+        sql.push_str(&format!(" AND state IN ({})", states.join(", ")));
+    }
+    if !filter.roles.is_empty() {
+        let roles: Vec<String> = filter
+            .roles
+            .iter()
+            .map(|role| (*role as i32).to_string())
+            .collect();
+        sql.push_str(&format!(" AND role IN ({})", roles.join(", ")));
+    }
+    if filter.repo.is_some() {
+        sql.push_str(&format!(" AND repo = {}", param()));
+    }
+    if let Some(prefix) = &filter.id_prefix {
+        // substr, not LIKE: no wildcards to escape in the prefix.
+        sql.push_str(&format!(
+            " AND substr(id, 1, {}) = {}",
+            prefix.chars().count(),
+            param()
+        ));
+    }
+    sql.push_str(&format!(" ORDER BY position LIMIT {}", param()));
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(session_id);
+    if let Some(after) = after {
+        query = query.bind(after);
+    }
+    if let Some(repo) = &filter.repo {
+        query = query.bind(repo.clone());
+    }
+    if let Some(prefix) = &filter.id_prefix {
+        query = query.bind(prefix.clone());
+    }
+    query = query.bind(i64::try_from(limit + 1).unwrap_or(i64::MAX));
+    let rows = query.fetch_all(&mut **tx).await?;
+    let more = rows.len() > limit;
+    let tasks = rows
+        .iter()
+        .take(limit)
+        .map(task_from_row)
+        .collect::<Result<_, _>>()?;
+    Ok((tasks, more))
+}
+
+/// Per repository of a session: its tasks' counts and the deepest commit landed on its
+/// branch (from the results, read as a stream: memory stays bounded however many tasks).
+pub(crate) async fn repo_stats(
+    tx: &mut Tx,
+    session_id: &str,
+) -> Result<HashMap<String, (pb::TaskCounts, u64, String)>, Error> {
+    use futures::TryStreamExt as _;
+    let mut out: HashMap<String, (pb::TaskCounts, u64, String)> = HashMap::new();
+    let mut rows = sqlx::query("SELECT repo, state, result FROM tasks WHERE session_id = $1")
+        .bind(session_id)
+        .fetch(&mut **tx);
+    while let Some(row) = rows.try_next().await? {
+        let repo: String = row.try_get("repo")?;
+        let state = TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?;
+        let result: Option<Vec<u8>> = row.try_get("result")?;
+        let entry = out.entry(repo).or_default();
+        super::sessions::add_count(&mut entry.0, state, 1);
+        if let Some(bytes) = result {
+            let result = pb::TaskResult::decode(bytes.as_slice()).map_err(corrupt)?;
+            if result.branch_depth > entry.1 {
+                entry.1 = result.branch_depth;
+                entry.2 = result.commit;
+            }
+        }
+    }
+    Ok(out)
 }

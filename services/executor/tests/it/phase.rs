@@ -837,7 +837,10 @@ async fn a_claimed_exec_task_reports_wave_progress_to_the_coordinator() {
         .await
         .expect("the session ends");
     let session = client
-        .get_session(GetSessionRequest { session_id })
+        .get_session(GetSessionRequest {
+            session_id,
+            ..Default::default()
+        })
         .await
         .expect("get")
         .into_inner();

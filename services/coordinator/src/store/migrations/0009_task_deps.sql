@@ -10,3 +10,5 @@ CREATE TABLE task_deps (
     PRIMARY KEY (session_id, task_id, dep_id)
 );
 CREATE INDEX task_deps_dependents ON task_deps (session_id, dep_id);
+-- Listings page through a session's tasks in plan order (`ListTasks`, `GetSession`).
+CREATE INDEX tasks_position ON tasks (session_id, position);
