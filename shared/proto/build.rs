@@ -25,6 +25,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         prost::Message::encode_to_vec(&descriptors),
     )?;
     tonic_prost_build::configure()
+        // Malformed requests are the caller's mistake (see src/codec.rs).
+        .codec_path("crate::codec::Codec")
         .build_client(true)
         .build_server(true)
         .compile_fds(descriptors)?;

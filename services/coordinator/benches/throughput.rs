@@ -7,7 +7,8 @@
 //!   cargo bench -p troupe-coordinator --bench throughput -- --db postgres --tasks 2000 --workers 8 --batch 8
 //! ```
 //!
-//! S1 burn-down: one session of `--tasks` independent no-op tasks drained by `--workers`
+//! S1 burn-down: one session of `--tasks` no-op tasks (independent, or in the dependency
+//! `--shape` given: chains of 100, pairs, a layered DAG) drained by `--workers`
 //! concurrent workers claiming up to `--batch` tasks per `ClaimTasks`, completing each with
 //! `CompleteTask`; the rate is over the time from the first claim to the last completion.
 //! S2 pickup latency: a worker long-polls `ClaimTasks` while a task it waits for is
@@ -18,6 +19,7 @@
 
 mod common;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -35,6 +37,15 @@ struct Args {
     /// S1: tasks to burn down.
     #[arg(long, default_value_t = 1000)]
     tasks: usize,
+    /// S1: the session's dependency shape: `flat` (independent tasks), `chains` (chains of
+    /// 100), `pairs` (every second task waits for the one before it) or `layered` (layers of
+    /// 100, each task waiting for 1 to 3 random tasks of the layer before).
+    #[arg(long, default_value = "flat")]
+    shape: String,
+    /// S1: spread `--tasks` over this many sessions (each of `--shape`), all active at once;
+    /// the report adds each session's time to its last completion (mean and slowest).
+    #[arg(long, default_value_t = 1)]
+    sessions: usize,
     /// S1: concurrent workers.
     #[arg(long, default_value_t = 4)]
     workers: usize,
@@ -137,11 +148,58 @@ async fn complete(client: &mut Client, claimed: &pb::ClaimedTask) -> anyhow::Res
     complete_then(client, claimed, None).await.map(drop)
 }
 
+/// The S1 plan's tasks in `shape` (see `--shape`).
+fn s1_tasks(shape: &str, count: usize) -> anyhow::Result<Vec<serde_json::Value>> {
+    // A fixed-seed generator (xorshift), so a shape is the same in every run.
+    let mut seed: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut random = move |below: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % below as u64) as usize
+    };
+    let id = |i: usize| format!("IMPL-{i}");
+    (0..count)
+        .map(|i| {
+            let deps: Vec<String> = match shape {
+                "flat" => Vec::new(),
+                "chains" if i % 100 == 0 => Vec::new(),
+                "chains" => vec![id(i - 1)],
+                "pairs" if i % 2 == 0 => Vec::new(),
+                "pairs" => vec![id(i - 1)],
+                "layered" if i < 100 => Vec::new(),
+                "layered" => {
+                    let layer = i / 100 * 100;
+                    let mut deps: Vec<String> = Vec::new();
+                    for _ in 0..1 + random(3) {
+                        let dep = id(layer - 100 + random(100));
+                        if !deps.contains(&dep) {
+                            deps.push(dep);
+                        }
+                    }
+                    deps
+                }
+                other => bail!("unknown --shape {other}"),
+            };
+            Ok(json!({"id": id(i), "title": "no-op", "depends_on": deps}))
+        })
+        .collect()
+}
+
 async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
-    let tasks = (1..=args.tasks)
-        .map(|i| json!({"id": format!("IMPL-{i}"), "title": "no-op"}))
-        .collect();
-    let session = create(client, base_dir, "s1", tasks).await?;
+    let per_session = args.tasks / args.sessions.max(1);
+    if per_session == 0 || per_session * args.sessions != args.tasks {
+        bail!("--tasks must be a multiple of --sessions");
+    }
+    let created = Instant::now();
+    let mut sessions = Vec::with_capacity(args.sessions);
+    for n in 0..args.sessions {
+        let tasks = s1_tasks(&args.shape, per_session)?;
+        sessions.push(create(client, base_dir, &format!("s1-{n}"), tasks).await?);
+    }
+    let intake = created.elapsed();
+    // Per session: tasks completed, and when its last one completed.
+    let progress: Arc<std::sync::Mutex<HashMap<String, (usize, Duration)>>> = Arc::default();
     let done = Arc::new(AtomicUsize::new(0));
     // The rate runs to the last completion, as graphile-worker's burn-down does (its queue
     // is empty): by then the other workers wait in a long poll that nothing will answer.
@@ -154,6 +212,7 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         let total = args.tasks;
         let batch = args.batch;
         let claim_next = args.claim_next;
+        let progress = Arc::clone(&progress);
         workers.spawn(async move {
             let worker = format!("bench-{w}");
             let mut next = Vec::new();
@@ -173,6 +232,13 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
                     let then = (claim_next && i == last)
                         .then(|| claim_request(&worker, batch, Duration::ZERO));
                     next = complete_then(&mut client, task, then).await?;
+                    let session = task.task.as_ref().context("task")?.session_id.clone();
+                    {
+                        let mut progress = progress.lock().expect("progress");
+                        let entry = progress.entry(session).or_default();
+                        entry.0 += 1;
+                        entry.1 = start.elapsed();
+                    }
                     if done.fetch_add(1, Ordering::Relaxed) + 1 == total {
                         finished.get_or_init(|| start.elapsed());
                     }
@@ -183,7 +249,7 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
     }
     let logger = (args.message_every_ms > 0).then(|| {
         let mut client = client.clone();
-        let (done, total, session) = (Arc::clone(&done), args.tasks, session.clone());
+        let (done, total, session) = (Arc::clone(&done), args.tasks, sessions[0].clone());
         let every = Duration::from_millis(args.message_every_ms);
         tokio::spawn(async move {
             let mut logged = 0_u64;
@@ -214,18 +280,102 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         Some(logger) => format!(" messages={}", logger.await??),
         None => String::new(),
     };
-    common::expect_completed(client, session).await?;
+    for session in &sessions {
+        common::expect_completed(client, session.clone()).await?;
+    }
+    let reads = if args.sessions == 1 {
+        reads(client, &sessions[0]).await?
+    } else {
+        String::new()
+    };
+    let fairness = if args.sessions > 1 {
+        let progress = progress.lock().expect("progress");
+        let times: Vec<f64> = progress.values().map(|(_, at)| at.as_secs_f64()).collect();
+        let mean = times.iter().sum::<f64>() / times.len() as f64;
+        let slowest = times.iter().copied().fold(0.0, f64::max);
+        format!(
+            " sessions={}: per session to its last completion mean {:.2}s, slowest {:.2}s ({:.2}x the mean)",
+            args.sessions,
+            mean,
+            slowest,
+            slowest / mean
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "S1 db={} tasks={} workers={} batch={}{}: {:.2}s, {:.0} tasks/s{messages}",
+        "S1 db={} shape={} tasks={} workers={} batch={}{}: intake {:.2}s, {:.2}s, {:.0} tasks/s{messages}{fairness}{reads}",
         args.db,
+        args.shape,
         args.tasks,
         args.workers,
         args.batch,
         if args.claim_next { " claim-next" } else { "" },
+        intake.as_secs_f64(),
         elapsed.as_secs_f64(),
         args.tasks as f64 / elapsed.as_secs_f64()
     );
     Ok(())
+}
+
+/// The median of 5 timed calls of `call`, in milliseconds.
+async fn median_ms<F, Fut, T>(mut call: F) -> anyhow::Result<f64>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+{
+    let mut took = Vec::new();
+    for _ in 0..5 {
+        let start = Instant::now();
+        call().await?;
+        took.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    took.sort_by(f64::total_cmp);
+    Ok(took[2])
+}
+
+/// How long the reads of a large session take (median of 5): `GetSession` (counts and the
+/// first page), a `ListTasks` page of 500 from the middle, `CheckSession`.
+async fn reads(client: &Client, session: &str) -> anyhow::Result<String> {
+    let get = median_ms(|| {
+        let mut client = client.clone();
+        let request = pb::GetSessionRequest {
+            session_id: session.to_owned(),
+            ..Default::default()
+        };
+        async move { client.get_session(request).await }
+    })
+    .await?;
+    let middle = client
+        .clone()
+        .get_session(pb::GetSessionRequest {
+            session_id: session.to_owned(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .next_page_token;
+    let page = median_ms(|| {
+        let mut client = client.clone();
+        let request = pb::ListTasksRequest {
+            session_id: session.to_owned(),
+            page_token: middle.clone(),
+            ..Default::default()
+        };
+        async move { client.list_tasks(request).await }
+    })
+    .await?;
+    let check = median_ms(|| {
+        let mut client = client.clone();
+        let request = pb::CheckSessionRequest {
+            session_id: session.to_owned(),
+        };
+        async move { client.check_session(request).await }
+    })
+    .await?;
+    Ok(format!(
+        "; GetSession {get:.1} ms, ListTasks page {page:.1} ms, CheckSession {check:.1} ms"
+    ))
 }
 
 async fn s2(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {

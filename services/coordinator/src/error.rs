@@ -1,10 +1,14 @@
 //! The crate's one error type; `grpc.rs` maps it to a `tonic::Status` once.
 
+/// How many of a refused plan's problems the refusal lists in full.
+pub(crate) const PROBLEMS_LISTED: usize = 20;
+
 /// Errors of the coordinator.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// The plan has problems; the message lists every one.
-    #[error("invalid plan:\n{0}")]
+    /// The plan has problems; the message lists the first [`PROBLEMS_LISTED`] and counts the
+    /// rest, so a refusal of a large plan stays well under gRPC's metadata limits.
+    #[error("invalid plan:\n{}", .0.summary(PROBLEMS_LISTED))]
     InvalidPlan(#[from] troupe_plan::PlanError),
     /// A request field is missing or malformed.
     #[error("{0}")]

@@ -206,6 +206,11 @@ const OPTIMISTIC_TRIES: u32 = 3;
 /// entry costs one read).
 const CACHED_SESSIONS: usize = 1024;
 
+/// Tasks kept in [`GroupCommit::sessions`]'s copies in all; beyond that it starts over, so the
+/// copies' memory has a bound however many sessions are active (each session's copy has one
+/// too, see [`task_cache`]).
+const CACHED_TASKS: usize = 50_000;
+
 /// Marks a lane busy while its leader runs; on drop (also when the leader's caller goes away
 /// mid-transaction) hands what queued to a task, so a lane is never left busy.
 struct Leader<'a> {
@@ -646,13 +651,27 @@ impl GroupCommit {
     }
 
     /// Keeps sessions' copies as a committed group left them.
-    fn keep(&self, copies: Vec<(String, Cached)>) {
+    fn keep(&self, mut copies: Vec<(String, Cached)>) {
         if copies.is_empty() {
             return;
         }
         let mut sessions = self.sessions();
         if sessions.len() + copies.len() > CACHED_SESSIONS {
             sessions.clear();
+        }
+        // Over the bound a copy is not kept (its session reads, through indexes); the copies
+        // kept stay, so sessions do not take turns reloading theirs.
+        let mut held: usize = sessions
+            .values()
+            .filter_map(|copy| copy.tasks.as_ref().map(TaskCache::len))
+            .sum();
+        for (_, copy) in &mut copies {
+            let size = copy.tasks.as_ref().map_or(0, TaskCache::len);
+            if held + size > CACHED_TASKS {
+                copy.tasks = None;
+            } else {
+                held += size;
+            }
         }
         sessions.extend(copies);
     }

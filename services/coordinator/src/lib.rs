@@ -123,6 +123,8 @@ impl Default for Tuning {
 #[derive(Debug, Clone)]
 pub struct App {
     inner: Arc<Coordinator>,
+    /// The largest message the service accepts or sends (`--max-message-bytes`).
+    max_message: usize,
 }
 
 impl App {
@@ -165,6 +167,7 @@ impl App {
             None => troupe_workspace::Credentials::none(),
         };
         Ok(Self {
+            max_message: config.security.credentials.max_message(),
             inner: Arc::new(Coordinator::new(
                 store,
                 data_dir,
@@ -213,7 +216,7 @@ impl troupe_grpc::boot::Service for App {
 
     /// Adds the Coordinator gRPC service to a shared server.
     fn mount(&mut self, services: &mut troupe_grpc::Services) {
-        services.add(grpc::server(Arc::clone(&self.inner)));
+        services.add(grpc::server(Arc::clone(&self.inner), self.max_message));
     }
 
     /// What a scrape of the metrics endpoint reads first: the tasks by state and the ready

@@ -219,9 +219,12 @@ impl troupe_grpc::boot::Service for App {
         self.health = Some(services.health_of(
             <ExecutorServer<grpc::ExecutorService> as tonic::server::NamedService>::NAME,
         ));
-        services.add(ExecutorServer::new(grpc::ExecutorService::new(
-            self.executor(),
-        )));
+        let limit = self.config.security.credentials.max_message();
+        services.add(
+            ExecutorServer::new(grpc::ExecutorService::new(self.executor()))
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
+        );
     }
 
     /// Runs the executor worker loop when a coordinator is configured, else waits for shutdown.

@@ -28,7 +28,9 @@ pub(crate) async fn validate(
 ) -> Result<ValidationReport, String> {
     let channel = connector.channel(url).map_err(|err| err.to_string())?;
     let mut client =
-        ValidatorClient::with_interceptor(channel, connector.outbound(VALIDATE_DEADLINE));
+        ValidatorClient::with_interceptor(channel, connector.outbound(VALIDATE_DEADLINE))
+            .max_decoding_message_size(connector.max_message())
+            .max_encoding_message_size(connector.max_message());
     let files = spec
         .files
         .iter()

@@ -232,9 +232,12 @@ impl troupe_grpc::boot::Service for App {
         self.health = Some(services.health_of(
             <TestRunnerServer<grpc::TestRunnerService> as tonic::server::NamedService>::NAME,
         ));
-        services.add(TestRunnerServer::new(grpc::TestRunnerService::new(
-            self.runner(),
-        )));
+        let limit = self.config.security.credentials.max_message();
+        services.add(
+            TestRunnerServer::new(grpc::TestRunnerService::new(self.runner()))
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
+        );
     }
 
     /// Runs the TESTRUN-* worker loop when a coordinator is configured, else waits for shutdown.

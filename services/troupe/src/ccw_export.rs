@@ -19,8 +19,8 @@ use tokio_stream::StreamExt;
 use troupe_plan::Role;
 use troupe_proto::json::struct_to_object;
 use troupe_proto::v1::{
-    self as pb, CheckStatus, GetSessionRequest, GetStateRequest, ListMessagesRequest, SessionState,
-    TaskState, TestOutcome, Verdict, WatchSessionRequest, session_event, task_result::Detail,
+    self as pb, CheckStatus, GetStateRequest, ListMessagesRequest, SessionState, TaskState,
+    TestOutcome, Verdict, WatchSessionRequest, session_event, task_result::Detail,
 };
 
 impl ExportError {
@@ -95,13 +95,10 @@ pub async fn fetch(
     session_id: &str,
 ) -> Result<Snapshot, ExportError> {
     let rpc = |call: &'static str| move |status: tonic::Status| ExportError::rpc(call, &status);
-    let response = client
-        .get_session(GetSessionRequest {
-            session_id: session_id.to_owned(),
-        })
+    // Every task, however many: a session's first page alone would cut the export short.
+    let response = crate::follow::whole_session(client, session_id)
         .await
-        .map_err(rpc("GetSession"))?
-        .into_inner();
+        .map_err(rpc("GetSession"))?;
     let session = response
         .session
         .ok_or_else(|| ExportError::Incomplete("GetSession returned no session".into()))?;

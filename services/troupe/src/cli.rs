@@ -587,6 +587,7 @@ async fn status(args: SessionArgs) -> anyhow::Result<ExitCode> {
     let response = client
         .get_session(GetSessionRequest {
             session_id: args.session,
+            ..Default::default()
         })
         .await
         .map_err(follow::CallFailed)?
@@ -809,16 +810,12 @@ async fn answer_gate(args: GateArgs, approve: bool) -> anyhow::Result<ExitCode> 
     Ok(ExitCode::SUCCESS)
 }
 
-/// Reads a session and its tasks (for `graph` and `report`).
+/// Reads a session and every one of its tasks (for `graph` and `report`).
 async fn get_session(args: &SessionArgs) -> anyhow::Result<troupe_proto::v1::GetSessionResponse> {
     let mut client = args.client().await?;
-    Ok(client
-        .get_session(GetSessionRequest {
-            session_id: args.session.clone(),
-        })
+    Ok(follow::whole_session(&mut client, &args.session)
         .await
-        .map_err(follow::CallFailed)?
-        .into_inner())
+        .map_err(follow::CallFailed)?)
 }
 
 /// `troupe graph`: the session's DAG as Mermaid, DOT or SVG.

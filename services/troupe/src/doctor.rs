@@ -70,6 +70,7 @@ pub async fn check(connector: &Connector, url: &str, probe: bool) -> anyhow::Res
     // A live probe runs each usable CLI once, one after another.
     let deadline = std::time::Duration::from_secs(if probe { 900 } else { 60 });
     let listed = ExecutorClient::with_interceptor(channel, connector.outbound(deadline))
+        .max_decoding_message_size(connector.max_message())
         .list_backends(ListBackendsRequest { probe })
         .await
         .with_context(|| format!("listing backends at {url}"))?

@@ -162,6 +162,7 @@ impl Follower {
         self.call(is_transient, |mut client| {
             let request = GetSessionRequest {
                 session_id: session_id.to_owned(),
+                ..Default::default()
             };
             async move { client.get_session(request).await }
         })
@@ -307,4 +308,36 @@ mod tests {
         assert_eq!(failed.to_string(), "tcp connect (Unavailable)");
         assert!(!never_sent(&tonic::Status::unavailable("maybe sent")));
     }
+}
+
+/// Reads a session with every one of its tasks: `GetSession`'s first page, then `ListTasks`
+/// pages until none is left (for the commands that need them all: `graph`, `report`, the CCW
+/// export).
+pub async fn whole_session(
+    client: &mut troupe_grpc::CoordinatorClient,
+    session_id: &str,
+) -> Result<GetSessionResponse, tonic::Status> {
+    const PAGE: u32 = 10_000;
+    let mut response = client
+        .get_session(GetSessionRequest {
+            session_id: session_id.to_owned(),
+            max_tasks: PAGE,
+        })
+        .await?
+        .into_inner();
+    let mut token = std::mem::take(&mut response.next_page_token);
+    while !token.is_empty() {
+        let page = client
+            .list_tasks(troupe_proto::v1::ListTasksRequest {
+                session_id: session_id.to_owned(),
+                page_size: PAGE,
+                page_token: token,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        response.tasks.extend(page.tasks);
+        token = page.next_page_token;
+    }
+    Ok(response)
 }

@@ -189,6 +189,14 @@ pub fn final_report(response: &GetSessionResponse) -> String {
         }
     }
     let counts = session.counts.unwrap_or_default();
+    if !response.next_page_token.is_empty() {
+        // GetSession returns a bounded first page; the counts below cover every task.
+        let _ = writeln!(
+            text,
+            "  … and {} more task(s), not listed",
+            (counts.total as usize).saturating_sub(response.tasks.len())
+        );
+    }
     let _ = writeln!(
         text,
         "session {}: {} completed, {} failed, {} skipped, {} cancelled, {} timed out of {}",
@@ -466,6 +474,7 @@ mod tests {
             "{header}"
         );
         let text = final_report(&GetSessionResponse {
+            next_page_token: String::new(),
             session: Some(session),
             tasks: vec![Task {
                 id: "IMPL-1".into(),
@@ -491,6 +500,7 @@ mod tests {
     #[test]
     fn a_failed_task_shows_its_error() {
         let response = GetSessionResponse {
+            next_page_token: String::new(),
             session: Some(Session {
                 id: "s".into(),
                 state: SessionState::Failed as i32,
@@ -534,6 +544,7 @@ mod tests {
             ..Default::default()
         };
         let response = GetSessionResponse {
+            next_page_token: String::new(),
             session: Some(Session {
                 id: "s".into(),
                 state: SessionState::Completed as i32,

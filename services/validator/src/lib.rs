@@ -256,9 +256,12 @@ impl troupe_grpc::boot::Service for App {
         self.health = Some(services.health_of(
             <ValidatorServer<grpc::ValidatorService> as tonic::server::NamedService>::NAME,
         ));
-        services.add(ValidatorServer::new(grpc::ValidatorService::new(
-            self.validator(),
-        )));
+        let limit = self.config.security.credentials.max_message();
+        services.add(
+            ValidatorServer::new(grpc::ValidatorService::new(self.validator()))
+                .max_decoding_message_size(limit)
+                .max_encoding_message_size(limit),
+        );
     }
 
     /// Runs the VALIDATE-* worker loop when a coordinator is configured, else waits for shutdown.

@@ -15,6 +15,8 @@ pub struct Connector {
     tls: Option<ClientTls>,
     token: Option<TokenSource>,
     domain: Option<String>,
+    /// `None`: [`crate::DEFAULT_MAX_MESSAGE_BYTES`].
+    max_message: Option<usize>,
 }
 
 impl Connector {
@@ -34,7 +36,19 @@ impl Connector {
             tls,
             token,
             domain: None,
+            max_message: credentials.max_message_bytes,
         })
+    }
+
+    /// Accepts and sends messages up to `bytes` (see `--max-message-bytes`).
+    pub fn with_max_message(mut self, bytes: usize) -> Self {
+        self.max_message = Some(bytes);
+        self
+    }
+
+    /// The largest message its clients accept or send.
+    pub fn max_message(&self) -> usize {
+        self.max_message.unwrap_or(crate::DEFAULT_MAX_MESSAGE_BYTES)
     }
 
     /// Sends `token` instead of any token file's.
@@ -98,7 +112,9 @@ impl Connector {
             troupe_proto::v1::coordinator_client::CoordinatorClient::with_interceptor(
                 self.channel(url)?,
                 self.outbound(COORDINATOR_DEADLINE),
-            ),
+            )
+            .max_decoding_message_size(self.max_message())
+            .max_encoding_message_size(self.max_message()),
         )
     }
 }

@@ -31,6 +31,10 @@ pub mod worker;
 pub use backoff::Backoff;
 pub use connect::Connector;
 
+/// The largest message servers and clients accept or send unless `--max-message-bytes` says
+/// otherwise: 64 MiB (gRPC's default is 4 MiB).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
 /// Fully qualified gRPC name of the health service, as health checks and grpcurl spell it.
 pub const HEALTH_SERVICE: &str = "grpc.health.v1.Health";
 

@@ -619,6 +619,7 @@ async fn debug_output_never_shows_a_token_or_a_private_key() {
             tls_cert: Some(pair.cert.clone()),
             tls_key: Some(pair.key.clone()),
             token_file: Some(write(&dir.path().join("mine"), WORKER)),
+            max_message_bytes: None,
         },
     };
     let auth = ServerAuth::load(&security).await.expect("auth");

@@ -62,10 +62,51 @@ impl fmt::Display for PlanError {
 }
 
 impl PlanError {
+    /// The first `first` problems, each on its own line (cut at [`PROBLEM_CHARS`]
+    /// characters), then how many more there are (`… and 99,950 more`): a refusal that stays
+    /// small however large the plan.
+    pub fn summary(&self, first: usize) -> String {
+        let mut out = String::new();
+        for (index, problem) in self.problems.iter().take(first).enumerate() {
+            if index > 0 {
+                out.push('\n');
+            }
+            let text = problem.to_string();
+            match text.char_indices().nth(PROBLEM_CHARS) {
+                Some((cut, _)) => {
+                    out.push_str(&text[..cut]);
+                    out.push('…');
+                }
+                None => out.push_str(&text),
+            }
+        }
+        let rest = self.problems.len().saturating_sub(first);
+        if rest > 0 {
+            out.push_str(&format!("\n… and {} more", thousands(rest)));
+        }
+        out
+    }
+
     /// Returns true when some problem is of `kind`.
     pub fn has(&self, kind: ProblemKind) -> bool {
         self.problems.iter().any(|problem| problem.kind == kind)
     }
+}
+
+/// How much of one problem [`PlanError::summary`] keeps.
+pub const PROBLEM_CHARS: usize = 400;
+
+/// `n` with a comma every three digits (`99,950`).
+fn thousands(n: usize) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (index, digit) in digits.chars().enumerate() {
+        if index > 0 && (digits.len() - index).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(digit);
+    }
+    out
 }
 
 /// The kind of worker that handles a task.

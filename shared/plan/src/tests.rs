@@ -548,3 +548,24 @@ fn url_repositories_and_read_only_access() {
     }
     assert!(!text.contains("secret"), "{text}");
 }
+
+#[test]
+fn a_summary_lists_the_first_problems_and_counts_the_rest() {
+    let tasks: Vec<_> = (0..100_003)
+        .map(|i| json!({"id": format!("IMPL-{i}")}))
+        .collect();
+    let err = problems_of(json!({"name": "big", "tasks": tasks}));
+    assert!(err.problems.len() >= 100_003, "{}", err.problems.len());
+    let summary = err.summary(50);
+    let lines: Vec<&str> = summary.lines().collect();
+    assert_eq!(lines.len(), 51, "{summary}");
+    assert_eq!(lines[0], err.problems[0].message);
+    assert_eq!(
+        lines[50],
+        format!("… and {} more", thousands(err.problems.len() - 50))
+    );
+    assert!(summary.len() < 8 * 1024, "{} bytes", summary.len());
+    assert_eq!(thousands(99_950), "99,950");
+    assert_eq!(thousands(1_000_000), "1,000,000");
+    assert_eq!(thousands(999), "999");
+}

@@ -13,6 +13,7 @@ pub mod v1 {
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/troupe_descriptor.bin"));
 
+pub mod codec;
 pub mod json;
 pub mod legacy;
 pub mod names;

@@ -145,6 +145,7 @@ async fn session(url: &str, plan: &serde_json::Value, plan_dir: &Path) -> anyhow
         let view = client
             .get_session(GetSessionRequest {
                 session_id: id.clone(),
+                ..Default::default()
             })
             .await?
             .into_inner();

@@ -145,7 +145,10 @@ pub(crate) async fn expect_completed(
 ) -> anyhow::Result<()> {
     let view = client
         .clone()
-        .get_session(troupe_proto::v1::GetSessionRequest { session_id })
+        .get_session(troupe_proto::v1::GetSessionRequest {
+            session_id,
+            ..Default::default()
+        })
         .await?
         .into_inner();
     let state = view.session.context("session")?.state();

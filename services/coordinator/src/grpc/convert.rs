@@ -9,7 +9,8 @@ use crate::check;
 use crate::convert::{json_to_struct, opt_timestamp, timestamp};
 use crate::lifecycle::claim::Claimed;
 use crate::service::SessionCheck;
-use crate::store::sessions::{SessionRow, SessionSummary, SessionView, add_count};
+use crate::service::page_token;
+use crate::store::sessions::{SessionPage, SessionRow, SessionSummary, SessionView, add_count};
 use crate::task::Task;
 
 /// The wire form of claimed tasks.
@@ -128,6 +129,15 @@ pub(super) fn view_proto(view: SessionView) -> (pb::Session, Vec<pb::Task>) {
     }
     let session = session_proto(&view.session, repos, counts);
     (session, view.tasks.iter().map(task_proto).collect())
+}
+
+/// The wire form of a session's page (`GetSession`).
+pub(super) fn page_proto(page: SessionPage) -> pb::GetSessionResponse {
+    pb::GetSessionResponse {
+        session: Some(session_proto(&page.session, page.repos, page.counts)),
+        tasks: page.tasks.iter().map(task_proto).collect(),
+        next_page_token: page.next.map(page_token).unwrap_or_default(),
+    }
 }
 
 /// The wire form of a session with its repositories and task counts.

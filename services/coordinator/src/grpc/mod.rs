@@ -17,7 +17,7 @@ mod convert;
 
 impl From<Error> for Status {
     fn from(err: Error) -> Self {
-        match &err {
+        let status = match &err {
             Error::InvalidPlan(_) | Error::InvalidArgument(_) => {
                 Status::invalid_argument(err.to_string())
             }
@@ -38,7 +38,8 @@ impl From<Error> for Status {
             Error::Database(_) | Error::Corrupt(_) | Error::Io { .. } | Error::Serve(_) => {
                 troupe_grpc::status::internal(&err)
             }
-        }
+        };
+        bounded(status)
     }
 }
 
@@ -54,11 +55,34 @@ pub(crate) fn caller<T>(request: &Request<T>) -> String {
         )
 }
 
-/// Returns the tonic server for `coordinator`.
+/// The most of a status message sent: it travels as a header (percent-encoded, up to three
+/// times as long), and a client refuses headers over its limit (16 KiB by default) with
+/// `RESOURCE_EXHAUSTED` instead of the reason.
+const STATUS_MESSAGE_BYTES: usize = 4096;
+
+/// `status` with its message cut to [`STATUS_MESSAGE_BYTES`], saying how much was cut.
+fn bounded(status: Status) -> Status {
+    let message = status.message();
+    if message.len() <= STATUS_MESSAGE_BYTES {
+        return status;
+    }
+    let mut cut = STATUS_MESSAGE_BYTES;
+    while !message.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let message = format!("{}… ({} more bytes)", &message[..cut], message.len() - cut);
+    Status::new(status.code(), message)
+}
+
+/// Returns the tonic server for `coordinator`, accepting and sending messages up to
+/// `max_message` bytes.
 pub(crate) fn server(
     coordinator: Arc<Coordinator>,
+    max_message: usize,
 ) -> coordinator_server::CoordinatorServer<Adapter> {
     coordinator_server::CoordinatorServer::new(Adapter { coordinator })
+        .max_decoding_message_size(max_message)
+        .max_encoding_message_size(max_message)
 }
 
 /// The adapter alone, for the web view, which calls its methods in-process.
@@ -95,14 +119,18 @@ impl coordinator_server::Coordinator for Adapter {
         &self,
         request: Request<pb::GetSessionRequest>,
     ) -> Result<Response<pb::GetSessionResponse>, Status> {
-        let view = self
-            .coordinator
-            .get_session(&request.into_inner().session_id)
-            .await?;
-        let (session, tasks) = convert::view_proto(view);
-        Ok(Response::new(pb::GetSessionResponse {
-            session: Some(session),
-            tasks,
+        let page = self.coordinator.get_session(&request.into_inner()).await?;
+        Ok(Response::new(convert::page_proto(page)))
+    }
+
+    async fn list_tasks(
+        &self,
+        request: Request<pb::ListTasksRequest>,
+    ) -> Result<Response<pb::ListTasksResponse>, Status> {
+        let (tasks, next) = self.coordinator.list_tasks(&request.into_inner()).await?;
+        Ok(Response::new(pb::ListTasksResponse {
+            tasks: tasks.iter().map(convert::task_proto).collect(),
+            next_page_token: next.unwrap_or_default(),
         }))
     }
 

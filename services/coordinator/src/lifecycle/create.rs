@@ -6,7 +6,7 @@ use super::save;
 use crate::Error;
 use crate::store::events::append_event;
 use crate::store::sessions::NewSession;
-use crate::store::tasks::insert_task;
+use crate::store::tasks::insert_tasks;
 use crate::store::{Store, sessions};
 
 /// Stores a new session with its repos and tasks and releases its first tasks, atomically.
@@ -33,9 +33,9 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
         })
         .collect();
     crate::store::gates::insert_gates(&mut tx, &session.id, &gates).await?;
+    insert_tasks(&mut tx, &new.tasks).await?;
     let mut transitions = Vec::new();
     for task in &new.tasks {
-        insert_task(&mut tx, task).await?;
         transitions.push(pb::TaskTransition {
             task_id: task.id.clone(),
             from: TaskState::Unspecified as i32,

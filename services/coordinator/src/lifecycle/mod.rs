@@ -21,7 +21,7 @@ use crate::store::Tx;
 use crate::store::events::append_events;
 use crate::store::messages::{NewMessage, insert_message};
 use crate::store::sessions::{SessionRow, set_session_state};
-use crate::store::tasks::{any_task_in, load_tasks_lite};
+use crate::store::tasks::{any_task_in, load_tasks_lite, replace_deps};
 use crate::task::{self, Task};
 
 pub(crate) mod cancel;
@@ -82,6 +82,16 @@ async fn write_changes(
         .collect();
     // With the session's events so far: one statement on PostgreSQL (see `write_events`).
     tx.write_with_events(session_id, &changed).await?;
+    // Only a fix round re-points dependencies (under the lock).
+    let repointed: Vec<&Task> = before
+        .iter()
+        .zip(tasks.iter())
+        .filter(|(old, new)| old.depends_on != new.depends_on)
+        .map(|(_, new)| new)
+        .collect();
+    if !repointed.is_empty() {
+        replace_deps(tx, &repointed).await?;
+    }
     Ok(count)
 }
 

@@ -20,7 +20,10 @@ use crate::store::tasks::{Gathered, load_tasks_up_to};
 use crate::store::{Store, Tx};
 use crate::task::{Task, claim_order};
 
-/// Sessions with more tasks than this are not kept in memory; their batches read instead.
+/// Sessions with more tasks than this are not kept in memory; their batches read instead
+/// (through indexes: what a batch reads does not grow with the session). With the bound on
+/// all copies together (`CACHED_TASKS` in [`crate::group_commit`]) the copies' memory is
+/// bounded however large and many the sessions.
 const MAX_TASKS: i64 = 20_000;
 
 /// A ready task's place in claim order, with its id.
@@ -61,6 +64,11 @@ impl TaskCache {
             cache.put(task);
         }
         cache
+    }
+
+    /// How many tasks it holds.
+    pub(crate) fn len(&self) -> usize {
+        self.tasks.len()
     }
 
     /// Stores `task` as written.

@@ -13,8 +13,35 @@ use crate::Error;
 use crate::convert::now_ms;
 use crate::lifecycle::{self, pause::Paused};
 use crate::store::messages::MessageFilter;
-use crate::store::sessions::{NewSession, SessionRow, SessionSummary, SessionView};
+use crate::store::sessions::{NewSession, SessionPage, SessionRow, SessionSummary, SessionView};
+use crate::store::tasks::TaskFilter;
 use crate::task::{self, Task};
+
+/// Tasks `GetSession` returns unless asked otherwise.
+const DEFAULT_SESSION_TASKS: usize = 1_000;
+
+/// Tasks a `ListTasks` page holds unless asked otherwise.
+const DEFAULT_PAGE: usize = 500;
+
+/// The most tasks one `GetSession` or `ListTasks` page holds.
+const MAX_PAGE: usize = 10_000;
+
+/// The token of the page after the task at `position` (plan order). Positions move only
+/// when a fix round inserts its two tasks, so a listing across one may see a task twice.
+pub(crate) fn page_token(position: i64) -> String {
+    format!("after:{position}")
+}
+
+fn parse_page_token(token: &str) -> Result<i64, Error> {
+    token
+        .strip_prefix("after:")
+        .and_then(|position| position.parse().ok())
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "page_token {token:?} is not one a listing returned"
+            ))
+        })
+}
 
 /// A session's status as CCW's `check` reports it; the adapter builds the report
 /// ([`crate::check::status`]).
@@ -167,9 +194,46 @@ impl Coordinator {
             .ok_or_else(|| Error::NotFound(format!("no plan assets with digest {digest}")))
     }
 
-    pub(crate) async fn get_session(&self, session_id: &str) -> Result<SessionView, Error> {
-        require(session_id, "session_id")?;
-        self.store.get_session(session_id).await
+    /// A session with its counts and its first `max_tasks` tasks (default
+    /// [`DEFAULT_SESSION_TASKS`], at most [`MAX_PAGE`]).
+    pub(crate) async fn get_session(
+        &self,
+        request: &pb::GetSessionRequest,
+    ) -> Result<SessionPage, Error> {
+        require(&request.session_id, "session_id")?;
+        let max = match request.max_tasks {
+            0 => DEFAULT_SESSION_TASKS,
+            max => (max as usize).min(MAX_PAGE),
+        };
+        self.store.session_page(&request.session_id, max).await
+    }
+
+    /// A page of a session's tasks (`ListTasks`), and the token of the next page when more
+    /// match.
+    pub(crate) async fn list_tasks(
+        &self,
+        request: &pb::ListTasksRequest,
+    ) -> Result<(Vec<Task>, Option<String>), Error> {
+        require(&request.session_id, "session_id")?;
+        let limit = match request.page_size {
+            0 => DEFAULT_PAGE,
+            size => (size as usize).min(MAX_PAGE),
+        };
+        let after = match request.page_token.as_str() {
+            "" => None,
+            token => Some(parse_page_token(token)?),
+        };
+        let filter = TaskFilter {
+            states: request.states().collect(),
+            roles: request.roles().collect(),
+            repo: (!request.repo.is_empty()).then(|| request.repo.clone()),
+            id_prefix: (!request.id_prefix.is_empty()).then(|| request.id_prefix.clone()),
+        };
+        let (tasks, next) = self
+            .store
+            .task_page(&request.session_id, &filter, after, limit)
+            .await?;
+        Ok((tasks, next.map(page_token)))
     }
 
     pub(crate) async fn list_sessions(
@@ -226,7 +290,8 @@ impl Coordinator {
     pub(crate) async fn check_session(&self, session_id: &str) -> Result<SessionCheck, Error> {
         require(session_id, "session_id")?;
         let now = now_ms();
-        let view = self.store.get_session(session_id).await?;
+        // Without the tasks' specs, which the check does not show.
+        let view = self.store.get_session_lite(session_id).await?;
         let recent = |kind: &str, last: u32| MessageFilter {
             kind: Some(kind.to_owned()),
             last,

@@ -33,9 +33,31 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "plan assets",
         include_str!("migrations/0008_plan_assets.sql"),
     ),
+    (
+        9,
+        "task deps",
+        include_str!("migrations/0009_task_deps.sql"),
+    ),
     // 9 is taken by the task dependency index.
     (10, "gates", include_str!("migrations/0010_gates.sql")),
 ];
+
+/// The second step of migration 9: the dependency rows of tasks stored before it, read out of
+/// their JSON lists (which the two databases spell apart).
+fn backfill_task_deps(dialect: Dialect) -> &'static str {
+    match dialect {
+        Dialect::Sqlite => {
+            "INSERT INTO task_deps (session_id, task_id, dep_id) \
+             SELECT t.session_id, t.id, j.value FROM tasks t, json_each(t.depends_on) j WHERE true \
+             ON CONFLICT DO NOTHING"
+        }
+        Dialect::Postgres => {
+            "INSERT INTO task_deps (session_id, task_id, dep_id) \
+             SELECT t.session_id, t.id, j FROM tasks t, json_array_elements_text(t.depends_on::json) j WHERE true \
+             ON CONFLICT DO NOTHING"
+        }
+    }
+}
 
 /// Returns a migration in a dialect: the files are written for SQLite with portable types; the
 /// only PostgreSQL difference is the binary type (`BLOB` is `BYTEA`).
@@ -75,6 +97,11 @@ impl Store {
             sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
                 .execute(&mut *tx)
                 .await?;
+            if *version == 9 {
+                sqlx::query(backfill_task_deps(self.dialect))
+                    .execute(&mut *tx)
+                    .await?;
+            }
             sqlx::query(
                 "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",
             )

@@ -9,7 +9,7 @@ use troupe_plan::{Mode, OnFailure};
 use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
 
 use super::events::append_event;
-use super::tasks::load_tasks;
+use super::tasks::{TaskFilter, list_tasks, load_tasks, load_tasks_lite, repo_stats};
 use super::{Dialect, Store, Tx, corrupt, to_u32};
 use crate::Error;
 use crate::task::Task;
@@ -58,6 +58,18 @@ pub(crate) struct SessionView {
     pub(crate) session: SessionRow,
     pub(crate) repos: Vec<pb::SessionRepo>,
     pub(crate) tasks: Vec<Task>,
+}
+
+/// A session with its repositories (their counts and heads filled in), the counts of all its
+/// tasks, and one page of them.
+#[derive(Debug)]
+pub(crate) struct SessionPage {
+    pub(crate) session: SessionRow,
+    pub(crate) repos: Vec<pb::SessionRepo>,
+    pub(crate) counts: pb::TaskCounts,
+    pub(crate) tasks: Vec<Task>,
+    /// More tasks follow: the position of the page's last task.
+    pub(crate) next: Option<i64>,
 }
 
 /// A session with its repositories and task counts.
@@ -132,6 +144,72 @@ impl Store {
             repos,
             tasks,
         })
+    }
+
+    /// [`Store::get_session`] without the tasks' plan objects (`spec`, left empty): for a
+    /// session's check, which reads every task but none of their specs.
+    pub(crate) async fn get_session_lite(&self, session_id: &str) -> Result<SessionView, Error> {
+        let mut tx = self.begin_read().await?;
+        let session = load_session(&mut tx, session_id).await?;
+        let repos = load_repos(&mut tx, session_id).await?;
+        let tasks = load_tasks_lite(&mut tx, session_id).await?;
+        tx.commit().await?;
+        Ok(SessionView {
+            session,
+            repos,
+            tasks,
+        })
+    }
+
+    /// A session with its counts and the first `max_tasks` of its tasks, reading no more
+    /// than that page of tasks whole.
+    pub(crate) async fn session_page(
+        &self,
+        session_id: &str,
+        max_tasks: usize,
+    ) -> Result<SessionPage, Error> {
+        let mut tx = self.begin_read().await?;
+        let session = load_session(&mut tx, session_id).await?;
+        let mut repos = load_repos(&mut tx, session_id).await?;
+        let counts = load_counts(&mut tx, session_id).await?;
+        let mut stats = repo_stats(&mut tx, session_id).await?;
+        for repo in &mut repos {
+            let (counts, _, head) = stats.remove(&repo.name).unwrap_or_default();
+            repo.counts = Some(counts);
+            repo.head = head;
+        }
+        let (tasks, more) =
+            list_tasks(&mut tx, session_id, &TaskFilter::default(), None, max_tasks).await?;
+        tx.commit().await?;
+        let next = more
+            .then(|| tasks.last().map(|task| task.position))
+            .flatten();
+        Ok(SessionPage {
+            session,
+            repos,
+            counts,
+            tasks,
+            next,
+        })
+    }
+
+    /// A page of a session's tasks matching `filter` (see [`list_tasks`]); NOT_FOUND for an
+    /// unknown session.
+    pub(crate) async fn task_page(
+        &self,
+        session_id: &str,
+        filter: &TaskFilter,
+        after: Option<i64>,
+        limit: usize,
+    ) -> Result<(Vec<Task>, Option<i64>), Error> {
+        let mut tx = self.begin_read().await?;
+        load_session(&mut tx, session_id).await?;
+        let (tasks, more) = list_tasks(&mut tx, session_id, filter, after, limit).await?;
+        tx.commit().await?;
+        let next = more
+            .then(|| tasks.last().map(|task| task.position))
+            .flatten();
+        Ok((tasks, next))
     }
 
     /// Lists sessions, newest first.

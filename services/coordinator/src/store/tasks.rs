@@ -10,7 +10,7 @@ use sqlx::{Any, Row};
 use troupe_plan::Role;
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
 
-use super::{Store, Tx, corrupt, parse_object, to_i64, to_u32};
+use super::{Dialect, Store, Tx, corrupt, parse_object, to_i64, to_u32};
 use crate::Error;
 use crate::task::Task;
 
@@ -18,6 +18,15 @@ const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, 
      wave, critical_path, path_ms, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
      worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
      progress, result, last_error, superseded_by, convergence";
+
+/// [`TASK_COLUMNS`] of a table named `t`.
+static QUALIFIED_COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    TASK_COLUMNS
+        .split(", ")
+        .map(|column| format!("t.{column}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+});
 
 /// [`TASK_COLUMNS`] without `spec` (an empty object instead): for transactions that move the
 /// graph without parsing every task's plan object; such rows are never written back whole
@@ -102,43 +111,155 @@ fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
 }
 
 pub(crate) async fn insert_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
-    let files: Vec<StoredFile> = task
-        .files
+    insert_tasks(tx, std::slice::from_ref(task)).await
+}
+
+/// Columns [`insert_tasks`] binds per row (the others take their defaults).
+const INSERT_COLUMNS: [&str; 19] = [
+    "session_id",
+    "id",
+    "position",
+    "title",
+    "description",
+    "role",
+    "priority",
+    "repo",
+    "wave",
+    "critical_path",
+    "path_ms",
+    "depends_on",
+    "files",
+    "spec",
+    "state",
+    "max_attempts",
+    "created_at",
+    "finished_at",
+    "result",
+];
+
+/// Rows per `INSERT` at intake: 19 parameters each, well below both databases' limits.
+const INSERT_ROWS: usize = 500;
+
+/// Dependency rows per `INSERT` (three parameters each).
+const DEP_ROWS: usize = 2000;
+
+/// Stores new tasks and their dependency rows: one statement per [`INSERT_ROWS`] tasks and
+/// per [`DEP_ROWS`] dependencies, so intake costs a few round trips, not one per task.
+pub(crate) async fn insert_tasks(tx: &mut Tx, tasks: &[Task]) -> Result<(), Error> {
+    for chunk in tasks.chunks(INSERT_ROWS) {
+        let sql = format!(
+            "INSERT INTO tasks ({}) VALUES {}",
+            INSERT_COLUMNS.join(", "),
+            values(tx.dialect, chunk.len(), INSERT_COLUMNS.len())
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for task in chunk {
+            let files: Vec<StoredFile> = task
+                .files
+                .iter()
+                .map(|file| StoredFile {
+                    path: file.path.clone(),
+                    action: file.action,
+                    change: file.change.clone(),
+                })
+                .collect();
+            query = query
+                .bind(&task.session_id)
+                .bind(&task.id)
+                .bind(task.position)
+                .bind(&task.title)
+                .bind(&task.description)
+                .bind(task.role as i32)
+                .bind(task.priority as i32)
+                .bind(&task.repo)
+                .bind(i64::from(task.wave))
+                .bind(i64::from(task.critical_path))
+                .bind(i64::try_from(task.path_ms).unwrap_or(i64::MAX))
+                .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
+                .bind(serde_json::to_string(&files).map_err(corrupt)?)
+                .bind(Value::Object(task.spec.clone()).to_string())
+                .bind(task.state as i32)
+                .bind(i64::from(task.max_attempts))
+                .bind(task.created_at)
+                .bind(task.finished_at)
+                .bind(task.result.as_ref().map(prost::Message::encode_to_vec));
+        }
+        query.execute(&mut **tx).await?;
+    }
+    let deps: Vec<(&str, &str, &str)> = tasks
         .iter()
-        .map(|file| StoredFile {
-            path: file.path.clone(),
-            action: file.action,
-            change: file.change.clone(),
+        .flat_map(|task| {
+            task.depends_on
+                .iter()
+                .map(|dep| (task.session_id.as_str(), task.id.as_str(), dep.as_str()))
         })
         .collect();
-    sqlx::query(
-        "INSERT INTO tasks (session_id, id, position, title, description, role, priority, repo, wave, critical_path, \
-         path_ms, depends_on, files, spec, state, attempt, max_attempts, fencing_token, worker_id, lease_ms, created_at, \
-         progress, finished_at, result) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, 0, $16, 0, '', 0, $17, '', $18, $19)",
-    )
-    .bind(&task.session_id)
-    .bind(&task.id)
-    .bind(task.position)
-    .bind(&task.title)
-    .bind(&task.description)
-    .bind(task.role as i32)
-    .bind(task.priority as i32)
-    .bind(&task.repo)
-    .bind(i64::from(task.wave))
-    .bind(i64::from(task.critical_path))
-    .bind(i64::try_from(task.path_ms).unwrap_or(i64::MAX))
-    .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
-    .bind(serde_json::to_string(&files).map_err(corrupt)?)
-    .bind(Value::Object(task.spec.clone()).to_string())
-    .bind(task.state as i32)
-    .bind(i64::from(task.max_attempts))
-    .bind(task.created_at)
-    .bind(task.finished_at)
-    .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
-    .execute(&mut **tx)
-    .await?;
+    insert_deps(tx, &deps).await
+}
+
+/// Stores dependency rows `(session, task, dependency)`.
+async fn insert_deps(tx: &mut Tx, deps: &[(&str, &str, &str)]) -> Result<(), Error> {
+    for chunk in deps.chunks(DEP_ROWS) {
+        let sql = format!(
+            "INSERT INTO task_deps (session_id, task_id, dep_id) VALUES {} ON CONFLICT DO NOTHING",
+            values(tx.dialect, chunk.len(), 3)
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for (session_id, task_id, dep_id) in chunk {
+            query = query.bind(*session_id).bind(*task_id).bind(*dep_id);
+        }
+        query.execute(&mut **tx).await?;
+    }
     Ok(())
+}
+
+/// Replaces the dependency rows of tasks whose `depends_on` changed (a fix round re-points
+/// the dependents of the task it supersedes).
+pub(crate) async fn replace_deps(tx: &mut Tx, tasks: &[&Task]) -> Result<(), Error> {
+    for task in tasks {
+        tx.needs_lock("re-pointing dependencies")?;
+        sqlx::query("DELETE FROM task_deps WHERE session_id = $1 AND task_id = $2")
+            .bind(&task.session_id)
+            .bind(&task.id)
+            .execute(&mut **tx)
+            .await?;
+    }
+    let deps: Vec<(&str, &str, &str)> = tasks
+        .iter()
+        .flat_map(|task| {
+            task.depends_on
+                .iter()
+                .map(|dep| (task.session_id.as_str(), task.id.as_str(), dep.as_str()))
+        })
+        .collect();
+    insert_deps(tx, &deps).await
+}
+
+/// The `VALUES` rows of a multi-row insert: `rows` rows of `width` parameters, numbered
+/// from 1. SQLite gets anonymous `?` parameters: it looks each named or numbered one up in a
+/// list when the statement is parsed and again per bind, which made large inserts quadratic.
+fn values(dialect: Dialect, rows: usize, width: usize) -> String {
+    let mut out = String::with_capacity(rows * width * 6);
+    for row in 0..rows {
+        if row > 0 {
+            out.push_str(", ");
+        }
+        out.push('(');
+        for column in 0..width {
+            if column > 0 {
+                out.push_str(", ");
+            }
+            match dialect {
+                Dialect::Sqlite => out.push('?'),
+                Dialect::Postgres => {
+                    use std::fmt::Write as _;
+                    let _ = write!(out, "${}", row * width + column + 1);
+                }
+            }
+        }
+        out.push(')');
+    }
+    out
 }
 
 /// Writes a task's `convergence` (its criteria as a validator downstream checked them); false
@@ -194,7 +315,9 @@ pub(super) async fn update_tasks(tx: &mut Tx, tasks: &[&Task]) -> Result<(), Err
         let sql = format!(
             "WITH v (session_id, id, {}) AS (VALUES {}) {}",
             MUTABLE_COLUMNS.join(", "),
-            task_values(1, chunk.len()),
+            // Anonymous parameters on SQLite (see `values`): a session's first settling
+            // updates every task.
+            values(tx.dialect, chunk.len(), MUTABLE_COLUMNS.len() + 2),
             *UPDATE_FROM_V
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
@@ -441,8 +564,8 @@ pub(crate) async fn read_batch(
     let mut dependents: Vec<Task> = Vec::new();
     let mut ready: Vec<Task> = Vec::new();
     // Per chunk of ids (the first also reads the ready tasks; with no ids, only that): the
-    // tasks, the pending tasks naming one of them among their dependencies (the LIKE is a
-    // coarse filter on the JSON text; the parsed list decides), the best ready tasks.
+    // tasks, the pending tasks naming one of them among their dependencies (found through
+    // `task_deps`), the best ready tasks.
     let mut chunks: Vec<&[String]> = ids.chunks(128).collect();
     if chunks.is_empty() {
         chunks.push(&[]);
@@ -467,18 +590,22 @@ pub(crate) async fn read_batch(
         let repeat = |i: usize| &chunk[i.min(chunk.len().saturating_sub(1))];
         if !chunk.is_empty() {
             let these: Vec<String> = (0..width).map(|_| param()).collect();
-            let likes: Vec<String> = (0..width)
-                .map(|_| format!("depends_on LIKE {}", param()))
-                .collect();
             parts.push(format!(
                 "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND id IN ({})",
                 these.join(", ")
             ));
-            // States are constants in the statement (see `pick_session`).
+            // Their pending dependents, through the dependency index. States are constants
+            // in the statement (see `pick_session`).
+            // From `task_deps` to the tasks (CROSS JOIN keeps that order on SQLite, whose
+            // planner would otherwise walk every pending task of the session); a task waiting
+            // on two of them comes twice, and is kept once below.
             parts.push(format!(
-                "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {} AND ({})",
+                "SELECT {} FROM task_deps d CROSS JOIN tasks t WHERE d.session_id = $1 \
+                 AND d.dep_id IN ({}) AND t.session_id = d.session_id AND t.id = d.task_id \
+                 AND t.state = {}",
+                *QUALIFIED_COLUMNS,
+                these.join(", "),
                 TaskState::Pending as i32,
-                likes.join(" OR ")
             ));
             if single {
                 // Whether any other task is ready or running: then the session goes on
@@ -507,9 +634,6 @@ pub(crate) async fn read_batch(
         if !chunk.is_empty() {
             for i in 0..width {
                 query = query.bind(repeat(i));
-            }
-            for i in 0..width {
-                query = query.bind(format!("%{}%", Value::String(repeat(i).clone())));
             }
         }
         if read_ready {
@@ -544,9 +668,15 @@ pub(crate) async fn read_batch(
     })
 }
 
-/// The completed tasks upstream of each of `tasks` (transitively, in plan order). Reads the
-/// session's graph skeleton (ids, dependencies, states), then only the rows handed out, so a
-/// claim costs what it returns rather than the whole session's results.
+/// How many completed tasks upstream of a checker (a validator task) its claim carries at
+/// most, beyond its direct dependencies: the nearest first (breadth-first up the graph).
+pub(crate) const MAX_UPSTREAM: usize = 256;
+
+/// The completed tasks upstream of each of `tasks`, in plan order: its direct dependencies;
+/// for a checker (validator) also their completed ancestors, nearest first, up to
+/// [`MAX_UPSTREAM`] in all (a VALIDATE task checks what the tasks before its test run
+/// promised). Found through the primary key and `task_deps`, never by reading the session, so a
+/// claim costs what it returns.
 pub(crate) async fn load_upstream(
     tx: &mut Tx,
     session_id: &str,
@@ -556,40 +686,19 @@ pub(crate) async fn load_upstream(
     if tasks.iter().all(|task| task.depends_on.is_empty()) {
         return Ok(out);
     }
-    let rows = sqlx::query("SELECT id, depends_on, state FROM tasks WHERE session_id = $1")
-        .bind(session_id)
-        .fetch_all(&mut **tx)
-        .await?;
-    let mut graph: HashMap<String, (Vec<String>, bool)> = HashMap::with_capacity(rows.len());
-    for row in &rows {
-        let depends_on: String = row.try_get("depends_on")?;
-        let depends_on: Vec<String> = serde_json::from_str(&depends_on).map_err(corrupt)?;
-        let completed = row.try_get::<i32, _>("state")? == TaskState::Completed as i32;
-        graph.insert(row.try_get("id")?, (depends_on, completed));
-    }
     let mut wanted: Vec<String> = Vec::new();
     let mut per_task: Vec<(String, Vec<String>)> = Vec::new();
     for task in tasks {
-        let mut seen: std::collections::HashSet<&str> = std::collections::HashSet::new();
-        let mut stack: Vec<&str> = task.depends_on.iter().map(String::as_str).collect();
-        while let Some(dep) = stack.pop() {
-            if seen.insert(dep)
-                && let Some((deps, _)) = graph.get(dep)
-            {
-                stack.extend(deps.iter().map(String::as_str));
-            }
+        let mut ids: Vec<String> = task.depends_on.clone();
+        if task.role == pb::Role::Validator {
+            ancestors(tx, session_id, &mut ids).await?;
         }
-        let completed: Vec<String> = seen
-            .into_iter()
-            .filter(|id| graph.get(*id).is_some_and(|(_, completed)| *completed))
-            .map(str::to_owned)
-            .collect();
-        for id in &completed {
+        for id in &ids {
             if !wanted.contains(id) {
                 wanted.push(id.clone());
             }
         }
-        per_task.push((task.id.clone(), completed));
+        per_task.push((task.id.clone(), ids));
     }
     // Checkers read what their upstream tasks promised (criteria, verification) from the
     // upstream specs; other roles need only the results.
@@ -602,12 +711,47 @@ pub(crate) async fn load_upstream(
     for (task_id, ids) in per_task {
         let mut upstream: Vec<Task> = ids
             .iter()
-            .filter_map(|id| loaded.get(id).cloned())
+            .filter_map(|id| loaded.get(id))
+            .filter(|task| task.state == TaskState::Completed)
+            .cloned()
             .collect();
         upstream.sort_by_key(|task| task.position);
         out.insert(task_id, upstream);
     }
     Ok(out)
+}
+
+/// Extends `ids` (direct dependencies) with their ancestors, level by level through
+/// `task_deps`, until [`MAX_UPSTREAM`] beyond the direct ones (one query per level).
+async fn ancestors(tx: &mut Tx, session_id: &str, ids: &mut Vec<String>) -> Result<(), Error> {
+    let limit = ids.len() + MAX_UPSTREAM;
+    let mut seen: std::collections::HashSet<String> = ids.iter().cloned().collect();
+    let mut level: Vec<String> = ids.clone();
+    while !level.is_empty() && ids.len() < limit {
+        let mut next = Vec::new();
+        for chunk in level.chunks(256) {
+            let width = padded(chunk.len());
+            let placeholders: Vec<String> = (0..width).map(|i| format!("${}", i + 2)).collect();
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SELECT dep_id FROM task_deps WHERE session_id = $1 AND task_id IN ({}) \
+                 ORDER BY task_id, dep_id",
+                placeholders.join(", ")
+            )))
+            .bind(session_id);
+            for i in 0..width {
+                query = query.bind(&chunk[i.min(chunk.len() - 1)]);
+            }
+            for row in query.fetch_all(&mut **tx).await? {
+                let dep: String = row.try_get("dep_id")?;
+                if ids.len() < limit && seen.insert(dep.clone()) {
+                    ids.push(dep.clone());
+                    next.push(dep);
+                }
+            }
+        }
+        level = next;
+    }
+    Ok(())
 }
 
 /// How many of the newest completed tasks [`Store::learned_durations`] learns from.
@@ -745,4 +889,111 @@ impl Store {
             .map(|row| Ok(row.try_get("session_id")?))
             .collect()
     }
+}
+
+/// Which of a session's tasks a listing wants (every filter given must hold).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct TaskFilter {
+    /// Any state when empty.
+    pub(crate) states: Vec<TaskState>,
+    /// Any role when empty.
+    pub(crate) roles: Vec<pb::Role>,
+    pub(crate) repo: Option<String>,
+    pub(crate) id_prefix: Option<String>,
+}
+
+/// Up to `limit` tasks of a session matching `filter`, in plan order, after position `after`
+/// (an index range of `tasks_position`), and whether more match.
+pub(crate) async fn list_tasks(
+    tx: &mut Tx,
+    session_id: &str,
+    filter: &TaskFilter,
+    after: Option<i64>,
+    limit: usize,
+) -> Result<(Vec<Task>, bool), Error> {
+    let mut next = 1;
+    let mut param = || {
+        next += 1;
+        format!("${next}")
+    };
+    let mut sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1");
+    if after.is_some() {
+        sql.push_str(&format!(" AND position > {}", param()));
+    }
+    if !filter.states.is_empty() {
+        // States and roles are enum numbers, written into the statement.
+        let states: Vec<String> = filter
+            .states
+            .iter()
+            .map(|state| (*state as i32).to_string())
+            .collect();
+        sql.push_str(&format!(" AND state IN ({})", states.join(", ")));
+    }
+    if !filter.roles.is_empty() {
+        let roles: Vec<String> = filter
+            .roles
+            .iter()
+            .map(|role| (*role as i32).to_string())
+            .collect();
+        sql.push_str(&format!(" AND role IN ({})", roles.join(", ")));
+    }
+    if filter.repo.is_some() {
+        sql.push_str(&format!(" AND repo = {}", param()));
+    }
+    if let Some(prefix) = &filter.id_prefix {
+        // substr, not LIKE: no wildcards to escape in the prefix.
+        sql.push_str(&format!(
+            " AND substr(id, 1, {}) = {}",
+            prefix.chars().count(),
+            param()
+        ));
+    }
+    sql.push_str(&format!(" ORDER BY position LIMIT {}", param()));
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(session_id);
+    if let Some(after) = after {
+        query = query.bind(after);
+    }
+    if let Some(repo) = &filter.repo {
+        query = query.bind(repo.clone());
+    }
+    if let Some(prefix) = &filter.id_prefix {
+        query = query.bind(prefix.clone());
+    }
+    query = query.bind(i64::try_from(limit + 1).unwrap_or(i64::MAX));
+    let rows = query.fetch_all(&mut **tx).await?;
+    let more = rows.len() > limit;
+    let tasks = rows
+        .iter()
+        .take(limit)
+        .map(task_from_row)
+        .collect::<Result<_, _>>()?;
+    Ok((tasks, more))
+}
+
+/// Per repository of a session: its tasks' counts and the deepest commit landed on its
+/// branch (from the results, read as a stream: memory stays bounded however many tasks).
+pub(crate) async fn repo_stats(
+    tx: &mut Tx,
+    session_id: &str,
+) -> Result<HashMap<String, (pb::TaskCounts, u64, String)>, Error> {
+    use futures::TryStreamExt as _;
+    let mut out: HashMap<String, (pb::TaskCounts, u64, String)> = HashMap::new();
+    let mut rows = sqlx::query("SELECT repo, state, result FROM tasks WHERE session_id = $1")
+        .bind(session_id)
+        .fetch(&mut **tx);
+    while let Some(row) = rows.try_next().await? {
+        let repo: String = row.try_get("repo")?;
+        let state = TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?;
+        let result: Option<Vec<u8>> = row.try_get("result")?;
+        let entry = out.entry(repo).or_default();
+        super::sessions::add_count(&mut entry.0, state, 1);
+        if let Some(bytes) = result {
+            let result = pb::TaskResult::decode(bytes.as_slice()).map_err(corrupt)?;
+            if result.branch_depth > entry.1 {
+                entry.1 = result.branch_depth;
+                entry.2 = result.commit;
+            }
+        }
+    }
+    Ok(out)
 }

@@ -34,6 +34,9 @@ pub struct WebArgs {
     pub web_listen: Option<SocketAddr>,
 }
 
+/// The most tasks a session's page draws (its DAG is laid out on each update).
+const WEB_MAX_TASKS: u32 = 2_000;
+
 /// The cookie `/login` sets: the bearer token, sent back on every page.
 const COOKIE: &str = "troupe_token";
 
@@ -122,7 +125,11 @@ impl Web {
     async fn get_session(&self, session_id: String) -> Result<pb::GetSessionResponse, Failure> {
         Ok(self
             .adapter
-            .get_session(Request::new(pb::GetSessionRequest { session_id }))
+            // The view draws at most this many tasks; `counts` still cover the session.
+            .get_session(Request::new(pb::GetSessionRequest {
+                session_id,
+                max_tasks: WEB_MAX_TASKS,
+            }))
             .await?
             .into_inner())
     }

@@ -217,6 +217,7 @@ async fn get(url: &str, session: &str) -> pb::GetSessionResponse {
         .expect("client")
         .get_session(pb::GetSessionRequest {
             session_id: session.to_owned(),
+            ..Default::default()
         })
         .await
         .expect("get session")

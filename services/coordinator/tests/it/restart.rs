@@ -27,6 +27,7 @@ async fn a_restart_keeps_sessions_leases_and_sequences(db: Db) {
     let view = client
         .get_session(pb::GetSessionRequest {
             session_id: session.clone(),
+            ..Default::default()
         })
         .await
         .expect("get")

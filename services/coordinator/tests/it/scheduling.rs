@@ -205,20 +205,29 @@ async fn completing_tasks_advances_the_dag_until_the_session_completes(db: Db) {
     harness.stop().await;
 }
 
-async fn transitive_upstream_is_handed_to_workers(db: Db) {
+/// A worker's claim carries its direct dependencies' results only (not the whole chain
+/// before it); a checker's also their completed ancestors, nearest first, in plan order.
+async fn upstream_is_direct_for_workers_and_transitive_for_checkers(db: Db) {
     let harness = Harness::start(db).await;
-    harness.create(json!({"name": "up", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("VALIDATE-1", &["IMPL-2"])]})).await;
-    for _ in 0..2 {
+    harness.create(json!({"name": "up", "tasks": [t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("IMPL-3", &["IMPL-2"]), t("VALIDATE-1", &["IMPL-3"])]})).await;
+    let upstream_ids = |claimed: &pb::ClaimedTask| -> Vec<String> {
+        claimed.upstream.iter().map(|u| u.task_id.clone()).collect()
+    };
+    let mut seen = Vec::new();
+    for _ in 0..3 {
         let claimed = harness.claim(&[Role::Executor], 1).await;
+        seen.push(upstream_ids(&claimed[0]));
         harness.complete(&claimed[0], "ok").await.expect("complete");
     }
+    assert_eq!(
+        seen,
+        vec![vec![], vec!["IMPL-1".to_owned()], vec!["IMPL-2".to_owned()]]
+    );
     let claimed = harness.claim(&[Role::Validator], 1).await;
-    let upstream: Vec<&str> = claimed[0]
-        .upstream
-        .iter()
-        .map(|u| u.task_id.as_str())
-        .collect();
-    assert_eq!(upstream, vec!["IMPL-1", "IMPL-2"]);
+    assert_eq!(
+        upstream_ids(&claimed[0]),
+        vec!["IMPL-1", "IMPL-2", "IMPL-3"]
+    );
     harness.stop().await;
 }
 
@@ -1185,7 +1194,7 @@ db_tests!(
     tasks_without_estimates_rank_by_what_their_role_took_lately,
     learning_durations_can_be_turned_off,
     completing_tasks_advances_the_dag_until_the_session_completes,
-    transitive_upstream_is_handed_to_workers,
+    upstream_is_direct_for_workers_and_transitive_for_checkers,
     stale_fencing_tokens_are_refused,
     heartbeats_extend_leases_and_record_progress,
     expired_leases_are_redispatched_then_time_out,

@@ -122,6 +122,15 @@ impl Harness {
     }
 
     pub(crate) async fn start_tuned(db: Db, tuning: troupe_coordinator::Tuning) -> Self {
+        Self::start_with(db, tuning, |_| {}).await
+    }
+
+    /// [`Harness::start_tuned`] with `edit` applied to the coordinator's configuration.
+    pub(crate) async fn start_with(
+        db: Db,
+        tuning: troupe_coordinator::Tuning,
+        edit: impl FnOnce(&mut troupe_coordinator::Config),
+    ) -> Self {
         let log = troupe_testkit::trace_init();
         let dir = tempfile::tempdir().expect("tempdir");
         let base_dir = dir.path().join("plan");
@@ -133,6 +142,7 @@ impl Harness {
         let database_url = db.database_url().await;
         let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
         config.database_url.clone_from(&database_url);
+        edit(&mut config);
         let (service, client) = spawn(config, tuning).await;
         Self {
             client,
@@ -218,6 +228,7 @@ impl Harness {
         self.client()
             .get_session(pb::GetSessionRequest {
                 session_id: session_id.to_owned(),
+                ..Default::default()
             })
             .await
             .expect("get session")

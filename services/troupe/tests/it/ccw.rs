@@ -126,7 +126,10 @@ async fn a_session_survives_export_and_import() {
         let session_id = session_id.clone();
         async move {
             let response = client
-                .get_session(GetSessionRequest { session_id })
+                .get_session(GetSessionRequest {
+                    session_id,
+                    ..Default::default()
+                })
                 .await
                 .ok()?
                 .into_inner();
@@ -336,7 +339,10 @@ async fn a_session_survives_export_and_import() {
         let session_id = resumed_id.clone();
         async move {
             let response = client
-                .get_session(GetSessionRequest { session_id })
+                .get_session(GetSessionRequest {
+                    session_id,
+                    ..Default::default()
+                })
                 .await
                 .ok()?
                 .into_inner();

@@ -209,6 +209,19 @@ pub struct Credentials {
     /// The private key (PEM) of `--tls-cert`.
     #[arg(long, env = "TROUPE_TLS_KEY", value_name = "FILE")]
     pub tls_key: Option<PathBuf>,
+    /// The largest gRPC message this process accepts or sends, on its servers and its
+    /// clients alike, in bytes (default 64 MiB; gRPC's own default, 4 MiB, refuses a plan of
+    /// some 25,000 tasks).
+    #[arg(long, env = "TROUPE_MAX_MESSAGE_BYTES", value_name = "BYTES")]
+    pub max_message_bytes: Option<usize>,
+}
+
+impl Credentials {
+    /// The message size limit (see `--max-message-bytes`).
+    pub fn max_message(&self) -> usize {
+        self.max_message_bytes
+            .unwrap_or(crate::DEFAULT_MAX_MESSAGE_BYTES)
+    }
 }
 
 /// A service's security settings: what it accepts and what it presents.

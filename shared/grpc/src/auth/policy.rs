@@ -20,6 +20,7 @@ const BOTH: &[Scope] = &[Scope::Worker, Scope::Client];
 pub const RPCS: &[(&str, &str, &[Scope])] = &[
     ("troupe.v1.Coordinator", "CreateSession", CLIENT),
     ("troupe.v1.Coordinator", "GetSession", CLIENT),
+    ("troupe.v1.Coordinator", "ListTasks", CLIENT),
     ("troupe.v1.Coordinator", "ListSessions", CLIENT),
     ("troupe.v1.Coordinator", "CancelSession", CLIENT),
     ("troupe.v1.Coordinator", "WatchSession", CLIENT),

@@ -171,6 +171,7 @@ async fn session(url: &str, id: &str) -> anyhow::Result<GetSessionResponse> {
     Ok(troupe_grpc::coordinator_client(url)?
         .get_session(GetSessionRequest {
             session_id: id.to_owned(),
+            ..Default::default()
         })
         .await?
         .into_inner())

@@ -254,7 +254,10 @@ async fn an_exec_phase_runs_with_the_plan_directory_deleted_after_intake() -> an
     assert!(!plan_dir.exists());
 
     let response = troupe_grpc::coordinator_client(&url)?
-        .get_session(GetSessionRequest { session_id })
+        .get_session(GetSessionRequest {
+            session_id,
+            ..Default::default()
+        })
         .await?
         .into_inner();
     let session = response.session.as_ref().context("no session")?;
@@ -391,7 +394,10 @@ async fn a_claimed_exec_task_reports_wave_progress_to_the_coordinator() {
         .await
         .expect("the session ends");
     let session = client
-        .get_session(GetSessionRequest { session_id })
+        .get_session(GetSessionRequest {
+            session_id,
+            ..Default::default()
+        })
         .await
         .expect("get")
         .into_inner();

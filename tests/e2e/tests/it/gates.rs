@@ -69,6 +69,7 @@ async fn gates_wait_through_a_restart_and_take_answers_from_grpcurl_and_the_cli(
             .coordinator_client(&url)?
             .get_session(GetSessionRequest {
                 session_id: session,
+                ..Default::default()
             })
             .await
             .map(tonic::Response::into_inner)

@@ -185,6 +185,7 @@ pub(crate) async fn session(url: &str, session: &str) -> anyhow::Result<GetSessi
     Ok(troupe_grpc::coordinator_client(url)?
         .get_session(GetSessionRequest {
             session_id: session.to_owned(),
+            ..Default::default()
         })
         .await?
         .into_inner())

@@ -72,6 +72,7 @@ async fn get_session(url: &str, session_id: &str) -> anyhow::Result<GetSessionRe
     Ok(client
         .get_session(GetSessionRequest {
             session_id: session_id.to_owned(),
+            ..Default::default()
         })
         .await?
         .into_inner())

@@ -214,7 +214,10 @@ async fn spans_reach_an_otlp_collector_with_propagated_trace_context() -> anyhow
         .into_inner();
     while events.message().await?.is_some() {}
     let session = client
-        .get_session(troupe_proto::v1::GetSessionRequest { session_id })
+        .get_session(troupe_proto::v1::GetSessionRequest {
+            session_id,
+            ..Default::default()
+        })
         .await?
         .into_inner()
         .session
@@ -314,7 +317,10 @@ async fn run_plan(
     })
     .await??;
     Ok(client
-        .get_session(troupe_proto::v1::GetSessionRequest { session_id })
+        .get_session(troupe_proto::v1::GetSessionRequest {
+            session_id,
+            ..Default::default()
+        })
         .await?
         .into_inner())
 }

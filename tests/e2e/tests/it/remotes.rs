@@ -153,7 +153,10 @@ async fn unusable_repositories_are_refused_naming_them() -> anyhow::Result<()> {
         async move {
             let view = troupe_grpc::coordinator_client(&url)
                 .ok()?
-                .get_session(GetSessionRequest { session_id: id })
+                .get_session(GetSessionRequest {
+                    session_id: id,
+                    ..Default::default()
+                })
                 .await
                 .ok()?
                 .into_inner();
@@ -259,7 +262,10 @@ async fn a_git_token_from_the_environment_appears_nowhere() -> anyhow::Result<()
             async move {
                 let view = troupe_grpc::coordinator_client(&url)
                     .ok()?
-                    .get_session(GetSessionRequest { session_id: id })
+                    .get_session(GetSessionRequest {
+                        session_id: id,
+                        ..Default::default()
+                    })
                     .await
                     .ok()?
                     .into_inner();

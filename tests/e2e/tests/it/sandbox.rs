@@ -182,7 +182,10 @@ async fn agents_pre_analysis_and_verification_cannot_leave_their_worktree() -> a
     })
     .await??;
     let session = client
-        .get_session(GetSessionRequest { session_id })
+        .get_session(GetSessionRequest {
+            session_id,
+            ..Default::default()
+        })
         .await?
         .into_inner();
 

@@ -170,6 +170,7 @@ async fn no_key_or_token_reaches_logs_spans_store_results_or_exports() -> anyhow
     let session = client
         .get_session(GetSessionRequest {
             session_id: session_id.clone(),
+            ..Default::default()
         })
         .await?
         .into_inner();

@@ -311,7 +311,10 @@ pub(crate) async fn run_example_with(
         .await
         .with_context(|| format!("the {name} example did not finish within 240 s"))??;
     Ok(client
-        .get_session(GetSessionRequest { session_id })
+        .get_session(GetSessionRequest {
+            session_id,
+            ..Default::default()
+        })
         .await?
         .into_inner())
 }

@@ -131,7 +131,10 @@ async fn testrun_tasks_fix_and_integrate_for_each_framework() {
             let id = session.id.clone();
             async move {
                 let got = client
-                    .get_session(GetSessionRequest { session_id: id })
+                    .get_session(GetSessionRequest {
+                        session_id: id,
+                        ..Default::default()
+                    })
                     .await
                     .ok()?
                     .into_inner();
@@ -298,7 +301,10 @@ async fn a_plan_tests_the_commit_it_names_with_its_env_setup_and_workdir() {
             let id = session.id.clone();
             async move {
                 let got = client
-                    .get_session(GetSessionRequest { session_id: id })
+                    .get_session(GetSessionRequest {
+                        session_id: id,
+                        ..Default::default()
+                    })
                     .await
                     .ok()?
                     .into_inner();

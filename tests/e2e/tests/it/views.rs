@@ -228,6 +228,7 @@ async fn troupe_cancel_cancels_a_session() -> anyhow::Result<()> {
     let view = client
         .get_session(GetSessionRequest {
             session_id: session.clone(),
+            ..Default::default()
         })
         .await?
         .into_inner();
