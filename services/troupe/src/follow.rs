@@ -286,30 +286,6 @@ pub fn is_unreachable(err: &anyhow::Error) -> bool {
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn unreachable_errors_are_told_apart() {
-        let gone = anyhow::Error::new(Unreachable {
-            url: "http://h:1".into(),
-            waited: Duration::from_secs(3),
-            last: "Unavailable: tcp connect error".into(),
-        });
-        assert!(is_unreachable(&gone));
-        assert!(gone.to_string().contains("unreachable for 3.0 s"), "{gone}");
-        let down = anyhow::Error::new(tonic::Status::unavailable("down")).context("checking");
-        assert!(is_unreachable(&down));
-        let refused = anyhow::Error::new(tonic::Status::not_found("no session")).context("x");
-        assert!(!is_unreachable(&refused));
-        let failed = anyhow::Error::new(CallFailed(tonic::Status::unavailable("tcp connect")));
-        assert!(is_unreachable(&failed));
-        assert_eq!(failed.to_string(), "tcp connect (Unavailable)");
-        assert!(!never_sent(&tonic::Status::unavailable("maybe sent")));
-    }
-}
-
 /// Reads a session with every one of its tasks: `GetSession`'s first page, then `ListTasks`
 /// pages until none is left (for the commands that need them all: `graph`, `report`, the CCW
 /// export).
@@ -340,4 +316,28 @@ pub async fn whole_session(
         token = page.next_page_token;
     }
     Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unreachable_errors_are_told_apart() {
+        let gone = anyhow::Error::new(Unreachable {
+            url: "http://h:1".into(),
+            waited: Duration::from_secs(3),
+            last: "Unavailable: tcp connect error".into(),
+        });
+        assert!(is_unreachable(&gone));
+        assert!(gone.to_string().contains("unreachable for 3.0 s"), "{gone}");
+        let down = anyhow::Error::new(tonic::Status::unavailable("down")).context("checking");
+        assert!(is_unreachable(&down));
+        let refused = anyhow::Error::new(tonic::Status::not_found("no session")).context("x");
+        assert!(!is_unreachable(&refused));
+        let failed = anyhow::Error::new(CallFailed(tonic::Status::unavailable("tcp connect")));
+        assert!(is_unreachable(&failed));
+        assert_eq!(failed.to_string(), "tcp connect (Unavailable)");
+        assert!(!never_sent(&tonic::Status::unavailable("maybe sent")));
+    }
 }
