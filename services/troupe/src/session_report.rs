@@ -1,8 +1,10 @@
 //! `troupe report`: where a session's time and tokens went, per task, per repo and per backend,
 //! with the test pass rate and coverage of every fix iteration, as Markdown or JSON.
 //!
-//! Costs are computed only from a price table the user gives (`--prices`): troupe does not
-//! guess a provider's prices, and a backend without a price shows tokens and no cost.
+//! Tokens and costs are grouped by backend and model (`codex/gpt-5`; the backend alone when its
+//! configuration names no model). Costs come only from a price table the user gives
+//! (`--prices`, keyed by model or backend): troupe does not guess a provider's prices, and a
+//! backend without a price shows tokens and no cost.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -48,7 +50,8 @@ impl Price {
     }
 }
 
-/// A price table: `[backend]` sections (TOML), e.g. `[claude] input_per_mtok = 3.0`.
+/// A price table: `[model]` or `[backend]` sections (TOML), e.g. `[claude] input_per_mtok =
+/// 3.0`; a task's model's price wins over its backend's.
 pub type Prices = BTreeMap<String, Price>;
 
 /// Reads a price table file.
@@ -95,6 +98,8 @@ pub struct TaskLine {
     pub duration_ms: Option<u64>,
     /// The backend that did the work (executor tasks), `""` otherwise.
     pub backend: String,
+    /// The model it was configured with, `""` when it names none.
+    pub model: String,
     /// Backends tried after a failure, in order.
     pub fallbacks: Vec<String>,
     /// Tokens of the implementation (executor) or of the fix loop's agent (test runs).
@@ -155,7 +160,7 @@ fn role_name(role: i32) -> &'static str {
 
 fn task_line(task: &Task, prices: &Prices) -> TaskLine {
     let mut tokens = Tokens::default();
-    let (mut backend, mut fallbacks) = (String::new(), Vec::new());
+    let (mut backend, mut model, mut fallbacks) = (String::new(), String::new(), Vec::new());
     let (mut pass_rate_history, mut coverage_history) = (Vec::new(), Vec::new());
     match task
         .result
@@ -165,6 +170,7 @@ fn task_line(task: &Task, prices: &Prices) -> TaskLine {
         Some(task_result::Detail::Implementation(report)) => {
             tokens.add(report.usage.as_ref());
             backend.clone_from(&report.backend);
+            model.clone_from(&report.model);
             fallbacks.clone_from(&report.fallbacks);
         }
         Some(task_result::Detail::TestRun(report)) => {
@@ -195,7 +201,12 @@ fn task_line(task: &Task, prices: &Prices) -> TaskLine {
         }
         _ => None,
     };
-    let cost = prices.get(&backend).map(|price| price.cost(&tokens));
+    // A model's price when the table has one, else the backend's.
+    let cost = prices
+        .get(&model)
+        .filter(|_| !model.is_empty())
+        .or_else(|| prices.get(&backend))
+        .map(|price| price.cost(&tokens));
     TaskLine {
         id: task.id.clone(),
         repo: task.repo.clone(),
@@ -206,6 +217,7 @@ fn task_line(task: &Task, prices: &Prices) -> TaskLine {
         attempts: task.attempt,
         duration_ms,
         backend,
+        model,
         fallbacks,
         tokens,
         cost,
@@ -234,7 +246,12 @@ pub fn build(response: &GetSessionResponse, prices: &Prices) -> Report {
         };
         repos.entry(repo.to_owned()).or_default().add(line);
         if !line.backend.is_empty() {
-            backends.entry(line.backend.clone()).or_default().add(line);
+            let key = if line.model.is_empty() {
+                line.backend.clone()
+            } else {
+                format!("{}/{}", line.backend, line.model)
+            };
+            backends.entry(key).or_default().add(line);
         }
         total.add(line);
     }
@@ -314,7 +331,12 @@ pub fn markdown(report: &Report) -> String {
     total.insert("all".to_owned(), report.total.clone());
     totals_table(&mut out, "Total", "session", &total);
     totals_table(&mut out, "By repo", "repo", &report.repos);
-    totals_table(&mut out, "By backend", "backend", &report.backends);
+    totals_table(
+        &mut out,
+        "By backend and model",
+        "backend/model",
+        &report.backends,
+    );
     out.push_str("\n## Tasks\n\n");
     out.push_str("| task | repo | role | state | attempts | time | backend | tokens in / out | cost | pass rate | coverage |\n");
     out.push_str("|---|---|---|---|---:|---:|---|---|---:|---|---|\n");

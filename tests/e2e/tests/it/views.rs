@@ -180,7 +180,7 @@ async fn graph_and_report_describe_a_finished_session() -> anyhow::Result<()> {
         "{testrun}"
     );
     let md = stdout_of(&troupe(&["report", &session, "--connect", &url]).await?);
-    for heading in ["## By repo", "## By backend", "## Tasks"] {
+    for heading in ["## By repo", "## By backend and model", "## Tasks"] {
         assert!(md.contains(heading), "{md}");
     }
     assert!(
