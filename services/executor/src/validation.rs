@@ -68,7 +68,7 @@ pub(crate) fn syntax_failures(report: &ValidationReport) -> Vec<String> {
         .checks
         .iter()
         .filter(|check| {
-            check.kind == "syntax"
+            check.kind() == troupe_proto::v1::CheckKind::Syntax
                 && (check.status == CheckStatus::Fail as i32
                     || check.status == CheckStatus::Error as i32)
         })
@@ -105,18 +105,19 @@ mod tests {
 
     #[test]
     fn only_failed_syntax_checks_are_fed_back() {
-        let check = |kind: &str, status: CheckStatus| CheckResult {
-            name: format!("{kind}:a.py"),
-            kind: kind.into(),
+        use troupe_proto::v1::CheckKind;
+        let check = |kind: CheckKind, status: CheckStatus| CheckResult {
+            name: format!("{}:a.py", troupe_proto::names::name(kind)),
+            kind: kind as i32,
             status: status as i32,
             evidence: " line 2: invalid syntax \n".into(),
             ..CheckResult::default()
         };
         let report = ValidationReport {
             checks: vec![
-                check("syntax", CheckStatus::Fail),
-                check("syntax", CheckStatus::Pass),
-                check("file", CheckStatus::Fail),
+                check(CheckKind::Syntax, CheckStatus::Fail),
+                check(CheckKind::Syntax, CheckStatus::Pass),
+                check(CheckKind::File, CheckStatus::Fail),
             ],
             ..ValidationReport::default()
         };

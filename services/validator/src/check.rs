@@ -74,11 +74,12 @@ pub(crate) async fn criteria_checks(
         };
         checks.push(CheckResult {
             name: format!("{prefix}criterion:{}", i + 1),
-            kind: "criterion".to_owned(),
+            kind: troupe_proto::v1::CheckKind::Criterion as i32,
             status: status as i32,
             duration_ms: millis(started.elapsed()),
             evidence,
             subject: criterion.clone(),
+            ..Default::default()
         });
     }
     Ok(checks)

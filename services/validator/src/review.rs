@@ -27,7 +27,8 @@ use std::sync::LazyLock;
 
 use regex::Regex;
 use troupe_proto::v1::{
-    CheckResult, CheckStatus, ReviewFinding, ReviewReport, ReviewVerdict, Severity,
+    CheckKind, CheckResult, CheckStatus, ReviewDimension, ReviewFinding, ReviewReport,
+    ReviewVerdict, Severity,
 };
 
 use crate::lexer::{self, Family};
@@ -40,7 +41,7 @@ fn re(pattern: &str) -> Regex {
 }
 
 struct Rule {
-    dimension: &'static str,
+    dimension: ReviewDimension,
     name: &'static str,
     severity: Severity,
     message: &'static str,
@@ -91,7 +92,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
     };
     vec![
         rule(
-            "quality",
+            ReviewDimension::Quality,
             "empty-catch",
             High,
             Lang::Js,
@@ -99,7 +100,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             r"catch\s*(?:\([^)]*\))?\s*\{\s*\}",
         ),
         rule(
-            "quality",
+            ReviewDimension::Quality,
             "bare-except-pass",
             High,
             Lang::Py,
@@ -107,7 +108,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             r"(?m)^[ \t]*except(?:\s+(?:Exception|BaseException))?\s*:\s*(?:#[^\n]*)?\n?[ \t]*pass\b",
         ),
         rule(
-            "quality",
+            ReviewDimension::Quality,
             "any-in-export",
             Medium,
             Lang::Ts,
@@ -115,7 +116,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             r"(?m)^[ \t]*export\b[^\n]*(?::\s*any\b|<any>|\bany\[\])",
         ),
         rule(
-            "quality",
+            ReviewDimension::Quality,
             "ts-ignore",
             Medium,
             Lang::Js,
@@ -123,7 +124,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             r"@ts-ignore",
         ),
         rule(
-            "quality",
+            ReviewDimension::Quality,
             "console-log",
             Low,
             Lang::Js,
@@ -131,7 +132,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             r"\bconsole\.log\s*\(",
         ),
         rule(
-            "security",
+            ReviewDimension::Security,
             "hardcoded-secret",
             Critical,
             Lang::Any,
@@ -139,7 +140,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             r#"(?i)(?:AKIA[0-9A-Z]{16}|-----BEGIN (?:RSA |EC |OPENSSH |DSA )?PRIVATE KEY-----|\bgh[pousr]_[A-Za-z0-9]{36}\b|\bsk-[A-Za-z0-9_-]{20,}|\bxox[baprs]-[A-Za-z0-9-]{10,}|\b(?:password|passwd|pwd|secret|api[_-]?key|access[_-]?token|auth[_-]?token|private[_-]?key)\b["']?\s*[:=]\s*["'][^"'\s]{8,}["'])"#,
         ),
         rule(
-            "security",
+            ReviewDimension::Security,
             "sql-concatenation",
             Critical,
             Lang::JsPy,
@@ -147,7 +148,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             &sql_pattern(),
         ),
         rule(
-            "security",
+            ReviewDimension::Security,
             "eval-exec",
             High,
             Lang::JsPy,
@@ -155,7 +156,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             r"(?:^|[^\w.])(?:eval|exec)\s*\(|\bnew\s+Function\s*\(",
         ),
         rule(
-            "security",
+            ReviewDimension::Security,
             "inner-html",
             High,
             Lang::Js,
@@ -163,7 +164,7 @@ static RULES: LazyLock<Vec<Rule>> = LazyLock::new(|| {
             r"\.(?:inner|outer)HTML\s*=[^=]|dangerouslySetInnerHTML",
         ),
         rule(
-            "architecture",
+            ReviewDimension::Architecture,
             "deep-parent-import",
             Medium,
             Lang::JsPy,
@@ -248,7 +249,7 @@ fn excerpt(text: &str, line: usize, secret: bool) -> String {
 }
 
 fn finding(
-    dimension: &str,
+    dimension: ReviewDimension,
     rule: &str,
     severity: Severity,
     file: &str,
@@ -257,13 +258,14 @@ fn finding(
     excerpt: String,
 ) -> ReviewFinding {
     ReviewFinding {
-        dimension: dimension.to_owned(),
+        dimension: dimension as i32,
         rule: rule.to_owned(),
         severity: severity as i32,
         file: file.to_owned(),
         line: u32::try_from(line).unwrap_or(u32::MAX),
         message,
         excerpt,
+        ..Default::default()
     }
 }
 
@@ -323,7 +325,7 @@ pub(crate) fn review(worktree: &Path, files: &[String], checks: &[CheckResult]) 
         let lines = text.lines().count();
         if lang.is_some() && lines > LONG_FILE_LINES {
             findings.push(finding(
-                "architecture",
+                ReviewDimension::Architecture,
                 "long-file",
                 Severity::Low,
                 file,
@@ -347,17 +349,24 @@ pub(crate) fn review(worktree: &Path, files: &[String], checks: &[CheckResult]) 
     for check in checks {
         let (severity, what) = match check.status() {
             CheckStatus::Fail | CheckStatus::Error => (Severity::High, "not met"),
-            CheckStatus::ManualReview if check.kind == "criterion" => {
+            CheckStatus::ManualReview if check.kind() == CheckKind::Criterion => {
                 (Severity::Medium, "not verified")
             }
             _ => continue,
         };
-        if !matches!(check.kind.as_str(), "criterion" | "file" | "verification") {
+        if !matches!(
+            check.kind(),
+            CheckKind::Criterion | CheckKind::File | CheckKind::Verification
+        ) {
             continue;
         }
         findings.push(finding(
-            "requirements",
-            &format!("{}-{}", check.kind, what.replace(' ', "-")),
+            ReviewDimension::Requirements,
+            &format!(
+                "{}-{}",
+                troupe_proto::names::name(check.kind()),
+                what.replace(' ', "-")
+            ),
             severity,
             "",
             0,
@@ -530,7 +539,7 @@ fn cycles(sources: &BTreeMap<String, String>) -> Vec<ReviewFinding> {
                         let mut cycle = path.clone();
                         cycle.push((*start).to_owned());
                         findings.push(finding(
-                            "architecture",
+                            ReviewDimension::Architecture,
                             "circular-import",
                             Severity::High,
                             start,

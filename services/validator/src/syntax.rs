@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
-use troupe_proto::v1::{CheckResult, CheckStatus};
+use troupe_proto::v1::{CheckKind, CheckResult, CheckStatus};
 
 use crate::Error;
 use crate::tools::{Ran, Tools, judge_exit, locations};
@@ -36,18 +36,19 @@ fn ext(path: &str) -> &str {
 
 fn result(
     name: String,
-    kind: &str,
+    kind: CheckKind,
     subject: String,
     (status, evidence): (CheckStatus, String),
     started: Instant,
 ) -> CheckResult {
     CheckResult {
         name,
-        kind: kind.to_owned(),
+        kind: kind as i32,
         status: status as i32,
         duration_ms: millis(started.elapsed()),
         evidence,
         subject,
+        ..Default::default()
     }
 }
 
@@ -127,7 +128,7 @@ impl SyntaxJob<'_> {
                 Some(dir) => projects.entry(dir).or_default().push(file),
                 None => checks.push(result(
                     format!("syntax:{file}"),
-                    "syntax",
+                    CheckKind::Syntax,
                     (*file).to_owned(),
                     (
                         CheckStatus::Skipped,
@@ -159,7 +160,7 @@ impl SyntaxJob<'_> {
             let outcome = self.tool(argv, &cwd, "tsc --noEmit").await?;
             checks.push(result(
                 format!("syntax:tsc:{}", rel_display(&dir, "tsconfig.json")),
-                "syntax",
+                CheckKind::Syntax,
                 covered.join(", "),
                 prefix_dir(outcome, &dir),
                 started,
@@ -198,7 +199,7 @@ impl SyntaxJob<'_> {
             if let Some(outcome) = outcome {
                 checks.push(result(
                     format!("syntax:{file}"),
-                    "syntax",
+                    CheckKind::Syntax,
                     (*file).to_owned(),
                     outcome,
                     started,
@@ -231,7 +232,7 @@ impl SyntaxJob<'_> {
             let outcome = self.cargo(&dir, "check", &[]).await?;
             checks.push(result(
                 format!("syntax:cargo:{}", rel_display(&dir, "Cargo.toml")),
-                "syntax",
+                CheckKind::Syntax,
                 covered.join(", "),
                 outcome,
                 started,
@@ -378,7 +379,7 @@ impl SyntaxJob<'_> {
                 .await?;
             checks.push(result(
                 "lint:npm".into(),
-                "lint",
+                CheckKind::Lint,
                 "package.json scripts.lint".into(),
                 outcome,
                 started,
@@ -410,7 +411,7 @@ impl SyntaxJob<'_> {
                 let outcome = self.tool(argv, root, "ruff check").await?;
                 checks.push(result(
                     "lint:ruff".into(),
-                    "lint",
+                    CheckKind::Lint,
                     python.join(", "),
                     outcome,
                     started,
@@ -423,7 +424,7 @@ impl SyntaxJob<'_> {
                 let outcome = self.tool(argv, root, "flake8").await?;
                 checks.push(result(
                     "lint:flake8".into(),
-                    "lint",
+                    CheckKind::Lint,
                     python.join(", "),
                     outcome,
                     started,
@@ -455,7 +456,7 @@ impl SyntaxJob<'_> {
                     .await?;
                 checks.push(result(
                     format!("lint:clippy:{}", rel_display(&dir, "Cargo.toml")),
-                    "lint",
+                    CheckKind::Lint,
                     rel_display(&dir, "Cargo.toml"),
                     outcome,
                     started,
@@ -465,7 +466,7 @@ impl SyntaxJob<'_> {
         if checks.is_empty() && !files.is_empty() {
             checks.push(result(
                 "lint".into(),
-                "lint",
+                CheckKind::Lint,
                 String::new(),
                 (
                     CheckStatus::Skipped,

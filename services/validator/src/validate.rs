@@ -449,11 +449,12 @@ async fn verify_in(
     let (status, evidence) = run_verification(worktree, argv, timeout, sandbox, cancel).await?;
     Ok(CheckResult {
         name: "verification".to_owned(),
-        kind: "verification".to_owned(),
+        kind: troupe_proto::v1::CheckKind::Verification as i32,
         status: status as i32,
         duration_ms: millis(started.elapsed()),
         evidence,
         subject: argv.join(" "),
+        ..Default::default()
     })
 }
 
@@ -592,11 +593,12 @@ pub(crate) async fn check_files(
         let (status, evidence) = check_file(repo, commit, base, changed.as_deref(), file).await?;
         checks.push(CheckResult {
             name: format!("{prefix}file:{}", file.path),
-            kind: "file".to_owned(),
+            kind: troupe_proto::v1::CheckKind::File as i32,
             status: status as i32,
             duration_ms: millis(started.elapsed()),
             evidence,
             subject: file.path.clone(),
+            ..Default::default()
         });
     }
     Ok(checks)
@@ -746,13 +748,14 @@ pub(crate) fn report(commit: Oid, mut checks: Vec<CheckResult>) -> ValidationRep
     if checks.is_empty() {
         checks.push(CheckResult {
             name: "nothing-to-check".to_owned(),
-            kind: "criterion".to_owned(),
+            kind: troupe_proto::v1::CheckKind::Criterion as i32,
             status: CheckStatus::ManualReview as i32,
             duration_ms: 0,
             evidence:
                 "no files, verification command or criteria were given, so nothing was checked"
                     .to_owned(),
             subject: String::new(),
+            ..Default::default()
         });
     }
     let (convergence_verified, convergence_met) = convergence(&checks);
@@ -779,7 +782,7 @@ pub(crate) fn convergence_of(checks: &[CheckResult], prefix: &str) -> (Vec<bool>
     let own: Vec<&CheckResult> = checks
         .iter()
         .filter(|c| {
-            c.kind == "criterion"
+            c.kind() == troupe_proto::v1::CheckKind::Criterion
                 && c.name
                     .strip_prefix(prefix)
                     .is_some_and(|rest| rest.starts_with("criterion:"))
@@ -836,7 +839,7 @@ mod tests {
     fn convergence_met_is_pass_fail_or_pending() {
         let c = |name: &str, status: CheckStatus| CheckResult {
             name: name.to_owned(),
-            kind: "criterion".to_owned(),
+            kind: troupe_proto::v1::CheckKind::Criterion as i32,
             status: status as i32,
             ..CheckResult::default()
         };

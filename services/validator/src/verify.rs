@@ -16,9 +16,9 @@ pub(crate) fn gap(task: &str, check: &CheckResult) -> Option<VerificationGap> {
     if matches!(check.status(), CheckStatus::Pass | CheckStatus::Skipped) {
         return None;
     }
-    let (kind, expected) = match check.kind.as_str() {
-        "file" => (GapType::File, file_expectation(&check.evidence)),
-        "verification" => (
+    let (kind, expected) = match check.kind() {
+        troupe_proto::v1::CheckKind::File => (GapType::File, file_expectation(&check.evidence)),
+        troupe_proto::v1::CheckKind::Verification => (
             GapType::VerificationCommand,
             "Command exits with code 0".to_owned(),
         ),
@@ -176,7 +176,7 @@ mod tests {
     fn frontmatter_has_ccw_fields_and_gaps() {
         let failing = CheckResult {
             name: "IMPL-002/verification".into(),
-            kind: "verification".into(),
+            kind: troupe_proto::v1::CheckKind::Verification as i32,
             status: CheckStatus::Fail as i32,
             evidence: "exit 1 in 0.1s\nboom".into(),
             subject: "npx vitest run".into(),

@@ -300,11 +300,12 @@ impl ValidateHandler {
                 }
                 Err(reason) => checks.push(CheckResult {
                     name: format!("{prefix}criteria"),
-                    kind: "criterion".to_owned(),
+                    kind: troupe_proto::v1::CheckKind::Criterion as i32,
                     status: CheckStatus::ManualReview as i32,
                     duration_ms: 0,
                     evidence: format!("criteria and verification of {id} not checked: {reason}"),
                     subject: format!("convergence of {id}"),
+                    ..Default::default()
                 }),
             }
             let task_gaps: Vec<_> = checks.iter().filter_map(|c| verify::gap(id, c)).collect();
@@ -389,7 +390,7 @@ async fn upstream_file_checks(
         if commit.is_empty() {
             checks.push(CheckResult {
                 name: format!("{}/files", upstream.task_id),
-                kind: "file".to_owned(),
+                kind: troupe_proto::v1::CheckKind::File as i32,
                 status: CheckStatus::Error as i32,
                 duration_ms: 0,
                 evidence: format!(
@@ -402,6 +403,7 @@ async fn upstream_file_checks(
                     .map(|f| f.path.as_str())
                     .collect::<Vec<_>>()
                     .join(", "),
+                ..Default::default()
             });
             continue;
         }

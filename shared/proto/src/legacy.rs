@@ -23,6 +23,19 @@ pub fn upgrade_result(result: &mut TaskResult) {
     use crate::v1::{ConvergenceMet, ErrorKind, FixStrategy, FixVerdict, GapType, Severity};
     use crate::v1::{TaskState, VerificationStatus};
     let validation = |report: &mut crate::v1::ValidationReport| {
+        for check in &mut report.checks {
+            upgrade::<crate::v1::CheckKind>(&mut check.legacy_kind, &mut check.kind);
+        }
+        for finding in report
+            .review
+            .iter_mut()
+            .flat_map(|review| review.findings.iter_mut())
+        {
+            upgrade::<crate::v1::ReviewDimension>(
+                &mut finding.legacy_dimension,
+                &mut finding.dimension,
+            );
+        }
         upgrade::<ConvergenceMet>(
             &mut report.legacy_convergence_met,
             &mut report.convergence_met,

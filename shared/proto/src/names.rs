@@ -4,9 +4,9 @@
 //! dropped; [`parse`] reads it back.
 
 use crate::v1::{
-    CheckStatus, ConvergenceMet, ErrorKind, FixScope, FixStrategy, FixVerdict, GapType,
-    GraphStatus, OnFailure, ReviewVerdict, Role, SessionMode, SessionState, Severity, TaskState,
-    TestFramework, TestOutcome, Verdict, VerificationStatus,
+    CheckKind, CheckStatus, ConvergenceMet, ErrorKind, FixScope, FixStrategy, FixVerdict, GapType,
+    GraphStatus, OnFailure, ReviewDimension, ReviewVerdict, Role, SessionMode, SessionState,
+    Severity, TaskState, TestFramework, TestOutcome, Verdict, VerificationStatus,
 };
 
 /// An enum of the wire with a display name.
@@ -32,25 +32,27 @@ macro_rules! named {
 }
 
 named! {
-    TaskState => "TASK_STATE_" [Unspecified, Pending, Ready, Running, Completed, Failed, Skipped, Cancelled, TimedOut, Blocked],
+    TaskState => "TASK_STATE_" [Unspecified, Pending, Ready, Running, Completed, Failed, Skipped, Cancelled, TimedOut, Blocked, WaitingApproval],
     SessionState => "SESSION_STATE_" [Unspecified, Active, Completed, Failed, Cancelled, Paused],
     ConvergenceMet => "CONVERGENCE_MET_" [Unspecified, Pass, Fail, Pending],
     VerificationStatus => "VERIFICATION_STATUS_" [Unspecified, Passed, GapsFound],
     GapType => "GAP_TYPE_" [Unspecified, Criterion, File, VerificationCommand],
     FixStrategy => "FIX_STRATEGY_" [Unspecified, Conservative, Surgical, Aggressive],
     FixVerdict => "FIX_VERDICT_" [Unspecified, Kept, RevertedWorse, RevertedOutOfScope, NoChange, AgentFailed],
-    ErrorKind => "ERROR_KIND_" [Unspecified, NotInstalled, Auth, RateLimited, Quota, Timeout, Crash, BadOutput, CheckFailed, MergeConflict, InvalidTask, Internal, OutOfScope, Superseded, Repository, SandboxDenied],
+    ErrorKind => "ERROR_KIND_" [Unspecified, NotInstalled, Auth, RateLimited, Quota, Timeout, Crash, BadOutput, CheckFailed, MergeConflict, InvalidTask, Internal, OutOfScope, Superseded, Repository, SandboxDenied, PermissionDenied, Rejected],
     Severity => "SEVERITY_" [Unspecified, Low, Medium, High, Critical],
     SessionMode => "SESSION_MODE_" [Unspecified, Eager, Waves],
     OnFailure => "ON_FAILURE_" [Unspecified, Skip, Block],
-    GraphStatus => "GRAPH_STATUS_" [Unspecified, Done, Running, Ready, Pending, Blocked, Failed, TimedOut, Skipped, Cancelled],
-    TestOutcome => "TEST_OUTCOME_" [Unspecified, Passed, TestsFailed, LoadError, CollectionError, NoTests, Timeout, CoverageBelowTarget, RunnerCrashed, WrongSource, InstallFailed, SetupFailed, CoverageThreshold],
+    GraphStatus => "GRAPH_STATUS_" [Unspecified, Done, Running, Ready, Pending, Blocked, Failed, TimedOut, Skipped, Cancelled, WaitingApproval],
+    TestOutcome => "TEST_OUTCOME_" [Unspecified, Passed, TestsFailed, LoadError, CollectionError, NoTests, Timeout, CoverageBelowTarget, RunnerCrashed, WrongSource, InstallFailed, SetupFailed, CoverageThreshold, SandboxDenied],
     TestFramework => "TEST_FRAMEWORK_" [Unspecified, Pytest, Jest, Vitest],
     CheckStatus => "CHECK_STATUS_" [Unspecified, Pass, Fail, ManualReview, Skipped, Error],
     Verdict => "VERDICT_" [Unspecified, Pass, Fail, ManualReview],
     ReviewVerdict => "REVIEW_VERDICT_" [Unspecified, Approve, Conditional, Block],
     FixScope => "FIX_SCOPE_" [Unspecified, Tests, Source, Both],
     Role => "ROLE_" [Unspecified, Executor, Validator, TestRunner],
+    CheckKind => "CHECK_KIND_" [Unspecified, File, Syntax, Lint, Verification, Criterion],
+    ReviewDimension => "REVIEW_DIMENSION_" [Unspecified, Quality, Security, Architecture, Requirements],
 }
 
 /// The display name of any named enum value (`timed_out`, `gaps_found`, `pass`).
@@ -93,7 +95,17 @@ pub fn session_state(state: SessionState) -> &'static str {
 mod tests {
     use super::*;
 
-    fn round_trips<T: Named + PartialEq + std::fmt::Debug>() {
+    fn round_trips<T: Named + PartialEq + std::fmt::Debug + TryFrom<i32>>() {
+        // Every value of the wire enum is listed, so `parse` knows it too.
+        for number in 0..64 {
+            if let Ok(value) = T::try_from(number) {
+                assert!(
+                    T::ALL.contains(&value),
+                    "{value:?} missing from {}",
+                    T::PREFIX
+                );
+            }
+        }
         for value in T::ALL {
             let shown = name(*value);
             assert_eq!(
@@ -128,6 +140,8 @@ mod tests {
         round_trips::<ReviewVerdict>();
         round_trips::<FixScope>();
         round_trips::<Role>();
+        round_trips::<CheckKind>();
+        round_trips::<ReviewDimension>();
         assert_eq!(task_state(TaskState::TimedOut), "timed_out");
         assert_eq!(parse::<TaskState>("timed out"), Some(TaskState::TimedOut));
         assert_eq!(parse::<TaskState>("Timed-Out"), Some(TaskState::TimedOut));

@@ -157,7 +157,7 @@ fn checks(report: &pb::ValidationReport) -> Markup {
             tr { th { "check" } th { "kind" } th { "status" } th { "evidence" } }
             @for check in &report.checks {
                 tr {
-                    td { (check.name) } td { (check.kind) }
+                    td { (check.name) } td { (troupe_proto::names::name(check.kind())) }
                     td { (pb::CheckStatus::try_from(check.status).map_or("unspecified", |s| s.as_str_name().trim_start_matches("CHECK_STATUS_"))) }
                     td { pre { (check.evidence) } }
                 }

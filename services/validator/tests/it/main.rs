@@ -273,7 +273,12 @@ async fn file_checks_pass_and_fail_with_evidence() {
     assert!(e(7).contains("still exists"), "{}", e(7));
     assert!(e(8).contains("as a directory"), "{}", e(8));
     assert!(e(9).contains("escapes"), "{}", e(9));
-    assert!(report.checks.iter().all(|c| c.kind == "file"));
+    assert!(
+        report
+            .checks
+            .iter()
+            .all(|c| c.kind() == troupe_proto::v1::CheckKind::File)
+    );
 
     // Against the first commit itself (a root commit) with an explicit base of HEAD: `a.py`
     // differs, `b.py` does not.

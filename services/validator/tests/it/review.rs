@@ -152,9 +152,11 @@ async fn review_verdicts_follow_the_worst_finding() {
     let r = report.review.expect("review");
     assert_eq!(r.verdict(), ReviewVerdict::Conditional);
     assert!(
-        r.findings.iter().any(|f| f.dimension == "requirements"
-            && f.severity() == Severity::High
-            && f.message.contains("src/missing.ts")),
+        r.findings.iter().any(
+            |f| f.dimension() == troupe_proto::v1::ReviewDimension::Requirements
+                && f.severity() == Severity::High
+                && f.message.contains("src/missing.ts")
+        ),
         "{r:#?}"
     );
     service.stop().await;

@@ -397,12 +397,18 @@ pub(crate) fn assert_quickstart_completed(response: &GetSessionResponse) -> anyh
     };
     assert_ne!(validation.verdict, Verdict::Fail as i32);
     assert!(
-        validation.checks.iter().any(|c| c.kind == "file"),
+        validation
+            .checks
+            .iter()
+            .any(|c| c.kind() == troupe_proto::v1::CheckKind::File),
         "no file checks: {:?}",
         validation.checks
     );
     assert!(
-        validation.checks.iter().any(|c| c.kind == "verification"),
+        validation
+            .checks
+            .iter()
+            .any(|c| c.kind() == troupe_proto::v1::CheckKind::Verification),
         "no verification check"
     );
 
