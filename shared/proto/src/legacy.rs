@@ -109,6 +109,17 @@ mod tests {
         let old = TaskResult {
             detail: Some(task_result::Detail::Validation(ValidationReport {
                 legacy_convergence_met: "pending".into(),
+                checks: vec![crate::v1::CheckResult {
+                    legacy_kind: "criterion".into(),
+                    ..Default::default()
+                }],
+                review: Some(crate::v1::ReviewReport {
+                    findings: vec![crate::v1::ReviewFinding {
+                        legacy_dimension: "security".into(),
+                        ..Default::default()
+                    }],
+                    ..Default::default()
+                }),
                 verification: Some(GoalVerification {
                     legacy_status: "gaps_found".into(),
                     ..GoalVerification::default()
@@ -124,6 +135,12 @@ mod tests {
         };
         assert_eq!(report.convergence_met(), ConvergenceMet::Pending);
         assert!(report.legacy_convergence_met.is_empty());
+        assert_eq!(report.checks[0].kind(), crate::v1::CheckKind::Criterion);
+        let review = report.review.as_ref().expect("review");
+        assert_eq!(
+            review.findings[0].dimension(),
+            crate::v1::ReviewDimension::Security
+        );
         let verification = report.verification.expect("verification");
         assert_eq!(verification.status(), VerificationStatus::GapsFound);
 
