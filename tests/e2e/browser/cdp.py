@@ -11,8 +11,10 @@ Answers are {"ok": true, "value": ...} or {"ok": false, "error": "..."}.
 """
 
 import base64
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,11 @@ import urllib.request
 import websocket  # websocket-client, installed by scripts/setup/10-python-tools.sh
 
 
+def die_with_parent():
+    """Chromium gets SIGKILL when this driver dies, however it dies (PR_SET_PDEATHSIG)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
 class Page:
     def __init__(self, chromium):
         self.profile = tempfile.mkdtemp(prefix="troupe-cdp-")
@@ -29,7 +36,8 @@ class Page:
             [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--remote-debugging-port=0", "--remote-allow-origins=*",
              "--window-size=1280,1600", f"--user-data-dir={self.profile}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=die_with_parent)
         port_file = os.path.join(self.profile, "DevToolsActivePort")
         deadline = time.time() + 30
         while not os.path.exists(port_file) or os.path.getsize(port_file) == 0:
@@ -96,7 +104,11 @@ class Page:
         raise RuntimeError(f"unknown command {cmd}")
 
     def close(self):
-        self.browser.kill()
+        # The whole group: the browser and the zygote, GPU and renderer processes it started.
+        try:
+            os.killpg(self.browser.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.browser.wait()
 
 

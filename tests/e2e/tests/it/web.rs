@@ -53,6 +53,13 @@ impl Browser {
         Ok(answer["value"].clone())
     }
 
+    /// Ends the driver, which takes Chromium's whole process group down with it.
+    async fn quit(mut self) -> anyhow::Result<()> {
+        self.stdin.write_all(b"{\"cmd\": \"quit\"}\n").await?;
+        tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await??;
+        Ok(())
+    }
+
     async fn goto(&mut self, url: &str) -> anyhow::Result<()> {
         self.send(serde_json::json!({"cmd": "goto", "url": url}))
             .await
@@ -72,6 +79,8 @@ impl Browser {
 
 impl Drop for Browser {
     fn drop(&mut self) {
+        // SIGKILL: the driver's Chromium dies with it (PR_SET_PDEATHSIG), its helpers with the
+        // browser; a driver that got `quit` has already taken the whole group down.
         let _ = self.child.start_kill();
     }
 }
@@ -268,7 +277,7 @@ async fn the_web_view_follows_a_running_session_behind_the_api_tokens() -> anyho
 
     let status = tokio::time::timeout(Duration::from_secs(120), run.wait()).await??;
     assert!(status.success(), "troupe run: {status}");
-    drop(browser);
+    browser.quit().await?;
     up.terminate(Duration::from_secs(20)).await?;
     Ok(())
 }
