@@ -180,6 +180,8 @@ impl Follower {
     ) -> anyhow::Result<u64> {
         let mut cursor = after;
         let mut ended_early = RECONNECT.retries();
+        // The cursor at which a replay of an ended session was last asked for.
+        let mut replayed_at = None;
         loop {
             let request = WatchSessionRequest {
                 session_id: session_id.to_owned(),
@@ -230,12 +232,18 @@ impl Follower {
                 // (a graceful restart): only the session's state tells which.
                 None => {
                     let view = self.get_session(session_id).await?;
-                    if view
-                        .session
-                        .as_ref()
-                        .is_some_and(|session| report::is_terminal(session.state))
+                    if let Some(session) = view.session.as_ref()
+                        && report::is_terminal(session.state)
                     {
-                        return Ok(cursor);
+                        // Over, and every event shown: done. A session that ended while the
+                        // stream was down (a coordinator restarting) still has events after
+                        // the cursor: the stream opens again at once and replays them (once:
+                        // a replay that brings nothing new ends it).
+                        if cursor >= session.last_sequence || replayed_at == Some(cursor) {
+                            return Ok(cursor);
+                        }
+                        replayed_at = Some(cursor);
+                        continue;
                     }
                     tokio::time::sleep(ended_early.next_delay()).await;
                 }

@@ -689,13 +689,10 @@ impl CliBackend {
         match output.termination {
             Termination::Cancelled if !cancel.is_cancelled() => {
                 let line = first_error.unwrap_or_default();
-                // opencode: `... error.error="AI_APICallError: <what>"`; qwen: the line.
-                let what = line
-                    .split_once("error.error=\"")
-                    .map_or(line.as_str(), |(_, rest)| rest.trim_end_matches('"'));
+                let what = first_error_text(&line);
                 return Err(classified(
                     name,
-                    events::classify_message(&line),
+                    events::classify_message(what),
                     format!(
                         "stopped after its first failed model call (fast_fail): {}",
                         what.trim().chars().take(200).collect::<String>()
@@ -852,6 +849,16 @@ async fn watch_first_error(
     Some(found)
 }
 
+/// What a CLI's first failed call says, from its log line. opencode: `... error.error="<what>"`;
+/// qwen: from its `[RETRY]` marker on. Only that part is classified: the line's timestamp
+/// (`…:16.401`) must not read as a status code.
+fn first_error_text(line: &str) -> &str {
+    line.split_once("error.error=\"").map_or_else(
+        || line.find("[RETRY]").map_or(line, |at| &line[at..]),
+        |(_, rest)| rest.trim_end_matches('"'),
+    )
+}
+
 /// The complete lines the files in `dir` gained since the offsets in `seen` (updated).
 fn new_lines(dir: &Path, seen: &mut std::collections::HashMap<PathBuf, u64>) -> Vec<String> {
     use std::io::{Read, Seek, SeekFrom};
@@ -904,6 +911,19 @@ fn classified(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_first_error_is_classified_by_its_text_not_its_timestamp() {
+        let opencode = "INFO  2026-11-26T14:45:12.401 +2ms service=llm message=\"stream error\" error.error=\"AI_APICallError: Rate limit reached for fake-model (fake 429)\"";
+        let what = first_error_text(opencode);
+        assert!(what.starts_with("AI_APICallError"), "{what}");
+        assert_eq!(
+            crate::events::classify_message(what),
+            crate::ErrorKind::RateLimited
+        );
+        let qwen = "[2026-11-26T14:45:12.401Z] [DEBUG] [RETRY] Attempt 1 failed with status 429";
+        assert!(first_error_text(qwen).starts_with("[RETRY]"));
+    }
     use super::*;
 
     #[tokio::test]
