@@ -149,15 +149,6 @@ pub struct Report {
     pub total: Totals,
 }
 
-fn role_name(role: i32) -> &'static str {
-    match Role::try_from(role) {
-        Ok(Role::Executor) => "executor",
-        Ok(Role::Validator) => "validator",
-        Ok(Role::TestRunner) => "test_runner",
-        _ => "unspecified",
-    }
-}
-
 fn task_line(task: &Task, prices: &Prices) -> TaskLine {
     let mut tokens = Tokens::default();
     let (mut backend, mut model, mut fallbacks) = (String::new(), String::new(), Vec::new());
@@ -210,7 +201,7 @@ fn task_line(task: &Task, prices: &Prices) -> TaskLine {
     TaskLine {
         id: task.id.clone(),
         repo: task.repo.clone(),
-        role: role_name(task.role),
+        role: troupe_proto::names::name(Role::try_from(task.role).unwrap_or(Role::Unspecified)),
         state: troupe_proto::names::task_state(
             TaskState::try_from(task.state).unwrap_or(TaskState::Unspecified),
         ),

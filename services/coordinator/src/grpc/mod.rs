@@ -90,6 +90,24 @@ pub(crate) fn adapter(coordinator: Arc<Coordinator>) -> Adapter {
     Adapter { coordinator }
 }
 
+impl Adapter {
+    /// `ApproveTask` and `RejectTask`: one answer at a gate, the task as it then stands.
+    async fn answer_gate(
+        &self,
+        session_id: &str,
+        task_id: &str,
+        approve: bool,
+        by: &str,
+        note: &str,
+    ) -> Result<pb::Task, Status> {
+        let task = self
+            .coordinator
+            .answer_gate((session_id, task_id), approve, (by, note))
+            .await?;
+        Ok(convert::task_proto(&task))
+    }
+}
+
 /// Implements the generated service trait over the domain coordinator.
 #[derive(Debug, Clone)]
 pub(crate) struct Adapter {
@@ -151,16 +169,15 @@ impl coordinator_server::Coordinator for Adapter {
         let by = caller(&request);
         let request = request.into_inner();
         let task = self
-            .coordinator
             .answer_gate(
-                (&request.session_id, &request.task_id),
+                &request.session_id,
+                &request.task_id,
                 true,
-                (&by, &request.note),
+                &by,
+                &request.note,
             )
             .await?;
-        Ok(Response::new(pb::ApproveTaskResponse {
-            task: Some(convert::task_proto(&task)),
-        }))
+        Ok(Response::new(pb::ApproveTaskResponse { task: Some(task) }))
     }
 
     async fn reject_task(
@@ -170,16 +187,15 @@ impl coordinator_server::Coordinator for Adapter {
         let by = caller(&request);
         let request = request.into_inner();
         let task = self
-            .coordinator
             .answer_gate(
-                (&request.session_id, &request.task_id),
+                &request.session_id,
+                &request.task_id,
                 false,
-                (&by, &request.note),
+                &by,
+                &request.note,
             )
             .await?;
-        Ok(Response::new(pb::RejectTaskResponse {
-            task: Some(convert::task_proto(&task)),
-        }))
+        Ok(Response::new(pb::RejectTaskResponse { task: Some(task) }))
     }
 
     async fn cancel_session(
