@@ -262,10 +262,10 @@ pub(crate) fn backend_gaps(
                 format!(" (or their fallbacks: {})", fallbacks.join(", "))
             };
             let message = format!(
-                "no live {name} worker can run backend {backend}{also}; ready: {}; start a {name} \
-                 worker where `{backend}` is installed and signed in (`troupe doctor` there \
-                 lists it available), or name a backend your workers have in these tasks' \
-                 `agent.backend` or `agent.fallback`",
+                "no live {name} worker can run backend {backend}{also}; ready: {}; start a \
+                 worker for role {name} where `{backend}` is installed and signed in (`troupe \
+                 doctor` there lists it available), or name a backend your workers have in \
+                 these tasks' `agent.backend` or `agent.fallback`",
                 task_ids.join(", ")
             );
             pb::CapabilityGap {
