@@ -106,9 +106,11 @@ mod tests {
 
     #[test]
     fn an_auto_choice_is_filled_from_the_config() {
-        let mut config = BackendsConfig::default();
-        config.auto_backend = "gemini".into();
-        config.fallback = vec!["qwen".into()];
+        let mut config = BackendsConfig {
+            auto_backend: "gemini".into(),
+            fallback: vec!["qwen".into()],
+            ..BackendsConfig::default()
+        };
         let r = |v: Value, config: &BackendsConfig| resolve(&spec(v), config);
         assert_eq!(
             r(json!({"id": "IMPL-1", "complexity": "High"}), &config),

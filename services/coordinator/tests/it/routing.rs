@@ -8,7 +8,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use troupe_proto::v1::{self as pb, Role};
 
-use crate::support::{Db, Harness, db_tests, ids, session_id, token};
+use crate::support::{Db, Harness, db_tests, id_of, ids, session_id, token};
 
 fn plan(name: &str, mode: &str) -> Value {
     json!({"name": name, "mode": mode, "tasks": [
@@ -74,10 +74,7 @@ async fn claims_go_only_to_workers_that_can_run_the_backend(db: Db) {
         );
         // Completing the codex task readies IMPL-6 (claude): the claim riding on the
         // completion (the eager batch) does not take it.
-        let codex_task = codex
-            .iter()
-            .find(|c| ids(&[(*c).clone()]) == ["IMPL-2"])
-            .expect("IMPL-2");
+        let codex_task = codex.iter().find(|c| id_of(c) == "IMPL-2").expect("IMPL-2");
         let task = codex_task.task.as_ref().expect("task");
         let next = harness
             .client()
@@ -101,7 +98,7 @@ async fn claims_go_only_to_workers_that_can_run_the_backend(db: Db) {
             assert_eq!(sorted(&claude), ["IMPL-1", "IMPL-3"]);
         }
         for claimed in codex.iter().chain(&claude) {
-            if ids(&[claimed.clone()]) != ["IMPL-2"] {
+            if id_of(claimed) != "IMPL-2" {
                 harness.complete(claimed, "ok").await.expect("complete");
             }
         }
