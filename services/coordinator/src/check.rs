@@ -7,6 +7,7 @@ use std::time::Duration;
 use troupe_proto::v1::{self as pb, GraphStatus, SessionState, TaskState};
 
 use crate::convert::{opt_timestamp, struct_to_json};
+use crate::lifecycle::routing::{self, Offer};
 use crate::task::{self, Task};
 
 /// Returns the graph status of a task state (CCW's done / running / ready / pending).
@@ -213,9 +214,70 @@ pub(crate) fn capability_gaps(
             .ok(),
             covered_by: covered_by.unwrap_or(pb::Role::Unspecified) as i32,
             message,
+            backend: String::new(),
         });
     }
     gaps
+}
+
+/// A ready task: its id, role and the backends a worker must offer one of (see
+/// [`crate::lifecycle::routing`]).
+pub(crate) type Ready = (String, pb::Role, Vec<String>);
+
+/// Returns, per role and backend, the ready tasks (`ready`) that no live worker can run:
+/// `offers` are what the live workers of each role offer. Roles in `unserved` (no live worker
+/// at all: a role gap already says so) are left out.
+pub(crate) fn backend_gaps(
+    ready: &[Ready],
+    offers: &HashMap<pb::Role, Vec<Offer>>,
+    unserved: &[pb::Role],
+) -> Vec<pb::CapabilityGap> {
+    let mut by_backend: BTreeMap<(i32, String), (Vec<String>, Vec<String>)> = BTreeMap::new();
+    for (task_id, role, routes) in ready {
+        let Some(primary) = routes.first() else {
+            continue;
+        };
+        let live = offers.get(role).map_or(&[][..], Vec::as_slice);
+        if unserved.contains(role) || live.is_empty() || routing::served(live, routes) {
+            continue;
+        }
+        let entry = by_backend
+            .entry((*role as i32, primary.clone()))
+            .or_default();
+        entry.0.push(task_id.clone());
+        for fallback in &routes[1..] {
+            if !entry.1.contains(fallback) {
+                entry.1.push(fallback.clone());
+            }
+        }
+    }
+    by_backend
+        .into_iter()
+        .map(|((role, backend), (task_ids, fallbacks))| {
+            let role = pb::Role::try_from(role).unwrap_or(pb::Role::Unspecified);
+            let name = role_name(role);
+            let also = if fallbacks.is_empty() {
+                String::new()
+            } else {
+                format!(" (or their fallbacks: {})", fallbacks.join(", "))
+            };
+            let message = format!(
+                "no live {name} worker can run backend {backend}{also}; ready: {}; start a \
+                 worker for role {name} where `{backend}` is installed and signed in (`troupe \
+                 doctor` there lists it available), or name a backend your workers have in \
+                 these tasks' `agent.backend` or `agent.fallback`",
+                task_ids.join(", ")
+            );
+            pb::CapabilityGap {
+                role: role as i32,
+                task_ids,
+                unserved_for: None,
+                covered_by: pb::Role::Unspecified as i32,
+                message,
+                backend,
+            }
+        })
+        .collect()
 }
 
 /// Returns the plan name of a role (`executor`, `validator`, `test-runner`).
@@ -243,5 +305,46 @@ mod tests {
         assert!(gaps[0].message.contains("validator"), "{}", gaps[0].message);
         // Right after the coordinator started nobody could have claimed yet.
         assert!(capability_gaps(&ready, &seen, 9_000, 10_000, Duration::from_secs(2)).is_empty());
+    }
+
+    #[test]
+    fn a_backend_gap_names_the_backend_no_live_worker_offers() {
+        let names = |list: &[&str]| list.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>();
+        let ready: Vec<Ready> = vec![
+            ("IMPL-1".into(), pb::Role::Executor, names(&["claude"])),
+            ("IMPL-2".into(), pb::Role::Executor, names(&["codex"])),
+            (
+                "IMPL-3".into(),
+                pb::Role::Executor,
+                names(&["claude", "gemini"]),
+            ),
+            ("IMPL-4".into(), pb::Role::Executor, Vec::new()),
+            ("VALIDATE-1".into(), pb::Role::Validator, names(&["claude"])),
+        ];
+        let mut offers = HashMap::new();
+        offers.insert(pb::Role::Executor, vec![Some(names(&["agent", "codex"]))]);
+        let gaps = backend_gaps(&ready, &offers, &[]);
+        assert_eq!(gaps.len(), 1, "{gaps:?}");
+        assert_eq!(gaps[0].backend, "claude");
+        assert_eq!(gaps[0].role(), pb::Role::Executor);
+        assert_eq!(gaps[0].task_ids, ["IMPL-1", "IMPL-3"]);
+        assert!(
+            gaps[0]
+                .message
+                .contains("backend claude (or their fallbacks: gemini)"),
+            "{}",
+            gaps[0].message
+        );
+        assert!(
+            gaps[0].message.contains("troupe doctor"),
+            "{}",
+            gaps[0].message
+        );
+        // A live worker that declares nothing runs anything; a role with no live worker is
+        // a role gap, not a backend one.
+        offers.insert(pb::Role::Executor, vec![Some(names(&["codex"])), None]);
+        assert!(backend_gaps(&ready, &offers, &[]).is_empty());
+        offers.insert(pb::Role::Executor, vec![Some(names(&["codex"]))]);
+        assert!(backend_gaps(&ready, &offers, &[pb::Role::Executor]).is_empty());
     }
 }

@@ -51,6 +51,7 @@ use crate::lifecycle::check_end;
 use crate::lifecycle::claim::{self, ClaimRequest, Claimed};
 use crate::lifecycle::complete::{self, Completion};
 use crate::lifecycle::heartbeat::heartbeat_in;
+use crate::lifecycle::routing::Filter;
 use crate::lifecycle::task_cache::{self, TaskCache};
 use crate::store::sessions::{self, SessionRow};
 use crate::store::{Dialect, Store, Tx};
@@ -288,18 +289,16 @@ impl GroupCommit {
         if parked.is_empty() {
             return;
         }
-        let roles = ops
+        let first = ops
             .iter()
             .filter(|op| op.session_id() == session_id)
             .find_map(Op::claim_request)
-            .map_or_else(
-                || parked[0].request.roles.clone(),
-                |request| request.roles.clone(),
-            );
+            .unwrap_or(&parked[0].request)
+            .clone();
         let now = crate::convert::now_ms();
         let (taken, left): (Vec<Parked>, Vec<Parked>) = std::mem::take(&mut *parked)
             .into_iter()
-            .partition(|claim| claim.request.roles == roles);
+            .partition(|claim| claim.request.filter() == first.filter());
         *parked = left;
         drop(parked);
         ops.extend(taken.into_iter().map(|claim| Op::Claim {
@@ -346,7 +345,7 @@ impl GroupCommit {
     pub(crate) async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claimed>, Error> {
         // Each round either claims or finds that others took the picked session's ready tasks
         // first (someone made progress), so this ends once nothing is ready.
-        while let Some(session_id) = self.store.pick_session(&request.roles).await? {
+        while let Some(session_id) = self.store.pick_session(request.filter()).await? {
             let (reply, answer) = oneshot::channel();
             let op = Op::Claim {
                 session_id: session_id.clone(),
@@ -534,11 +533,11 @@ impl GroupCommit {
             }
         };
         // Only `complete_eager` writes once (see `run_session`).
-        let roles = ops
+        let filters = ops
             .iter()
             .filter_map(Op::claim_request)
-            .map(|request| request.roles.as_slice());
-        if !one_batch(&session, roles) {
+            .map(ClaimRequest::filter);
+        if !one_batch(&session, filters) {
             return Err(GroupError::Contended);
         }
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
@@ -800,35 +799,41 @@ impl GroupCommit {
             .chain(requests.iter().map(|request| request.now))
             .max()
             .unwrap_or_default();
-        let (done, claimed, check_end) = if one_batch(
-            session,
-            requests.iter().map(|request| request.roles.as_slice()),
-        ) {
-            // The common case: one batch reads, settles, claims and writes.
-            let batch = completions
-                .iter()
-                .map(|(_, completion, _)| Completion::clone(completion))
-                .collect();
-            let batch =
-                complete::complete_eager(&self.store, tx, session, batch, &requests, now, tasks)
-                    .await?;
-            (batch.tasks, batch.claimed, batch.check_end)
-        } else {
-            // Waves, a session no longer active, or claims asking for different roles:
-            // completions one by one over the whole graph, then the claims.
-            let mut done = Vec::with_capacity(completions.len());
-            for (_, completion, now) in &completions {
-                done.push(
-                    complete::complete_in(tx, session, Completion::clone(completion), *now).await?,
-                );
-            }
-            let claimed = if requests.is_empty() {
-                Vec::new()
+        let (done, claimed, check_end) =
+            if one_batch(session, requests.iter().map(ClaimRequest::filter)) {
+                // The common case: one batch reads, settles, claims and writes.
+                let batch = completions
+                    .iter()
+                    .map(|(_, completion, _)| Completion::clone(completion))
+                    .collect();
+                let batch = complete::complete_eager(
+                    &self.store,
+                    tx,
+                    session,
+                    batch,
+                    &requests,
+                    now,
+                    tasks,
+                )
+                .await?;
+                (batch.tasks, batch.claimed, batch.check_end)
             } else {
-                claim::claim_in(&self.store, tx, session, &requests).await?
+                // Waves, a session no longer active, or claims asking for different roles:
+                // completions one by one over the whole graph, then the claims.
+                let mut done = Vec::with_capacity(completions.len());
+                for (_, completion, now) in &completions {
+                    done.push(
+                        complete::complete_in(tx, session, Completion::clone(completion), *now)
+                            .await?,
+                    );
+                }
+                let claimed = if requests.is_empty() {
+                    Vec::new()
+                } else {
+                    claim::claim_in(&self.store, tx, session, &requests).await?
+                };
+                (done, claimed, None)
             };
-            (done, claimed, None)
-        };
         for ((i, _, _), task) in completions.iter().zip(done) {
             outcomes[*i] = Some(Outcome::Complete(Box::new(task), Vec::new()));
         }
@@ -854,18 +859,18 @@ fn copyable(session: &SessionRow, ops: &[Op]) -> bool {
         session,
         mine()
             .filter_map(Op::claim_request)
-            .map(|r| r.roles.as_slice()),
+            .map(ClaimRequest::filter),
     )
 }
 
-/// Whether a session's completions and claims (asking for `roles`) run as one batch
+/// Whether a session's completions and claims (asking for `filters`) run as one batch
 /// ([`complete::complete_eager`]): in an active eager session, with every claim asking for the
-/// same roles.
-fn one_batch<'a>(session: &SessionRow, mut roles: impl Iterator<Item = &'a [pb::Role]>) -> bool {
-    let first = roles.next();
+/// same roles and offering the same backends.
+fn one_batch<'a>(session: &SessionRow, mut filters: impl Iterator<Item = Filter<'a>>) -> bool {
+    let first = filters.next();
     session.mode == troupe_plan::Mode::Eager
         && session.state == pb::SessionState::Active
-        && roles.all(|these| Some(these) == first)
+        && filters.all(|these| Some(these) == first)
 }
 
 /// Sends an operation its answer (a caller that went away is not waiting for it).

@@ -51,6 +51,9 @@ pub(crate) struct Task {
     pub(crate) superseded_by: String,
     /// The task's own criteria as last checked by a validator task downstream of it.
     pub(crate) convergence: Option<pb::TaskConvergence>,
+    /// The backends a worker must offer (one of) to take it, primary first; empty: any
+    /// worker (see [`crate::lifecycle::routing`]). Decided at intake.
+    pub(crate) backends: Vec<String>,
 }
 
 /// Returns true for states a task never leaves on its own.
@@ -312,6 +315,7 @@ mod tests {
             last_error: None,
             superseded_by: String::new(),
             convergence: None,
+            backends: Vec::new(),
         }
     }
 

@@ -896,9 +896,7 @@ impl Executor {
             .clone()
             .filter(|id| !id.is_empty())
             .unwrap_or_else(|| spec.id.clone());
-        let hints = spec.object.get(troupe_plan::execution::PLAN_HINTS);
-        let resolved = mode::resolve(&spec.object, hints, &self.config)
-            .map_err(|message| failure(ErrorKind::InvalidTask, message, false))?;
+        let resolved = mode::resolve(&spec, &self.config);
         let read_only = spec
             .object
             .get("mode")
@@ -1298,7 +1296,7 @@ impl Executor {
         let attempt_dir = prompt_file
             .parent()
             .map_or_else(|| self.data_dir.clone(), Path::to_path_buf);
-        let chain = mode::candidates(&p.resolved.backend, &self.config);
+        let chain = mode::candidates(&p.resolved.backend, agent.fallback.as_deref(), &self.config);
         spec.blocks
             .agent
             .as_ref()

@@ -229,6 +229,21 @@ impl troupe_grpc::boot::Service for App {
 
     /// Runs the executor worker loop when a coordinator is configured, else waits for shutdown.
     async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+        // What `troupe doctor` sees here (installed, with a credential), so the coordinator
+        // routes tasks to workers that can run their backend; probed once, at start.
+        let capabilities = match &self.config.coordinator_url {
+            Some(_) => {
+                let infos = self.executor.probe().await;
+                let offered: Vec<String> = infos
+                    .iter()
+                    .filter(|info| info.available)
+                    .map(|info| troupe_plan::backend::capability(&info.name))
+                    .collect();
+                tracing::info!(backends = ?offered, "backends this worker can run");
+                offered
+            }
+            None => Vec::new(),
+        };
         let settings = WorkerSettings {
             coordinator_url: self.config.coordinator_url.clone(),
             worker_id: self.config.worker_id.clone(),
@@ -238,6 +253,7 @@ impl troupe_grpc::boot::Service for App {
             connector: &self.executor.options().connector,
             data_dir: &self.config.data_dir,
             health: self.health.clone(),
+            capabilities,
         };
         run_worker_if_configured(
             settings,

@@ -2,7 +2,8 @@
 //! §1.B.3), plus the backends to fall back to and the native session to continue (§3.6).
 
 use serde_json::{Map, Value};
-use troupe_backends::{BACKEND_NAMES, BackendsConfig, ErrorKind};
+use troupe_backends::{BackendsConfig, ErrorKind};
+use troupe_plan::{AutoPick, BackendChoice, TaskSpec};
 
 /// The chosen backend and the reason, as recorded in `ImplementationReport.backend_reason`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -11,126 +12,37 @@ pub(crate) struct Resolved {
     pub(crate) reason: String,
 }
 
-fn known(name: &str) -> Option<String> {
-    let name = name.trim().to_ascii_lowercase();
-    BACKEND_NAMES.contains(&name.as_str()).then_some(name)
+/// Resolves the backend: the task's choice ([`troupe_plan::backend::choose`], the one
+/// implementation the coordinator routes by too), an auto choice filled from `config` (its
+/// `auto_backend`, or the first of its fallback chain).
+pub(crate) fn resolve(spec: &TaskSpec, config: &BackendsConfig) -> Resolved {
+    match troupe_plan::backend::choose(spec) {
+        BackendChoice::Named { backend, reason } => Resolved { backend, reason },
+        BackendChoice::Auto { pick, reason } => {
+            let backend = match pick {
+                AutoPick::FirstFallback => config.fallback.first(),
+                AutoPick::AutoBackend => None,
+            };
+            Resolved {
+                backend: backend.unwrap_or(&config.auto_backend).clone(),
+                reason: if backend.is_none() && pick == AutoPick::FirstFallback {
+                    format!("{reason} (empty: the auto backend)")
+                } else {
+                    reason
+                },
+            }
+        }
+    }
 }
 
-/// `Executor: codex` (or `Executor: Agent`) in the description.
-fn executor_field(description: &str) -> Option<String> {
-    description.lines().find_map(|line| {
-        let rest = line.trim().strip_prefix("Executor:")?;
-        let word = rest.split_whitespace().next()?;
-        known(word.trim_matches(|c: char| !c.is_ascii_alphanumeric()))
-    })
-}
-
-fn complexity(spec: &Map<String, Value>, plan: Option<&Value>) -> Option<String> {
-    spec.get("complexity")
-        .or_else(|| spec.get("meta").and_then(|m| m.get("complexity")))
-        .or_else(|| plan.and_then(|p| p.get("complexity")))
-        .and_then(Value::as_str)
-        .map(str::to_ascii_lowercase)
-}
-
-/// Resolves the backend in CCW's priority order: the task (`Executor:` in the description,
-/// `agent.backend`, `agent.command`) → `meta.execution_config` → the plan's
-/// `recommended_execution` (`plan`: the task's `plan_hints`, from its plan at intake) → auto (Low complexity → `agent`, else the configured auto backend).
-pub(crate) fn resolve(
-    spec: &Map<String, Value>,
-    plan: Option<&Value>,
+/// Backends to try in order: the resolved one, then the task's `agent.fallback`, else the
+/// configured chain (never for `command`, whose argv is the plan author's own program).
+pub(crate) fn candidates(
+    resolved: &str,
+    fallback: Option<&[String]>,
     config: &BackendsConfig,
-) -> Result<Resolved, String> {
-    let pick = |backend: String, reason: &str| {
-        Ok(Resolved {
-            backend,
-            reason: reason.to_owned(),
-        })
-    };
-    let description = spec
-        .get("description")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
-    if let Some(name) = executor_field(description) {
-        return pick(name, "task description `Executor:` field");
-    }
-    let agent = spec.get("agent");
-    if let Some(name) = agent.and_then(|a| a.get("backend")).and_then(Value::as_str) {
-        return match known(name) {
-            Some(name) => pick(name, "task agent.backend"),
-            None => Err(format!(
-                "unknown backend `{name}` (known: {})",
-                BACKEND_NAMES.join(", ")
-            )),
-        };
-    }
-    if agent
-        .and_then(|a| a.get("command"))
-        .is_some_and(|c| !c.is_null())
-    {
-        return pick("command".to_owned(), "task agent.command");
-    }
-    if let Some(exec) = spec
-        .get("meta")
-        .and_then(|m| m.get("execution_config"))
-        .and_then(Value::as_object)
-    {
-        let method = exec
-            .get("method")
-            .and_then(Value::as_str)
-            .unwrap_or_default();
-        let tool = exec
-            .get("cli_tool")
-            .and_then(Value::as_str)
-            .unwrap_or("auto");
-        match method.to_ascii_lowercase().as_str() {
-            "agent" => return pick("agent".to_owned(), "meta.execution_config.method = agent"),
-            "cli" => {
-                if let Some(name) = known(tool) {
-                    return pick(name, "meta.execution_config.cli_tool");
-                }
-                if let Some(first) = config.fallback.first() {
-                    return pick(
-                        first.clone(),
-                        "meta.execution_config cli_tool auto: first of the fallback chain",
-                    );
-                }
-            }
-            _ => {}
-        }
-    }
-    match plan
-        .and_then(|p| p.get("recommended_execution"))
-        .and_then(Value::as_str)
-        .map(str::to_ascii_lowercase)
-        .as_deref()
-    {
-        Some("agent") => return pick("agent".to_owned(), "plan recommended_execution = Agent"),
-        Some("codex") => return pick("codex".to_owned(), "plan recommended_execution = Codex"),
-        _ => {}
-    }
-    match complexity(spec, plan).as_deref() {
-        Some("low") => pick("agent".to_owned(), "auto: low complexity"),
-        Some(other) => pick(
-            config.auto_backend.clone(),
-            &format!("auto: {other} complexity"),
-        ),
-        None => pick(config.auto_backend.clone(), "auto: complexity not stated"),
-    }
-}
-
-/// Backends to try in order: the resolved one, then the fallback chain (never for `command`,
-/// whose argv is the plan author's own program).
-pub(crate) fn candidates(resolved: &str, config: &BackendsConfig) -> Vec<String> {
-    let mut out = vec![resolved.to_owned()];
-    if resolved != "command" {
-        for name in &config.fallback {
-            if !out.contains(name) {
-                out.push(name.clone());
-            }
-        }
-    }
-    out
+) -> Vec<String> {
+    troupe_backends::chain::candidates(resolved, fallback, config)
 }
 
 /// Whether another backend may succeed where this one failed with `kind` (the policy the
@@ -188,78 +100,57 @@ mod tests {
         v.as_object().expect("object").clone()
     }
 
+    fn spec(v: Value) -> TaskSpec {
+        TaskSpec::from_object(&obj(v), Some(troupe_plan::Role::Executor)).expect("task")
+    }
+
     #[test]
-    fn ccw_priority_order() {
-        let config = BackendsConfig::default();
-        let r = |spec: Value, plan: Option<Value>| {
-            resolve(&obj(spec), plan.as_ref(), &config).expect("resolves")
+    fn an_auto_choice_is_filled_from_the_config() {
+        let mut config = BackendsConfig {
+            auto_backend: "gemini".into(),
+            fallback: vec!["qwen".into()],
+            ..BackendsConfig::default()
         };
-        let exec = json!({"method": "cli", "cli_tool": "qwen"});
+        let r = |v: Value, config: &BackendsConfig| resolve(&spec(v), config);
         assert_eq!(
-            r(
-                json!({"description": "do it\nExecutor: gemini", "agent": {"backend": "codex"}}),
-                None
-            )
-            .backend,
-            "gemini"
+            r(json!({"id": "IMPL-1", "complexity": "High"}), &config),
+            Resolved {
+                backend: "gemini".into(),
+                reason: "auto: high complexity".into()
+            }
         );
+        let cli_auto = json!({"id": "IMPL-1", "meta": {"execution_config": {"method": "cli", "cli_tool": "auto"}}});
+        assert_eq!(r(cli_auto.clone(), &config).backend, "qwen");
+        config.fallback.clear();
+        assert_eq!(r(cli_auto, &config).backend, "gemini");
         assert_eq!(
             r(
-                json!({"agent": {"backend": "claude"}, "meta": {"execution_config": exec}}),
-                None
+                json!({"id": "IMPL-1", "agent": {"backend": "claude"}}),
+                &config
             ),
             Resolved {
                 backend: "claude".into(),
                 reason: "task agent.backend".into()
             }
         );
-        assert_eq!(
-            r(
-                json!({"meta": {"execution_config": exec}}),
-                Some(json!({"recommended_execution": "Agent"}))
-            )
-            .backend,
-            "qwen"
-        );
-        assert_eq!(
-            r(
-                json!({"meta": {"execution_config": {"method": "agent"}}}),
-                None
-            )
-            .backend,
-            "agent"
-        );
-        assert_eq!(
-            r(json!({}), Some(json!({"recommended_execution": "Agent"}))).backend,
-            "agent"
-        );
-        assert_eq!(
-            r(
-                json!({}),
-                Some(json!({"recommended_execution": "Parallel", "complexity": "Low"}))
-            )
-            .reason,
-            "auto: low complexity"
-        );
-        assert_eq!(
-            r(json!({"complexity": "High"}), None),
-            Resolved {
-                backend: "codex".into(),
-                reason: "auto: high complexity".into()
-            }
-        );
-        assert!(resolve(&obj(json!({"agent": {"backend": "nope"}})), None, &config).is_err());
     }
 
     #[test]
     fn chains_and_strategies() {
         let config = BackendsConfig::default();
         assert_eq!(
-            candidates("claude", &config),
+            candidates("claude", None, &config),
             ["claude", "gemini", "qwen", "codex"]
         );
-        assert_eq!(candidates("qwen", &config), ["qwen", "gemini", "codex"]);
-        assert_eq!(candidates("command", &config), ["command"]);
+        assert_eq!(
+            candidates("qwen", None, &config),
+            ["qwen", "gemini", "codex"]
+        );
+        assert_eq!(
+            candidates("claude", Some(&["codex".to_owned()]), &config),
+            ["claude", "codex"]
+        );
+        assert_eq!(candidates("command", None, &config), ["command"]);
         assert!(falls_back(ErrorKind::Auth) && !falls_back(ErrorKind::InvalidTask));
         assert!(!retries_same(ErrorKind::Auth));
         assert_eq!(

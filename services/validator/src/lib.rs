@@ -275,6 +275,8 @@ impl troupe_grpc::boot::Service for App {
             connector: &self.connector,
             data_dir: &self.config.data_dir,
             health: self.health.clone(),
+            // Their tasks are not routed by backend (see `troupe_plan::backend::routes`).
+            capabilities: Vec::new(),
         };
         run_worker_if_configured(
             settings,

@@ -226,6 +226,10 @@ pub struct WorkerConfig {
     /// fail, SERVING again at the next that succeeds, so a probe sees a worker that cannot
     /// reach its coordinator.
     pub health: Option<ServiceHealth>,
+    /// What this worker offers, sent with every claim (`ClaimTasksRequest.capabilities`):
+    /// `backend:<name>` for each agent backend it can run here; the coordinator routes tasks
+    /// by them. Empty: the worker declares none and may be given any task of its roles.
+    pub capabilities: Vec<String>,
 }
 
 /// Failed claims in a row after which a worker reports its service NOT_SERVING: one failure
@@ -254,6 +258,7 @@ impl WorkerConfig {
             connector: Connector::default(),
             assets_dir: None,
             health: None,
+            capabilities: Vec::new(),
         }
     }
 
@@ -389,6 +394,8 @@ pub struct WorkerSettings<'a> {
     pub data_dir: &'a std::path::Path,
     /// The service's health entry, flipped while the coordinator cannot be reached.
     pub health: Option<ServiceHealth>,
+    /// What the worker offers (see [`WorkerConfig::capabilities`]).
+    pub capabilities: Vec<String>,
 }
 
 /// Runs the worker loop when a coordinator URL is configured; otherwise the service only
@@ -415,6 +422,7 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
     config.connector = settings.connector.clone();
     config.assets_dir = Some(settings.data_dir.join("assets"));
     config.health = settings.health;
+    config.capabilities = settings.capabilities;
     run_worker(config, handler, shutdown).await.map(drop)
 }
 
@@ -574,7 +582,7 @@ fn claim_request(config: &WorkerConfig, max: usize, wait: Option<Duration>) -> C
     ClaimTasksRequest {
         worker_id: config.worker_id.clone(),
         roles: config.roles.iter().map(|role| *role as i32).collect(),
-        capabilities: Vec::new(),
+        capabilities: config.capabilities.clone(),
         max_tasks: u32::try_from(max).unwrap_or(u32::MAX),
         wait: wait.map(duration_proto),
         lease_duration: Some(duration_proto(config.lease)),

@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 mod approval;
+pub mod backend;
 pub mod ccw;
 pub mod execution;
 mod kind;
@@ -24,6 +25,7 @@ use serde_json::{Map, Value};
 use troupe_proto::v1 as pb;
 
 pub use approval::approval_prompt;
+pub use backend::{AutoPick, BackendChoice};
 pub use kind::{TaskKind, id_prefix};
 pub use spec::TaskBlocks;
 pub use task::TaskSpec;

@@ -16,9 +16,18 @@ pub(crate) struct ClaimRequest {
     pub(crate) worker_id: String,
     /// Any role when empty.
     pub(crate) roles: Vec<pb::Role>,
+    /// The backends its worker can run (see [`super::routing`]).
+    pub(crate) backends: super::routing::Offer,
     pub(crate) max: u32,
     pub(crate) lease_ms: i64,
     pub(crate) now: i64,
+}
+
+impl ClaimRequest {
+    /// What it asks for: claims with the same filter share one read of ready tasks.
+    pub(crate) fn filter(&self) -> super::routing::Filter<'_> {
+        (&self.roles, self.backends.as_deref())
+    }
 }
 
 /// A task a claim handed out.
@@ -62,19 +71,19 @@ pub(crate) async fn claim_in(
     let session_id = session.id.as_str();
     let mut taken: Vec<(usize, Task)> = Vec::new();
     if session.state == SessionState::Active {
-        let mut filters: Vec<&[pb::Role]> = Vec::new();
+        let mut filters: Vec<super::routing::Filter<'_>> = Vec::new();
         for claim in claims {
-            if !filters.contains(&claim.roles.as_slice()) {
-                filters.push(&claim.roles);
+            if !filters.contains(&claim.filter()) {
+                filters.push(claim.filter());
             }
         }
-        for roles in filters {
+        for filter in filters {
             let serves: Vec<usize> = (0..claims.len())
-                .filter(|&i| claims[i].roles.as_slice() == roles)
+                .filter(|&i| claims[i].filter() == filter)
                 .collect();
             let wanted: usize = serves.iter().map(|&i| claims[i].max as usize).sum();
             // Tasks another filter already took are skipped, so ask for that many more.
-            let ready: Vec<Task> = load_claimable(tx, session_id, roles, wanted + taken.len())
+            let ready: Vec<Task> = load_claimable(tx, session_id, filter, wanted + taken.len())
                 .await?
                 .into_iter()
                 .filter(|task| !taken.iter().any(|(_, known)| known.id == task.id))

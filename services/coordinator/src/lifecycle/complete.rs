@@ -81,7 +81,9 @@ pub(crate) async fn complete_eager(
     cache: Option<&mut TaskCache>,
 ) -> Result<EagerBatch, Error> {
     let session_id = session.id.as_str();
-    let roles: &[pb::Role] = claims.first().map_or(&[], |claim| claim.roles.as_slice());
+    // Every claim asks for the same filter (see `one_batch` in the group commit).
+    let filter = claims.first().map_or((&[][..], None), ClaimRequest::filter);
+    let roles = filter.0;
     let wanted: usize = claims.iter().map(|claim| claim.max as usize).sum();
     let ids: Vec<String> = completions.iter().map(|c| c.task_id.clone()).collect();
     let Gathered {
@@ -90,8 +92,8 @@ pub(crate) async fn complete_eager(
         ready,
         busy,
     } = match cache.as_deref() {
-        Some(cache) => cache.gather(&ids, roles, wanted),
-        None => read_batch(tx, session_id, &ids, roles, wanted).await?,
+        Some(cache) => cache.gather(&ids, filter, wanted),
+        None => read_batch(tx, session_id, &ids, filter, wanted).await?,
     };
 
     // The working set, each task once, with its stored form alongside.
@@ -163,7 +165,9 @@ pub(crate) async fn complete_eager(
     // The claims take the best ready tasks, those just readied included, in claim order.
     let mut candidates: Vec<usize> = (0..work.len())
         .filter(|&i| {
-            work[i].state == TaskState::Ready && (roles.is_empty() || roles.contains(&work[i].role))
+            work[i].state == TaskState::Ready
+                && (roles.is_empty() || roles.contains(&work[i].role))
+                && super::routing::can_run(filter.1, &work[i].backends)
         })
         .collect();
     candidates.sort_by_key(|&i| claim_order(&work[i]));

@@ -267,8 +267,15 @@ fn decide(
     rerun_spec.insert("gc_origin".to_owned(), json!(chain));
     rerun_spec.insert("gc_round".to_owned(), json!(round));
 
+    // The fix task runs the backend its own spec names (the loop's agent), not the failed
+    // task's: routed by that.
+    let fix_backends =
+        troupe_plan::TaskSpec::from_object(&fix_spec, Some(troupe_plan::Role::Executor))
+            .map(|spec| troupe_plan::backend::routes(&spec))
+            .unwrap_or_default();
     let fix = Task {
         id: fix_id.clone(),
+        backends: fix_backends,
         position: failed.position + 1,
         title,
         description,
@@ -492,6 +499,7 @@ mod tests {
             last_error: None,
             superseded_by: String::new(),
             convergence: None,
+            backends: Vec::new(),
         }
     }
 

@@ -35,6 +35,7 @@ pub(crate) mod heartbeat;
 pub(crate) mod pause;
 pub(crate) mod reap;
 pub(crate) mod resume;
+pub(crate) mod routing;
 pub(crate) mod task_cache;
 
 /// Applies the graph's consequences of a change (settle, session outcome), writes the changed

@@ -97,7 +97,12 @@ impl TaskCache {
     }
 
     /// What the database read of a batch ([`crate::store::tasks::read_batch`]) would return.
-    pub(super) fn gather(&self, ids: &[String], roles: &[pb::Role], wanted: usize) -> Gathered {
+    pub(super) fn gather(
+        &self,
+        ids: &[String],
+        (roles, offer): super::routing::Filter<'_>,
+        wanted: usize,
+    ) -> Gathered {
         let originals = self.get_all(ids);
         let mut dependents: Vec<Task> = Vec::new();
         for id in ids {
@@ -117,6 +122,7 @@ impl TaskCache {
             .filter_map(|(_, id)| self.tasks.get(id))
             .filter(|task| !ids.contains(&task.id))
             .filter(|task| roles.is_empty() || roles.contains(&task.role))
+            .filter(|task| super::routing::can_run(offer, &task.backends))
             .take(wanted)
             .cloned()
             .collect();

@@ -157,8 +157,9 @@ impl Coordinator {
         WORKER_TOUCH_MS.min(millis(self.capability_gap) / 4)
     }
 
-    /// Records the worker and its roles in the store (at most every few seconds per worker).
-    async fn touch_worker(&self, worker_id: &str, roles: &[pb::Role]) {
+    /// Records the worker, its roles and the backends it offers in the store (at most every
+    /// few seconds per worker).
+    async fn touch_worker(&self, worker_id: &str, roles: &[pb::Role], backends: Option<&[String]>) {
         let now = now_ms();
         let due = {
             let mut seen = self
@@ -173,7 +174,12 @@ impl Coordinator {
                 }
             }
         };
-        if due && let Err(err) = self.store.touch_worker(worker_id, roles, now).await {
+        if due
+            && let Err(err) = self
+                .store
+                .touch_worker(worker_id, roles, backends, now)
+                .await
+        {
             tracing::warn!(worker_id, error = %err, "could not record worker");
         }
     }

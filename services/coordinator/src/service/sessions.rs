@@ -506,6 +506,7 @@ fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<Task> {
             last_error: None,
             superseded_by: String::new(),
             convergence: None,
+            backends: troupe_plan::backend::plan_routes(task),
         })
         .collect()
 }

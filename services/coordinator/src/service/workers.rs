@@ -138,10 +138,13 @@ impl Coordinator {
             max => max.min(MAX_CLAIM),
         };
         let lease_ms = millis(lease(request.lease_duration, DEFAULT_LEASE)?);
-        self.touch_worker(&request.worker_id, &roles).await;
+        let backends = troupe_plan::backend::offered(&request.capabilities);
+        self.touch_worker(&request.worker_id, &roles, backends.as_deref())
+            .await;
         Ok(ClaimRequest {
             worker_id: request.worker_id.clone(),
             roles,
+            backends,
             max,
             lease_ms,
             now: now_ms(),
@@ -221,16 +224,30 @@ impl Coordinator {
             return Ok(out);
         }
         let seen = self.store.role_last_seen(0).await?;
-        let mut by_session: BTreeMap<String, Vec<(String, pb::Role)>> = BTreeMap::new();
-        for (session_id, task_id, role) in ready {
+        // What the workers seen within the gap threshold offer, per role with routed tasks.
+        let live_since = now - millis(self.capability_gap);
+        let mut offers = std::collections::HashMap::new();
+        for (_, _, role, routes) in &ready {
+            if !routes.is_empty() && !offers.contains_key(role) {
+                offers.insert(*role, self.store.offers(*role, live_since).await?);
+            }
+        }
+        let mut by_session: BTreeMap<String, Vec<check::Ready>> = BTreeMap::new();
+        for (session_id, task_id, role, routes) in ready {
             by_session
                 .entry(session_id)
                 .or_default()
-                .push((task_id, role));
+                .push((task_id, role, routes));
         }
         for (session_id, ready) in by_session {
-            let gaps =
-                check::capability_gaps(&ready, &seen, self.started_at, now, self.capability_gap);
+            let roles: Vec<(String, pb::Role)> = ready
+                .iter()
+                .map(|(id, role, _)| (id.clone(), *role))
+                .collect();
+            let mut gaps =
+                check::capability_gaps(&roles, &seen, self.started_at, now, self.capability_gap);
+            let unserved: Vec<pb::Role> = gaps.iter().map(pb::CapabilityGap::role).collect();
+            gaps.extend(check::backend_gaps(&ready, &offers, &unserved));
             if !gaps.is_empty() {
                 out.insert(session_id, gaps);
             }
@@ -250,6 +267,9 @@ impl Coordinator {
                 let role = check::role_name(gap.role());
                 let mut data = serde_json::Map::new();
                 data.insert("role".into(), role.into());
+                if !gap.backend.is_empty() {
+                    data.insert("backend".into(), gap.backend.clone().into());
+                }
                 data.insert("task_ids".into(), gap.task_ids.clone().into());
                 data.insert(
                     "covered_by".into(),
@@ -264,7 +284,16 @@ impl Coordinator {
                     kind: "capability_gap".to_owned(),
                     summary: format!("[coordinator] capability_gap: {}", gap.message),
                     data: Some(data),
-                    idempotency_key: Some(format!("capability_gap:{role}:{since}")),
+                    idempotency_key: Some(if gap.backend.is_empty() {
+                        format!("capability_gap:{role}:{since}")
+                    } else {
+                        // Once per backend, task set and session: no clock to age it by.
+                        format!(
+                            "capability_gap:{role}:{}:{}",
+                            gap.backend,
+                            gap.task_ids.join(",")
+                        )
+                    }),
                 };
                 let (_, created) = self.log(&session_id, message, now).await?;
                 if created {

@@ -12,12 +12,13 @@ use troupe_proto::v1::{self as pb, SessionState, TaskState};
 
 use super::{Dialect, Store, Tx, corrupt, parse_object, to_i64, to_u32};
 use crate::Error;
+use crate::lifecycle::routing::{self, Filter};
 use crate::task::Task;
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
      wave, critical_path, path_ms, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
      worker_id, lease_ms, lease_expires_at, not_before, created_at, started_at, finished_at, \
-     progress, result, last_error, superseded_by, convergence";
+     progress, result, last_error, superseded_by, convergence, backends";
 
 /// [`TASK_COLUMNS`] of a table named `t`.
 static QUALIFIED_COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
@@ -34,6 +35,9 @@ static QUALIFIED_COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new
 pub(crate) fn lite_columns() -> String {
     TASK_COLUMNS.replace(" spec,", " '{}' AS spec,")
 }
+
+/// A ready task of an active session: (session id, task id, role, its routes).
+pub(crate) type ReadyTask = (String, String, pb::Role, Vec<String>);
 
 /// JSON shape of a stored file change.
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -107,6 +111,9 @@ fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
                 troupe_proto::legacy::upgrade_convergence(&mut convergence);
                 convergence
             }),
+        backends: crate::lifecycle::routing::from_column(
+            row.try_get::<Option<String>, _>("backends")?.as_deref(),
+        ),
     })
 }
 
@@ -115,7 +122,7 @@ pub(crate) async fn insert_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
 }
 
 /// Columns [`insert_tasks`] binds per row (the others take their defaults).
-const INSERT_COLUMNS: [&str; 19] = [
+const INSERT_COLUMNS: [&str; 20] = [
     "session_id",
     "id",
     "position",
@@ -135,6 +142,7 @@ const INSERT_COLUMNS: [&str; 19] = [
     "created_at",
     "finished_at",
     "result",
+    "backends",
 ];
 
 /// Rows per `INSERT` at intake: 19 parameters each, well below both databases' limits.
@@ -182,7 +190,8 @@ pub(crate) async fn insert_tasks(tx: &mut Tx, tasks: &[Task]) -> Result<(), Erro
                 .bind(i64::from(task.max_attempts))
                 .bind(task.created_at)
                 .bind(task.finished_at)
-                .bind(task.result.as_ref().map(prost::Message::encode_to_vec));
+                .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
+                .bind(crate::lifecycle::routing::to_column(&task.backends));
         }
         query.execute(&mut **tx).await?;
     }
@@ -439,13 +448,14 @@ pub(crate) async fn load_tasks_lite(tx: &mut Tx, session_id: &str) -> Result<Vec
 pub(crate) async fn load_claimable(
     tx: &mut Tx,
     session_id: &str,
-    roles: &[pb::Role],
+    (roles, offer): Filter<'_>,
     limit: usize,
 ) -> Result<Vec<Task>, Error> {
     let role_filter = role_filter("role", roles, 3);
+    let (routing, patterns) = routing::sql_filter("backends", offer, 3 + roles.len());
     // The state is a constant in the statement (see `Store::pick_session`).
     let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {}{role_filter} \
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {}{role_filter}{routing} \
          ORDER BY priority, path_ms DESC, created_at, position LIMIT $2",
         TaskState::Ready as i32
     )))
@@ -453,6 +463,9 @@ pub(crate) async fn load_claimable(
     .bind(i64::try_from(limit).unwrap_or(i64::MAX));
     for role in roles {
         query = query.bind(*role as i32);
+    }
+    for pattern in patterns {
+        query = query.bind(pattern);
     }
     let rows = query.fetch_all(&mut **tx).await?;
     rows.iter().map(task_from_row).collect()
@@ -557,7 +570,7 @@ pub(crate) async fn read_batch(
     tx: &mut Tx,
     session_id: &str,
     ids: &[String],
-    roles: &[pb::Role],
+    (roles, offer): Filter<'_>,
     wanted: usize,
 ) -> Result<Gathered, Error> {
     let mut originals: HashMap<String, Task> = HashMap::with_capacity(ids.len());
@@ -623,8 +636,9 @@ pub(crate) async fn read_batch(
             let state = TaskState::Ready as i32;
             let limit = param();
             let first_role: usize = next;
+            let (routing, _) = routing::sql_filter("backends", offer, first_role + roles.len());
             parts.push(format!(
-                "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {state}{} \
+                "SELECT * FROM (SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {state}{}{routing} \
                  ORDER BY priority, path_ms DESC, created_at, position LIMIT {limit}) r",
                 role_filter("role", roles, first_role)
             ));
@@ -640,6 +654,9 @@ pub(crate) async fn read_batch(
             query = query.bind(i64::try_from(wanted).unwrap_or(i64::MAX));
             for role in roles {
                 query = query.bind(*role as i32);
+            }
+            for pattern in routing::sql_filter("backends", offer, 0).1 {
+                query = query.bind(pattern);
             }
         }
         for row in query.fetch_all(&mut **tx).await? {
@@ -764,14 +781,20 @@ impl Store {
     /// The session holding the best ready task of `roles` (any role when empty) in claim
     /// order, read without locks: a claim is queued on that session's group (see
     /// [`crate::group_commit`]), which takes the session's best ready tasks under its lock.
-    pub(crate) async fn pick_session(&self, roles: &[pb::Role]) -> Result<Option<String>, Error> {
+    pub(crate) async fn pick_session(
+        &self,
+        (roles, offer): Filter<'_>,
+    ) -> Result<Option<String>, Error> {
         let role_filter = role_filter("t.role", roles, 1);
+        // A worker never picks a session for tasks it cannot run (they would stay its best
+        // candidate forever, and its claims come back empty).
+        let (routing, patterns) = routing::sql_filter("t.backends", offer, 1 + roles.len());
         // The order of the `tasks_claim` index, so the best candidate is its first entry. The
         // states are constants written into the statement, not parameters: PostgreSQL's
         // generic plans (see `open_postgres`) then still know how few rows they select.
         let sql = format!(
             "SELECT t.session_id FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             WHERE t.state = {} AND s.state = {}{role_filter} \
+             WHERE t.state = {} AND s.state = {}{role_filter}{routing} \
              ORDER BY t.priority, t.path_ms DESC, t.created_at, t.session_id, t.position LIMIT 1",
             TaskState::Ready as i32,
             SessionState::Active as i32
@@ -780,14 +803,18 @@ impl Store {
         for role in roles {
             query = query.bind(*role as i32);
         }
+        for pattern in patterns {
+            query = query.bind(pattern);
+        }
         let row = query.fetch_optional(&self.reader).await?;
         Ok(row.map(|row| row.try_get("session_id")).transpose()?)
     }
 
-    /// Returns the ready tasks of active sessions as (session id, task id, role).
-    pub(crate) async fn ready_tasks(&self) -> Result<Vec<(String, String, pb::Role)>, Error> {
+    /// Returns the ready tasks of active sessions as (session id, task id, role, the backends
+    /// a worker must offer one of).
+    pub(crate) async fn ready_tasks(&self) -> Result<Vec<ReadyTask>, Error> {
         let rows = sqlx::query(
-            "SELECT t.session_id, t.id, t.role FROM tasks t JOIN sessions s ON s.id = t.session_id \
+            "SELECT t.session_id, t.id, t.role, t.backends FROM tasks t JOIN sessions s ON s.id = t.session_id \
              WHERE t.state = $1 AND s.state = $2 ORDER BY t.session_id, t.position",
         )
         .bind(TaskState::Ready as i32)
@@ -800,6 +827,7 @@ impl Store {
                     row.try_get("session_id")?,
                     row.try_get("id")?,
                     pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
+                    routing::from_column(row.try_get::<Option<String>, _>("backends")?.as_deref()),
                 ))
             })
             .collect()

@@ -9,6 +9,7 @@ mod plans;
 mod processes;
 mod restart;
 mod rounds;
+mod routing;
 mod scale;
 mod scheduling;
 mod sessions;

@@ -415,6 +415,7 @@ async fn worker_process() {
         connector: troupe_grpc::Connector::default(),
         assets_dir: None,
         health: None,
+        capabilities: Vec::new(),
     };
     troupe_grpc::worker::run_worker(config, Arc::new(Forever), CancellationToken::new())
         .await

@@ -25,6 +25,7 @@ mod postgres;
 mod quickstart;
 mod reconnect;
 mod remotes;
+mod routing;
 mod sandbox;
 mod secrets;
 mod self_validation;
