@@ -132,6 +132,7 @@ pub(crate) fn status(
         blockers,
         stall,
         capability_gaps,
+        quota_waits: Vec::new(),
     }
 }
 

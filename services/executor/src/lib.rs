@@ -238,6 +238,7 @@ impl troupe_grpc::boot::Service for App {
             connector: &self.executor.options().connector,
             data_dir: &self.config.data_dir,
             health: self.health.clone(),
+            auto_backend: self.executor.config().auto_backend.clone(),
         };
         run_worker_if_configured(
             settings,

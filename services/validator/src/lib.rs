@@ -275,6 +275,7 @@ impl troupe_grpc::boot::Service for App {
             connector: &self.connector,
             data_dir: &self.config.data_dir,
             health: self.health.clone(),
+            auto_backend: String::new(),
         };
         run_worker_if_configured(
             settings,

@@ -501,6 +501,7 @@ mod tests {
             message: "tests failed".into(),
             retryable: false,
             details: Vec::new(),
+            ..Default::default()
         }
     }
 

@@ -784,7 +784,23 @@ impl Store {
         Ok(row.map(|row| row.try_get("session_id")).transpose()?)
     }
 
-    /// Returns the ready tasks of active sessions as (session id, task id, role).
+    /// The ready and running tasks of active sessions, whole (what the provider quotas are
+    /// rebuilt from, see [`crate::quota`]). Sessions paused keep their running tasks out.
+    pub(crate) async fn live_tasks(&self) -> Result<Vec<Task>, Error> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {} FROM tasks t JOIN sessions s ON s.id = t.session_id \
+             WHERE t.state IN ($1, $2) AND s.state = $3",
+            *QUALIFIED_COLUMNS
+        )))
+        .bind(TaskState::Ready as i32)
+        .bind(TaskState::Running as i32)
+        .bind(SessionState::Active as i32)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(task_from_row).collect()
+    }
+
+    /// Ready tasks of active sessions: `(session, task, role)`.
     pub(crate) async fn ready_tasks(&self) -> Result<Vec<(String, String, pb::Role)>, Error> {
         let rows = sqlx::query(
             "SELECT t.session_id, t.id, t.role FROM tasks t JOIN sessions s ON s.id = t.session_id \

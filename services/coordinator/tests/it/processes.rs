@@ -157,6 +157,7 @@ async fn fake_worker(
                 }),
                 lease_duration: prost_types::Duration::try_from(lease).ok(),
                 capabilities: Vec::new(),
+                ..Default::default()
             })
             .await;
         let claimed = match claimed {
@@ -415,6 +416,7 @@ async fn worker_process() {
         connector: troupe_grpc::Connector::default(),
         assets_dir: None,
         health: None,
+        auto_backend: String::new(),
     };
     troupe_grpc::worker::run_worker(config, Arc::new(Forever), CancellationToken::new())
         .await
