@@ -325,8 +325,13 @@ impl Quotas {
             return true;
         };
         let key = (task.session_id.clone(), task.id.clone());
-        // A batch run again after a lost write claims the same task again: counted once.
-        if state.held.contains_key(&key) {
+        // A batch run again after a lost write claims the same task for the same lease
+        // again: counted once. An entry of an earlier lease is stale (its release is late).
+        if state
+            .held
+            .get(&key)
+            .is_some_and(|held| held.token > task.fencing_token)
+        {
             return true;
         }
         if self.standing(&state, &backend, now).blocks(now) {
@@ -608,6 +613,11 @@ mod tests {
         assert!(!quotas.admit(&claude, "w", 2_999));
         assert!(quotas.admit(&codex, "w", 2_999));
         assert!(quotas.admit(&claude, "w", 3_000));
+        // A task put back after its 429 is not let through by its old attempt's count.
+        let mut again = claude.clone();
+        again.fencing_token = 1;
+        quotas.pause("claude", Some(Duration::from_secs(2)), "429".into(), 3_000);
+        assert!(!quotas.admit(&again, "w", 3_001));
         // No reset time named: the default pause.
         assert_eq!(quotas.pause("codex", None, "429".into(), 0), 30_000);
     }

@@ -222,8 +222,10 @@ impl Coordinator {
     ) -> Result<(Task, Option<i64>), Error> {
         let now = now_ms();
         let first_line = error.message.lines().next().unwrap_or_default().to_owned();
-        // Paused first, so the task is not claimed again before the pause holds.
+        // Paused first, so the task is not claimed again before the pause holds; released,
+        // so its old attempt no longer counts in flight.
         let until = self.quotas.pause(&backend, retry_after, first_line, now);
+        self.quotas.release(session_id, task_id, token, now);
         let reason = format!(
             "provider {backend} rate limited: claims of {backend} paused for {:.1}s; the attempt does not count",
             (until - now) as f64 / 1000.0
@@ -231,7 +233,6 @@ impl Coordinator {
         let task =
             lifecycle::fail::put_back(&self.store, session_id, task_id, token, error, &reason, now)
                 .await?;
-        self.quotas.release(session_id, task_id, token, now);
         let message = NewMessage {
             from: "coordinator".to_owned(),
             to: "user".to_owned(),

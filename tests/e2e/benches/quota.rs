@@ -1,0 +1,87 @@
+//! Provider quotas, measured (issue 24 item 4): 40 agent tasks over 4 executor processes
+//! against a model server that allows 3 calls at once (each call a set time, two per task),
+//! with the coordinator's quota at 3, and without one. With `TROUPE_BASELINE_BIN` naming a
+//! directory of main's `troupe-coordinator` and `troupe-executor`, today's behaviour (each
+//! worker retrying and failing on 429 by itself) runs in the same invocation as the baseline.
+//!
+//! `cargo bench -p troupe-e2e --bench quota` (after `cargo build --workspace --bins`);
+//! `QUOTA_TASKS`, `QUOTA_CALL_MS` change the size. Figures: docs/performance.md.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[allow(dead_code)]
+#[path = "../tests/it/quota_wave.rs"]
+mod quota_wave;
+
+use quota_wave::{Outcome, Wave};
+
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+        .unwrap_or(default)
+}
+
+fn line(name: &str, wave: &Wave, outcome: &Outcome) {
+    let rounds = wave.tasks as f64 / wave.allowed as f64;
+    let ideal = outcome.task_time.as_secs_f64() * rounds;
+    println!(
+        "{name:<26} wall {:>6.1}s  {:>4.2}x of {}/{} x task ({:.2}s) = {:.1}s  completed {}/{}  \
+         failed attempts {}  fallbacks {}  peak calls {}  429s {}",
+        outcome.wall.as_secs_f64(),
+        outcome.wall.as_secs_f64() / ideal,
+        wave.tasks,
+        wave.allowed,
+        outcome.task_time.as_secs_f64(),
+        ideal,
+        outcome.completed,
+        wave.tasks,
+        outcome.failed_attempts,
+        outcome.fallbacks,
+        outcome.peak,
+        outcome.refused,
+    );
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 4)]
+async fn main() -> anyhow::Result<()> {
+    // `cargo bench` passes `--bench`; nothing else to read.
+    let exe = std::env::current_exe()?;
+    let bin_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(PathBuf::from)
+        .ok_or_else(|| anyhow::anyhow!("bench binary outside target/<profile>/deps"))?;
+    // The benches build in the bench profile; the services under test are the debug builds.
+    let bin_dir = std::env::var_os("TROUPE_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            bin_dir
+                .parent()
+                .map_or(bin_dir.clone(), |t| t.join("debug"))
+        });
+    let tasks = usize::try_from(env_number("QUOTA_TASKS", 40))?;
+    let call_time = Duration::from_millis(env_number("QUOTA_CALL_MS", 500));
+    let wave = |bin_dir: PathBuf, quota: Option<usize>| Wave {
+        bin_dir,
+        tasks,
+        workers: 4,
+        allowed: 3,
+        quota,
+        call_time,
+    };
+    println!(
+        "{tasks} tasks, 4 workers of 1 slot, provider allows 3 calls at once, {} ms a call, 2 calls a task",
+        call_time.as_millis()
+    );
+    if let Some(baseline) = std::env::var_os("TROUPE_BASELINE_BIN") {
+        let w = wave(PathBuf::from(baseline), None);
+        line("main (no quota)", &w, &quota_wave::run(&w).await?);
+    }
+    let w = wave(bin_dir.clone(), None);
+    line("this branch, no quota", &w, &quota_wave::run(&w).await?);
+    let w = wave(bin_dir, Some(3));
+    line("this branch, quota 3", &w, &quota_wave::run(&w).await?);
+    Ok(())
+}
