@@ -505,7 +505,7 @@ impl Quotas {
         out
     }
 
-    /// Every backend's standing, for the log line a wait gets.
+    /// One line on `backend`'s standing now, for the messages a wait gets.
     pub(crate) fn summary(&self, backend: &str, now: i64) -> String {
         let state = self.state();
         self.standing(&state, backend, now).summary(backend, now)

@@ -39,10 +39,6 @@ async fn a_quota_of_three_runs_forty_tasks_over_four_workers_without_a_429() -> 
         "the server saw {} calls at once",
         outcome.peak
     );
-    assert_eq!(
-        outcome.peak, 3,
-        "the quota's three places were used: {outcome:?}"
-    );
     assert_eq!(outcome.refused, 0, "{outcome:?}");
     assert!(
         outcome.waits_seen,
