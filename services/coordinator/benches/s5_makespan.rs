@@ -363,6 +363,7 @@ async fn run(
                         lease_duration: prost_types::Duration::try_from(Duration::from_secs(60))
                             .ok(),
                         capabilities: Vec::new(),
+                        ..Default::default()
                     })
                     .await?
                     .into_inner()

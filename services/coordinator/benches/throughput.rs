@@ -119,6 +119,7 @@ fn claim_role(worker: &str, role: Role, max: u32, wait: Duration) -> pb::ClaimTa
         wait: prost_types::Duration::try_from(wait).ok(),
         lease_duration: prost_types::Duration::try_from(Duration::from_secs(60)).ok(),
         capabilities: Vec::new(),
+        ..Default::default()
     }
 }
 

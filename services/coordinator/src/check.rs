@@ -133,6 +133,7 @@ pub(crate) fn status(
         blockers,
         stall,
         capability_gaps,
+        quota_waits: Vec::new(),
     }
 }
 

@@ -357,6 +357,11 @@ impl GroupCommit {
             if !claimed.is_empty() {
                 return Ok(claimed);
             }
+            // A provider quota may be what holds the ready tasks back: asking again changes
+            // nothing (the long poll waits for a change, or the quota's next rebuild).
+            if request.quotas.engaged() {
+                break;
+            }
         }
         Ok(Vec::new())
     }

@@ -38,6 +38,7 @@ mod group_commit;
 mod grpc;
 mod lifecycle;
 mod metrics;
+mod quota;
 mod repos;
 mod service;
 mod store;
@@ -107,6 +108,16 @@ pub struct Tuning {
     /// repository's base commit with them. Never taken from a plan.
     #[arg(long, env = "TROUPE_GIT_CREDENTIALS")]
     pub git_credentials: Option<PathBuf>,
+    /// A provider quota, enforced across every worker when tasks are claimed:
+    /// `<backend>=in_flight:N,per_minute:N` (either part may be left out), such as
+    /// `claude=in_flight:3,per_minute:30`. Repeat the flag for more backends (in the
+    /// variable, separate them with `;`). See docs/quotas.md.
+    #[arg(long = "quota", env = "TROUPE_QUOTA", value_delimiter = ';')]
+    pub quotas: Vec<String>,
+    /// How long a provider's 429 pauses claims of its backend when it names no reset time
+    /// (`retry-after`, or the CLI's own "try again in").
+    #[arg(long, env = "TROUPE_QUOTA_PAUSE_SECONDS", default_value_t = 30.0)]
+    pub quota_pause_seconds: f64,
 }
 
 impl Default for Tuning {
@@ -115,6 +126,8 @@ impl Default for Tuning {
             capability_gap_seconds: 60.0,
             learn_from_sessions: 10,
             git_credentials: None,
+            quotas: Vec::new(),
+            quota_pause_seconds: 30.0,
         }
     }
 }
@@ -137,6 +150,9 @@ impl App {
     pub async fn open_tuned(config: Config, tuning: Tuning) -> Result<Self, Error> {
         let capability_gap = Duration::try_from_secs_f64(tuning.capability_gap_seconds)
             .map_err(|err| Error::InvalidArgument(format!("capability gap seconds: {err}")))?;
+        let quota_pause = Duration::try_from_secs_f64(tuning.quota_pause_seconds)
+            .map_err(|err| Error::InvalidArgument(format!("quota pause seconds: {err}")))?;
+        let quotas = quota::Quotas::new(quota::parse_limits(&tuning.quotas)?, quota_pause);
         let data_dir = troupe_grpc::prepare_data_dir(&config.data_dir)
             .await
             .map_err(|source| Error::Io {
@@ -166,15 +182,19 @@ impl App {
             Some(path) => troupe_workspace::Credentials::load(path)?,
             None => troupe_workspace::Credentials::none(),
         };
+        let inner = Arc::new(Coordinator::new(
+            store,
+            data_dir,
+            Arc::new(credentials),
+            capability_gap,
+            tuning.learn_from_sessions,
+            Arc::new(quotas),
+        ));
+        // Tasks running before a restart count against their quotas from the first claim.
+        inner.rebuild_quotas().await?;
         Ok(Self {
             max_message: config.security.credentials.max_message(),
-            inner: Arc::new(Coordinator::new(
-                store,
-                data_dir,
-                Arc::new(credentials),
-                capability_gap,
-                tuning.learn_from_sessions,
-            )),
+            inner,
         })
     }
 

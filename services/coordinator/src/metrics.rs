@@ -45,6 +45,9 @@ pub(crate) struct Metrics {
     pickup: HistogramFamily,
     lease_expiries: Family<Labels, Counter>,
     retries: Family<Labels, Counter>,
+    quota_waiting: Family<Labels, Gauge>,
+    quota_in_flight: Family<Labels, Gauge>,
+    quota_pauses: Family<Labels, Counter>,
 }
 
 /// The coordinator's families, registered on first use.
@@ -76,6 +79,18 @@ pub(crate) fn metrics() -> &'static Metrics {
         retries: metrics::counter(
             "troupe_task_retries",
             "Failed attempts scheduled for a retry, by role and error kind.",
+        ),
+        quota_waiting: metrics::gauge(
+            "troupe_quota_waiting_tasks",
+            "Ready tasks held back by their backend's provider quota (in flight, rate or pause), by backend.",
+        ),
+        quota_in_flight: metrics::gauge(
+            "troupe_quota_in_flight",
+            "Tasks running against a backend with a quota or pause, by backend.",
+        ),
+        quota_pauses: metrics::counter(
+            "troupe_quota_pauses",
+            "Pauses of a backend's claims after a worker reported a 429, by backend.",
         ),
     })
 }
@@ -187,5 +202,27 @@ pub(crate) fn retried(role: pb::Role, kind: pb::ErrorKind) {
             ("role", role_name(role)),
             ("kind", &kind_label(kind)),
         ]))
+        .inc();
+}
+
+/// Sets a backend's quota gauges: tasks in flight and ready tasks waiting.
+pub(crate) fn quota_standing(backend: &str, in_flight: u32, waiting: usize) {
+    let metrics = metrics();
+    let label = labels([("backend", backend)]);
+    metrics
+        .quota_in_flight
+        .get_or_create(&label)
+        .set(i64::from(in_flight));
+    metrics
+        .quota_waiting
+        .get_or_create(&label)
+        .set(i64::try_from(waiting).unwrap_or(i64::MAX));
+}
+
+/// Counts a pause of `backend`'s claims.
+pub(crate) fn quota_paused(backend: &str) {
+    metrics()
+        .quota_pauses
+        .get_or_create(&labels([("backend", backend)]))
         .inc();
 }

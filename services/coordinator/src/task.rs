@@ -13,7 +13,7 @@ const BACKOFF_CAP: Duration = Duration::from_secs(60);
 
 /// A task of a session: what the plan says it is, where it stands (state, attempt, lease) and
 /// what it produced. One row of the `tasks` table.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub(crate) struct Task {
     pub(crate) session_id: String,
     pub(crate) id: String,

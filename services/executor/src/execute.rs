@@ -1402,6 +1402,13 @@ impl Executor {
                             break;
                         }
                         Self::reset_worktree(worktree.path()).await;
+                        // The coordinator owns rate limits: it pauses the provider for every
+                        // worker and puts the task back without counting the attempt, so
+                        // neither a retry here nor a fallback spends the wait.
+                        if err.rate_limit().is_some() {
+                            last = Some(err);
+                            break;
+                        }
                         if mode::retries_same(kind) && attempt < self.config.retries {
                             let backoff = self
                                 .config
@@ -1421,7 +1428,7 @@ impl Executor {
                 }
             }
             let Some(err) = &last else { break };
-            if !mode::falls_back(err.kind()) {
+            if !mode::falls_back(err.kind()) || err.rate_limit().is_some() {
                 break;
             }
         }
@@ -1456,11 +1463,13 @@ impl Executor {
             ));
         }
         let retryable = err.retryable() || err.kind() == troupe_backends::ErrorKind::Cancelled;
-        Err(
-            failure(backend_kind(err.kind()), message.clone(), retryable)
-                .with_details(err.details())
-                .with_partial(partial(&report, format!("{}: {message}", p.task_id))),
-        )
+        let mut failure = failure(backend_kind(err.kind()), message.clone(), retryable)
+            .with_details(err.details())
+            .with_partial(partial(&report, format!("{}: {message}", p.task_id)));
+        if let Some((backend, retry_after)) = err.rate_limit() {
+            failure = failure.with_rate_limit(backend, retry_after);
+        }
+        Err(failure)
     }
 
     async fn run_in(

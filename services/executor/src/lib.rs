@@ -254,6 +254,7 @@ impl troupe_grpc::boot::Service for App {
             data_dir: &self.config.data_dir,
             health: self.health.clone(),
             capabilities,
+            auto_backend: self.executor.config().auto_backend.clone(),
         };
         run_worker_if_configured(
             settings,

@@ -973,6 +973,9 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
     for gap in &status.capability_gaps {
         let _ = writeln!(out, "capability gap: {}", gap.message);
     }
+    for wait in &status.quota_waits {
+        let _ = writeln!(out, "quota: {}", wait.message);
+    }
     if let Some(stall) = &status.stall {
         let _ = writeln!(out, "{}", stall.summary);
         for task in &stall.tasks {

@@ -277,6 +277,7 @@ impl troupe_grpc::boot::Service for App {
             health: self.health.clone(),
             // Their tasks are not routed by backend (see `troupe_plan::backend::routes`).
             capabilities: Vec::new(),
+            auto_backend: String::new(),
         };
         run_worker_if_configured(
             settings,

@@ -377,13 +377,26 @@ impl Tools<'_> {
     }
 }
 
-fn http_error(status: reqwest::StatusCode, body: &str) -> BackendError {
+fn http_error(
+    status: reqwest::StatusCode,
+    retry_after: Option<Duration>,
+    body: &str,
+) -> BackendError {
     let backend = NAME.to_owned();
     let message = format!("{status}: {}", troupe_process::tail(body, 3, 400));
+    let retry_after = retry_after.or_else(|| crate::events::retry_after_in(body));
     match status.as_u16() {
         401 | 403 => BackendError::Auth { backend, message },
-        429 if body.contains("insufficient_quota") => BackendError::Quota { backend, message },
-        429 => BackendError::RateLimited { backend, message },
+        429 if body.contains("insufficient_quota") => BackendError::Quota {
+            backend,
+            message,
+            retry_after,
+        },
+        429 => BackendError::RateLimited {
+            backend,
+            message,
+            retry_after,
+        },
         _ => BackendError::Crash {
             backend,
             reason: message.clone(),
@@ -464,6 +477,11 @@ impl AgentLoopBackend {
                 stderr_tail: String::new(),
             })?;
             let status = response.status();
+            let retry_after = response
+                .headers()
+                .get(reqwest::header::RETRY_AFTER)
+                .and_then(|value| value.to_str().ok())
+                .and_then(crate::events::retry_after_header);
             let text = tokio::select! {
                 () = cancel.cancelled() => return Err(BackendError::Cancelled),
                 text = response.text() => text.map_err(|err| BackendError::Crash {
@@ -472,7 +490,7 @@ impl AgentLoopBackend {
                 })?,
             };
             if !status.is_success() {
-                return Err(http_error(status, &text));
+                return Err(http_error(status, retry_after, &text));
             }
             let reply: Value =
                 serde_json::from_str(&text).map_err(|err| BackendError::BadOutput {

@@ -896,8 +896,18 @@ fn classified(
     let message = message.trim().to_owned();
     match kind {
         ErrorKind::Auth => BackendError::Auth { backend, message },
-        ErrorKind::RateLimited => BackendError::RateLimited { backend, message },
-        ErrorKind::Quota => BackendError::Quota { backend, message },
+        ErrorKind::RateLimited => BackendError::RateLimited {
+            retry_after: crate::events::retry_after_in(&message)
+                .or_else(|| crate::events::retry_after_in(&evidence)),
+            backend,
+            message,
+        },
+        ErrorKind::Quota => BackendError::Quota {
+            retry_after: crate::events::retry_after_in(&message)
+                .or_else(|| crate::events::retry_after_in(&evidence)),
+            backend,
+            message,
+        },
         ErrorKind::BadOutput => BackendError::BadOutput { backend, message },
         _ => BackendError::Crash {
             backend,

@@ -169,6 +169,39 @@ fn n(value: &Value, pointer: &str) -> u64 {
     value.pointer(pointer).and_then(Value::as_u64).unwrap_or(0)
 }
 
+/// The wait an HTTP `retry-after` header names: delay seconds (`30`, `1.5`). An HTTP date
+/// is not read (no provider troupe talks to sends one); `None` then.
+pub(crate) fn retry_after_header(value: &str) -> Option<std::time::Duration> {
+    let seconds: f64 = value.trim().parse().ok()?;
+    std::time::Duration::try_from_secs_f64(seconds).ok()
+}
+
+/// The wait a rate-limit message names in its text, as the CLIs print it: `retry-after: 30`,
+/// `Please retry in 41.2s`, `try again in 2 minutes`, `resets in 500ms`, `reset after 1h`
+/// (seconds when no unit is given). `None` when it names none.
+pub(crate) fn retry_after_in(text: &str) -> Option<std::time::Duration> {
+    static PATTERN: std::sync::OnceLock<regex::Regex> = std::sync::OnceLock::new();
+    let pattern = PATTERN.get_or_init(|| {
+        regex::Regex::new(
+            r"(?i)(?:retry[- ]after|try again in|retry in|resets? in|resets? after)[:=\s]*(\d+(?:\.\d+)?)\s*(ms|milliseconds?|s|secs?|seconds?|m|mins?|minutes?|h|hrs?|hours?)?\b",
+        )
+        .expect("the retry-after pattern is valid")
+    });
+    let found = pattern.captures(text)?;
+    let amount: f64 = found.get(1)?.as_str().parse().ok()?;
+    let unit = found
+        .get(2)
+        .map_or("s", |unit| unit.as_str())
+        .to_ascii_lowercase();
+    let seconds = match unit.as_str() {
+        "ms" | "millisecond" | "milliseconds" => amount / 1000.0,
+        "m" | "min" | "mins" | "minute" | "minutes" => amount * 60.0,
+        "h" | "hr" | "hrs" | "hour" | "hours" => amount * 3600.0,
+        _ => amount,
+    };
+    std::time::Duration::try_from_secs_f64(seconds).ok()
+}
+
 /// Classifies an error message by its text (codex, qwen and the fallback for the others).
 pub fn classify_message(message: &str) -> ErrorKind {
     let lower = message.to_ascii_lowercase();
@@ -610,5 +643,32 @@ mod tests {
 {"type":"result","status":"error","error":{"type":"unknown","message":"[API Error: fake 429 (RESOURCE_EXHAUSTED)]\nPlease wait and try again later. To increase your limits, request a quota increase"}}"#;
         let t = parse(CliKind::Gemini, gemini);
         assert_eq!(t.error.map(|e| e.0), Some(ErrorKind::RateLimited));
+    }
+
+    #[test]
+    fn rate_limit_messages_name_their_wait() {
+        use std::time::Duration;
+        assert_eq!(retry_after_header("2"), Some(Duration::from_secs(2)));
+        assert_eq!(retry_after_header("Wed, 21 Oct 2015 07:28:00 GMT"), None);
+        assert_eq!(
+            retry_after_in("429 Too Many Requests. Please retry in 41.2s."),
+            Some(Duration::from_millis(41_200))
+        );
+        assert_eq!(
+            retry_after_in("rate limited, try again in 2 minutes"),
+            Some(Duration::from_secs(120))
+        );
+        assert_eq!(
+            retry_after_in("retry-after: 30"),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            retry_after_in("limit resets in 500ms"),
+            Some(Duration::from_millis(500))
+        );
+        assert_eq!(
+            retry_after_in("Rate limit reached for fake-model (fake 429)"),
+            None
+        );
     }
 }

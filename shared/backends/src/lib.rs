@@ -258,6 +258,8 @@ pub enum BackendError {
         backend: String,
         /// What the tool said.
         message: String,
+        /// How long the provider asked to wait (`retry-after`, or the tool's own text).
+        retry_after: Option<Duration>,
     },
     /// The backend's quota is used up.
     #[error("backend `{backend}` is out of quota: {message}")]
@@ -266,6 +268,8 @@ pub enum BackendError {
         backend: String,
         /// What the tool said.
         message: String,
+        /// When the quota resets, as a wait (`retry-after`, or the tool's own text).
+        retry_after: Option<Duration>,
     },
     /// The run hit its wall-clock or idle limit and was killed.
     #[error("backend `{backend}` {} after {}s", if *.idle { "produced no output" } else { "timed out" }, limit.as_secs())]
@@ -381,6 +385,25 @@ impl BackendError {
             | ErrorKind::Cancelled
             | ErrorKind::SandboxDenied
             | ErrorKind::PermissionDenied => false,
+        }
+    }
+
+    /// A rate limit or used-up quota that names when to try again: what the coordinator
+    /// pauses the provider for (see docs/quotas.md). `None` for every other error, and for
+    /// a quota error that names no reset time (billing: it will not fix itself).
+    pub fn rate_limit(&self) -> Option<(&str, Option<Duration>)> {
+        match self {
+            Self::RateLimited {
+                backend,
+                retry_after,
+                ..
+            } => Some((backend, *retry_after)),
+            Self::Quota {
+                backend,
+                retry_after: Some(after),
+                ..
+            } => Some((backend, Some(*after))),
+            _ => None,
         }
     }
 

@@ -63,6 +63,7 @@ impl TaskFailure {
                 message: message.into(),
                 retryable,
                 details: Vec::new(),
+                ..TaskError::default()
             },
             partial: None,
         }
@@ -77,6 +78,21 @@ impl TaskFailure {
     /// Attaches a partial result.
     pub fn with_partial(mut self, partial: TaskResult) -> Self {
         self.partial = Some(partial);
+        self
+    }
+
+    /// Names the backend whose provider refused the attempt with a rate limit, and how long it
+    /// asked to wait: the coordinator then pauses that backend's claims and puts the task
+    /// back without counting the attempt.
+    pub fn with_rate_limit(
+        mut self,
+        backend: impl Into<String>,
+        retry_after: Option<Duration>,
+    ) -> Self {
+        self.error.rate_limited_backend = backend.into();
+        self.error.retry_after_ms = retry_after.map_or(0, |after| {
+            u64::try_from(after.as_millis()).unwrap_or(u64::MAX)
+        });
         self
     }
 }
@@ -230,6 +246,9 @@ pub struct WorkerConfig {
     /// `backend:<name>` for each agent backend it can run here; the coordinator routes tasks
     /// by them. Empty: the worker declares none and may be given any task of its roles.
     pub capabilities: Vec<String>,
+    /// The backend this worker runs tasks that leave the choice to it (auto) on, sent with
+    /// each claim: the provider quota such tasks count against ('' for none).
+    pub auto_backend: String,
 }
 
 /// Failed claims in a row after which a worker reports its service NOT_SERVING: one failure
@@ -259,6 +278,7 @@ impl WorkerConfig {
             assets_dir: None,
             health: None,
             capabilities: Vec::new(),
+            auto_backend: String::new(),
         }
     }
 
@@ -396,6 +416,8 @@ pub struct WorkerSettings<'a> {
     pub health: Option<ServiceHealth>,
     /// What the worker offers (see [`WorkerConfig::capabilities`]).
     pub capabilities: Vec<String>,
+    /// The backend auto tasks run on here ('' for none), see [`WorkerConfig::auto_backend`].
+    pub auto_backend: String,
 }
 
 /// Runs the worker loop when a coordinator URL is configured; otherwise the service only
@@ -423,6 +445,7 @@ pub async fn run_worker_if_configured<H: TaskHandler>(
     config.assets_dir = Some(settings.data_dir.join("assets"));
     config.health = settings.health;
     config.capabilities = settings.capabilities;
+    config.auto_backend = settings.auto_backend;
     run_worker(config, handler, shutdown).await.map(drop)
 }
 
@@ -586,6 +609,7 @@ fn claim_request(config: &WorkerConfig, max: usize, wait: Option<Duration>) -> C
         max_tasks: u32::try_from(max).unwrap_or(u32::MAX),
         wait: wait.map(duration_proto),
         lease_duration: Some(duration_proto(config.lease)),
+        auto_backend: config.auto_backend.clone(),
     }
 }
 

@@ -16,9 +16,15 @@
 //! Faults are injected per request by a path prefix in the base URL: `/__401/`, `/__429/`
 //! (with `retry-after`), `/__500/`, `/__529/`, `/__hang/` (accept, never answer);
 //! [`ServerHandle::close`] or [`refused_url`] give connection refused.
+//!
+//! A provider's limits are played by [`Script::limited_to`]: each model call takes a set time,
+//! and a call beyond the allowed number at once is answered 429 with `retry-after`; the
+//! handle counts the peak of calls at once and the calls refused.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, Method, Response, StatusCode, Uri};
@@ -81,6 +87,13 @@ pub struct Script {
     /// When set, a model call must carry this credential (`authorization: Bearer <it>`,
     /// `x-api-key` or `x-goog-api-key`), or it gets a 401.
     pub required_key: Option<String>,
+    /// Model calls allowed at once; a call beyond them is answered 429 with `retry-after`
+    /// [`Script::retry_after`] (none: no limit).
+    pub max_concurrent: Option<usize>,
+    /// How long each model call takes before it is answered.
+    pub call_time: Duration,
+    /// The `retry-after` (whole seconds) of a 429 for calls beyond `max_concurrent`.
+    pub retry_after: u64,
 }
 
 impl Script {
@@ -98,6 +111,21 @@ impl Script {
     /// Answers 401 to any model call that does not carry `key` (as a bearer or API key).
     pub fn requiring_key(mut self, key: &str) -> Self {
         self.required_key = Some(key.to_owned());
+        self
+    }
+
+    /// Plays a provider's limits: each model call takes `call_time`, and at most `max` are
+    /// served at once; beyond that a call is answered 429 with `retry-after: retry_after`.
+    pub fn limited_to(mut self, max: usize, call_time: Duration, retry_after: u64) -> Self {
+        self.max_concurrent = Some(max);
+        self.call_time = call_time;
+        self.retry_after = retry_after;
+        self
+    }
+
+    /// Each model call takes `call_time` (no limit on calls at once).
+    pub fn taking(mut self, call_time: Duration) -> Self {
+        self.call_time = call_time;
         self
     }
 
@@ -139,6 +167,21 @@ struct State {
     script: Script,
     requests: Mutex<Vec<Recorded>>,
     stop: CancellationToken,
+    /// Model calls being answered now.
+    active: AtomicUsize,
+    /// The most model calls at once so far (refused ones included).
+    peak: AtomicUsize,
+    /// Model calls answered 429 for being beyond `max_concurrent`.
+    refused: AtomicUsize,
+}
+
+/// One model call in progress; leaving (answered, or the client gone) frees its place.
+struct InCall<'a>(&'a AtomicUsize);
+
+impl Drop for InCall<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// A running server. Dropping it stops the server.
@@ -163,6 +206,9 @@ impl ModelServer {
             script,
             requests: Mutex::new(Vec::new()),
             stop: CancellationToken::new(),
+            active: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+            refused: AtomicUsize::new(0),
         });
         let shared = Arc::clone(&state);
         let app = axum::Router::new().fallback(
@@ -200,6 +246,16 @@ impl ServerHandle {
             .lock()
             .map(|r| r.clone())
             .unwrap_or_default()
+    }
+
+    /// The most model calls that were in progress at once (refused ones included).
+    pub fn peak_concurrency(&self) -> usize {
+        self.state.peak.load(Ordering::SeqCst)
+    }
+
+    /// Model calls answered 429 for going beyond [`Script::limited_to`]'s limit.
+    pub fn refused(&self) -> usize {
+        self.state.refused.load(Ordering::SeqCst)
     }
 
     /// Stops listening (later connections are refused) and ends hung answers.
@@ -352,6 +408,19 @@ async fn handle(
         Api::CountTokens => json_response(json!({"input_tokens": INPUT_TOKENS})),
         Api::Other => plain(StatusCode::NOT_FOUND, "not found"),
         _ => {
+            let now = state.active.fetch_add(1, Ordering::SeqCst) + 1;
+            let _in_call = InCall(&state.active);
+            state.peak.fetch_max(now, Ordering::SeqCst);
+            if state.script.max_concurrent.is_some_and(|max| now > max) {
+                state.refused.fetch_add(1, Ordering::SeqCst);
+                return limited_response(api, state.script.retry_after);
+            }
+            if !state.script.call_time.is_zero() {
+                tokio::select! {
+                    () = state.stop.cancelled() => return plain(StatusCode::SERVICE_UNAVAILABLE, "server closed"),
+                    () = tokio::time::sleep(state.script.call_time) => {}
+                }
+            }
             let convo = conversation(api, &body);
             let reply = decide(&state.script, &convo, forced_tool.as_deref(), &body);
             render(api, &body, &reply)
@@ -418,6 +487,15 @@ fn error_response(api: Api, code: u16) -> Response<Body> {
         response
             .headers_mut()
             .insert("retry-after", axum::http::HeaderValue::from_static("1"));
+    }
+    response
+}
+
+/// A 429 for a call beyond the limit, with `retry-after: seconds`.
+fn limited_response(api: Api, seconds: u64) -> Response<Body> {
+    let mut response = error_response(api, 429);
+    if let Ok(value) = axum::http::HeaderValue::from_str(&seconds.to_string()) {
+        response.headers_mut().insert("retry-after", value);
     }
     response
 }

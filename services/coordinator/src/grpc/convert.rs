@@ -150,14 +150,16 @@ pub(super) fn check_proto(check: SessionCheck) -> pb::CheckSessionResponse {
     let view = check.view;
     let counts = counts_of(&view.tasks);
     let session = session_proto(&view.session, view.repos.clone(), counts);
-    check::status(
+    let mut response = check::status(
         session,
         &view.tasks,
         check.blockers,
         &check.progress,
         check.gaps,
         check.now,
-    )
+    );
+    response.quota_waits = check.quota_waits;
+    response
 }
 
 /// The plan assets stored under `digest`: the bundle is their encoded wire form.

@@ -1,10 +1,13 @@
 //! Claiming: ready tasks of a session go to workers under new leases, with what each needs
 //! (its repositories and the results upstream of it).
 
+use std::sync::Arc;
+
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
 
 use super::write_changes;
 use crate::Error;
+use crate::quota::Quotas;
 use crate::store::sessions::SessionRow;
 use crate::store::tasks::{load_claimable, load_upstream};
 use crate::store::{Store, Tx};
@@ -21,6 +24,8 @@ pub(crate) struct ClaimRequest {
     pub(crate) max: u32,
     pub(crate) lease_ms: i64,
     pub(crate) now: i64,
+    /// The provider quotas every claim is held to (see [`crate::quota`]).
+    pub(crate) quotas: Arc<Quotas>,
 }
 
 impl ClaimRequest {
@@ -28,7 +33,25 @@ impl ClaimRequest {
     pub(crate) fn filter(&self) -> super::routing::Filter<'_> {
         (&self.roles, self.backends.as_deref())
     }
+
+    /// Whether this claim may take `task` under the provider quotas; counts it if so.
+    pub(super) fn admits(&self, task: &Task) -> bool {
+        self.quotas.admit(task, &self.worker_id, self.now)
+    }
+
+    /// How many ready tasks beyond those wanted a claim reads, so that tasks a quota holds
+    /// back do not hide those behind them.
+    pub(super) fn lookahead(&self) -> usize {
+        if self.quotas.engaged() {
+            QUOTA_LOOKAHEAD
+        } else {
+            0
+        }
+    }
 }
+
+/// See [`ClaimRequest::lookahead`].
+const QUOTA_LOOKAHEAD: usize = 64;
 
 /// A task a claim handed out.
 #[derive(Debug)]
@@ -81,7 +104,11 @@ pub(crate) async fn claim_in(
             let serves: Vec<usize> = (0..claims.len())
                 .filter(|&i| claims[i].filter() == filter)
                 .collect();
-            let wanted: usize = serves.iter().map(|&i| claims[i].max as usize).sum();
+            let wanted: usize = serves
+                .iter()
+                .map(|&i| claims[i].max as usize)
+                .sum::<usize>()
+                + claims[serves[0]].lookahead();
             // Tasks another filter already took are skipped, so ask for that many more.
             let ready: Vec<Task> = load_claimable(tx, session_id, filter, wanted + taken.len())
                 .await?
@@ -90,7 +117,12 @@ pub(crate) async fn claim_in(
                 .collect();
             let mut ready = ready.into_iter();
             for &i in &serves {
-                for task in ready.by_ref().take(claims[i].max as usize) {
+                let claim = &claims[i];
+                for task in ready
+                    .by_ref()
+                    .filter(|task| claim.admits(task))
+                    .take(claim.max as usize)
+                {
                     taken.push((i, task));
                 }
             }

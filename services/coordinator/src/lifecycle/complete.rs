@@ -84,7 +84,8 @@ pub(crate) async fn complete_eager(
     // Every claim asks for the same filter (see `one_batch` in the group commit).
     let filter = claims.first().map_or((&[][..], None), ClaimRequest::filter);
     let roles = filter.0;
-    let wanted: usize = claims.iter().map(|claim| claim.max as usize).sum();
+    let wanted: usize = claims.iter().map(|claim| claim.max as usize).sum::<usize>()
+        + claims.first().map_or(0, ClaimRequest::lookahead);
     let ids: Vec<String> = completions.iter().map(|c| c.task_id.clone()).collect();
     let Gathered {
         mut originals,
@@ -173,10 +174,24 @@ pub(crate) async fn complete_eager(
     candidates.sort_by_key(|&i| claim_order(&work[i]));
     let mut candidates = candidates.into_iter();
     let mut taken: Vec<(usize, usize)> = Vec::new();
+    if let Some(claim) = claims.first() {
+        // The completed tasks leave their quotas before the claims count theirs.
+        for task in &work[..completed] {
+            claim
+                .quotas
+                .release(session_id, &task.id, task.fencing_token, now);
+        }
+    }
     for (c, claim) in claims.iter().enumerate() {
-        for i in candidates.by_ref().take(claim.max as usize) {
+        let mut given = 0;
+        while given < claim.max {
+            let Some(i) = candidates.next() else { break };
+            if !claim.admits(&work[i]) {
+                continue;
+            }
             transitions.push(lease(&mut work[i], claim));
             taken.push((c, i));
+            given += 1;
         }
     }
     let count = write_changes(tx, session_id, &before, &work, transitions, now).await?;

@@ -101,3 +101,42 @@ pub(crate) async fn fail(
     }
     Ok((task, retry_at))
 }
+
+/// Puts a running task whose provider rate-limited it back to ready, as if the attempt had
+/// not been made: its attempt number goes back (the fencing token does not), no backoff, the
+/// error kept as its last. The provider's pause (see [`crate::quota`]) holds it back.
+pub(crate) async fn put_back(
+    store: &Store,
+    session_id: &str,
+    task_id: &str,
+    token: u64,
+    error: pb::TaskError,
+    reason: &str,
+    now: i64,
+) -> Result<Task, Error> {
+    let mut tx = store.begin().await?;
+    let mut session = lock_and_load_session(&mut tx, session_id, store.for_update()).await?;
+    let before = load_tasks_lite(&mut tx, session_id).await?;
+    let mut tasks = before.clone();
+    let task = find_task_mut(&mut tasks, task_id, session_id)?;
+    if task.fencing_token != token || task.state != TaskState::Running {
+        return Err(stale(task, token));
+    }
+    task.last_error = Some(error);
+    task.attempt = task.attempt.saturating_sub(1);
+    let transition = task::transition(task, TaskState::Ready, reason, now);
+    task.worker_id.clear();
+    task.not_before = None;
+    save(
+        &mut tx,
+        &mut session,
+        &before,
+        &mut tasks,
+        vec![transition],
+        now,
+    )
+    .await?;
+    let task = load_task(&mut tx, session_id, task_id).await?;
+    tx.commit().await?;
+    Ok(task)
+}

@@ -509,6 +509,7 @@ mod tests {
             message: "tests failed".into(),
             retryable: false,
             details: Vec::new(),
+            ..Default::default()
         }
     }
 

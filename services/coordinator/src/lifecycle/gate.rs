@@ -121,6 +121,7 @@ pub(crate) async fn answer(
             message: reason.clone(),
             retryable: false,
             details: Vec::new(),
+            ..Default::default()
         });
         task::transition(task, TaskState::Failed, reason, now)
     };

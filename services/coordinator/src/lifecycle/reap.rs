@@ -47,6 +47,7 @@ pub(crate) async fn reap(store: &Store, now: i64) -> Result<usize, Error> {
                     ),
                     retryable: false,
                     details: Vec::new(),
+                    ..Default::default()
                 });
                 transitions.push(task::transition(
                     task,

@@ -66,6 +66,8 @@ pub(crate) struct Coordinator {
     workers_seen: Mutex<HashMap<String, i64>>,
     /// Random id of this coordinator, the payload of its change notifications.
     origin: String,
+    /// Provider quotas, enforced at claim time (see [`crate::quota`]).
+    quotas: Arc<crate::quota::Quotas>,
     /// PostgreSQL: a change to announce to the other coordinators. One stored permit, so a
     /// burst of changes costs one `pg_notify` (plus one for changes made during it and the
     /// [`PUBLISH_SPACING`] after it).
@@ -82,6 +84,9 @@ const PUBLISH_SPACING: Duration = Duration::from_millis(5);
 
 /// How many reaper ticks between capability-gap scans.
 const GAP_SCAN_TICKS: u32 = 4;
+
+/// How many reaper ticks between rebuilds of the quota counts (see [`crate::quota`]).
+const QUOTA_TICKS: u32 = 2;
 
 /// Moves a change generation on, waking everything that waits on it.
 fn advance(generation: &watch::Sender<u64>) {
@@ -133,6 +138,7 @@ impl Coordinator {
         credentials: Arc<troupe_workspace::Credentials>,
         capability_gap: Duration,
         learn_from_sessions: u32,
+        quotas: Arc<crate::quota::Quotas>,
     ) -> Self {
         let (changes, _) = watch::channel(0);
         let (claimable, _) = watch::channel(0);
@@ -150,6 +156,7 @@ impl Coordinator {
             workers_seen: Mutex::new(HashMap::new()),
             origin: uuid::Uuid::new_v4().simple().to_string(),
             publish: Notify::new(),
+            quotas,
         }
     }
 

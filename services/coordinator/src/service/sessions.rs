@@ -54,6 +54,8 @@ pub(crate) struct SessionCheck {
     pub(crate) progress: Vec<pb::Message>,
     /// Roles whose ready tasks no worker claims (an active session's only).
     pub(crate) gaps: Vec<pb::CapabilityGap>,
+    /// Provider quotas its ready tasks wait on (see [`crate::quota`]).
+    pub(crate) quota_waits: Vec<pb::QuotaWait>,
     /// When the status was taken (unix ms).
     pub(crate) now: i64,
 }
@@ -313,11 +315,17 @@ impl Coordinator {
         } else {
             Vec::new()
         };
+        let quota_waits = if view.session.state == SessionState::Active {
+            self.quotas.waits(session_id, now)
+        } else {
+            Vec::new()
+        };
         Ok(SessionCheck {
             view,
             blockers,
             progress,
             gaps,
+            quota_waits,
             now,
         })
     }

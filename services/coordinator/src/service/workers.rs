@@ -8,13 +8,14 @@ use tokio_util::sync::CancellationToken;
 use troupe_proto::v1 as pb;
 
 use super::{
-    Coordinator, DEFAULT_LEASE, GAP_SCAN_TICKS, MAX_CLAIM, MAX_PROGRESS_CHARS, MAX_WAIT, duration,
-    lease, millis, require,
+    Coordinator, DEFAULT_LEASE, GAP_SCAN_TICKS, MAX_CLAIM, MAX_PROGRESS_CHARS, MAX_WAIT,
+    QUOTA_TICKS, duration, lease, millis, require,
 };
 use crate::Error;
 use crate::check;
 use crate::convert::now_ms;
 use crate::lifecycle::{self, claim::ClaimRequest, claim::Claimed};
+use crate::quota;
 use crate::store::messages::NewMessage;
 use crate::task::{self, Task};
 
@@ -116,6 +117,12 @@ impl Coordinator {
                 now_ms(),
             )
             .await?;
+        self.quotas.release(
+            &request.session_id,
+            &request.task_id,
+            request.fencing_token,
+            now_ms(),
+        );
         self.notify();
         tracing::info!(attempt = task.attempt, "task completed");
         crate::metrics::claimed(None, &next);
@@ -141,6 +148,8 @@ impl Coordinator {
         let backends = troupe_plan::backend::offered(&request.capabilities);
         self.touch_worker(&request.worker_id, &roles, backends.as_deref())
             .await;
+        self.quotas
+            .note_worker(&request.worker_id, request.auto_backend.trim());
         Ok(ClaimRequest {
             worker_id: request.worker_id.clone(),
             roles,
@@ -148,6 +157,7 @@ impl Coordinator {
             max,
             lease_ms,
             now: now_ms(),
+            quotas: std::sync::Arc::clone(&self.quotas),
         })
     }
 
@@ -163,7 +173,18 @@ impl Coordinator {
             message: "worker reported a failure without an error".to_owned(),
             retryable: false,
             details: Vec::new(),
+            ..pb::TaskError::default()
         });
+        if let Some((backend, retry_after)) = quota::reported(&error) {
+            let held = (
+                request.session_id.as_str(),
+                request.task_id.as_str(),
+                request.fencing_token,
+            );
+            return self
+                .put_back_rate_limited(held, error, backend, retry_after)
+                .await;
+        }
         // The attempt number is only known inside the transaction, so pass the policy in.
         let backoff_for = |attempt: u32| task::backoff(attempt, &mut rand::rng());
         let (task, retry_at) = lifecycle::fail::fail(
@@ -177,6 +198,12 @@ impl Coordinator {
             now_ms(),
         )
         .await?;
+        self.quotas.release(
+            &request.session_id,
+            &request.task_id,
+            request.fencing_token,
+            now_ms(),
+        );
         self.notify();
         let state = task.state;
         tracing::info!(
@@ -185,6 +212,75 @@ impl Coordinator {
             "task attempt failed"
         );
         Ok((task, retry_at))
+    }
+
+    /// A worker's provider answered 429: claims of that backend pause cluster-wide until
+    /// the time it named, and the task goes back to ready without counting the attempt.
+    async fn put_back_rate_limited(
+        &self,
+        (session_id, task_id, token): (&str, &str, u64),
+        error: pb::TaskError,
+        backend: String,
+        retry_after: Option<Duration>,
+    ) -> Result<(Task, Option<i64>), Error> {
+        let now = now_ms();
+        let first_line = error.message.lines().next().unwrap_or_default().to_owned();
+        // Paused first, so the task is not claimed again before the pause holds; released,
+        // so its old attempt no longer counts in flight.
+        let until = self.quotas.pause(&backend, retry_after, first_line, now);
+        self.quotas.release(session_id, task_id, token, now);
+        let reason = format!(
+            "provider {backend} rate limited: claims of {backend} paused for {:.1}s; the attempt does not count",
+            (until - now) as f64 / 1000.0
+        );
+        let task =
+            lifecycle::fail::put_back(&self.store, session_id, task_id, token, error, &reason, now)
+                .await?;
+        let message = NewMessage {
+            from: "coordinator".to_owned(),
+            to: "user".to_owned(),
+            kind: "quota".to_owned(),
+            summary: format!(
+                "[coordinator] quota: {reason} (task {}, worker report)",
+                task.id
+            ),
+            data: None,
+            idempotency_key: Some(format!("quota_pause:{backend}:{until}")),
+        };
+        self.log(session_id, message, now).await?;
+        tracing::warn!(backend = %backend, paused_ms = until - now, task_id = %task.id, "provider rate limited, claims paused");
+        self.notify();
+        Ok((task, None))
+    }
+
+    /// Rebuilds the quota counts from the store's live tasks; logs a `quota` message per
+    /// session whose ready tasks wait on one (once a minute per backend), and wakes parked
+    /// claims while some wait (a pause ending or the minute moving on frees them).
+    pub(crate) async fn rebuild_quotas(&self) -> Result<(), Error> {
+        if !self.quotas.engaged() {
+            return Ok(());
+        }
+        let now = now_ms();
+        let live = self.store.live_tasks().await?;
+        if !self.quotas.rebuild(&live, now) {
+            return Ok(());
+        }
+        for (backend, session_id, count) in self.quotas.waiting() {
+            let message = NewMessage {
+                from: "coordinator".to_owned(),
+                to: "user".to_owned(),
+                kind: "quota".to_owned(),
+                summary: format!(
+                    "[coordinator] quota: {count} ready task(s) wait on {}",
+                    self.quotas.summary(&backend, now)
+                ),
+                data: None,
+                idempotency_key: Some(format!("quota_wait:{backend}:{}", now / 60_000)),
+            };
+            self.log(&session_id, message, now).await?;
+        }
+        self.notify();
+        Ok(())
     }
 
     /// Returns expired leases and releases due retries until `shutdown`.
@@ -203,6 +299,11 @@ impl Coordinator {
                 Err(err) => tracing::warn!(error = %err, "reaper pass failed"),
             }
             ticks = ticks.wrapping_add(1);
+            if ticks.is_multiple_of(QUOTA_TICKS)
+                && let Err(err) = self.rebuild_quotas().await
+            {
+                tracing::warn!(error = %err, "quota rebuild failed");
+            }
             if ticks.is_multiple_of(GAP_SCAN_TICKS) {
                 match self.report_capability_gaps(now_ms()).await {
                     Ok(0) => {}

@@ -810,6 +810,22 @@ impl Store {
         Ok(row.map(|row| row.try_get("session_id")).transpose()?)
     }
 
+    /// The ready and running tasks of active sessions, whole (what the provider quotas are
+    /// rebuilt from, see [`crate::quota`]). Sessions paused keep their running tasks out.
+    pub(crate) async fn live_tasks(&self) -> Result<Vec<Task>, Error> {
+        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT {} FROM tasks t JOIN sessions s ON s.id = t.session_id \
+             WHERE t.state IN ($1, $2) AND s.state = $3",
+            *QUALIFIED_COLUMNS
+        )))
+        .bind(TaskState::Ready as i32)
+        .bind(TaskState::Running as i32)
+        .bind(SessionState::Active as i32)
+        .fetch_all(&self.reader)
+        .await?;
+        rows.iter().map(task_from_row).collect()
+    }
+
     /// Returns the ready tasks of active sessions as (session id, task id, role, the backends
     /// a worker must offer one of).
     pub(crate) async fn ready_tasks(&self) -> Result<Vec<ReadyTask>, Error> {

@@ -119,6 +119,7 @@ async fn a_failed_validation_writes_back_its_partial_report(db: Db) {
                 message: "IMPL-2: criterion 1 failed".to_owned(),
                 retryable: false,
                 details: Vec::new(),
+                ..Default::default()
             }),
             partial_result: Some(report(&[
                 ("IMPL-1", &[true, true], "pass"),

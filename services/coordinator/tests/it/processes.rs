@@ -157,6 +157,7 @@ async fn fake_worker(
                 }),
                 lease_duration: prost_types::Duration::try_from(lease).ok(),
                 capabilities: Vec::new(),
+                ..Default::default()
             })
             .await;
         let claimed = match claimed {
@@ -416,6 +417,7 @@ async fn worker_process() {
         assets_dir: None,
         health: None,
         capabilities: Vec::new(),
+        auto_backend: String::new(),
     };
     troupe_grpc::worker::run_worker(config, Arc::new(Forever), CancellationToken::new())
         .await

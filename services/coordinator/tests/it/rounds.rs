@@ -67,6 +67,7 @@ async fn fail_check(harness: &Harness, claimed: &pb::ClaimedTask, partial: pb::T
                 message: "tests failed".to_owned(),
                 retryable: false,
                 details: Vec::new(),
+                ..Default::default()
             }),
             partial_result: Some(partial),
         })

@@ -286,6 +286,7 @@ impl Harness {
                 wait: Some(prost_types::Duration::try_from(wait).expect("duration")),
                 lease_duration: Some(prost_types::Duration::try_from(lease).expect("duration")),
                 capabilities: Vec::new(),
+                ..Default::default()
             })
             .await
             .expect("claim")
@@ -368,6 +369,7 @@ impl Harness {
                     message: "verification failed".to_owned(),
                     retryable,
                     details: vec!["exit 1".to_owned()],
+                    ..Default::default()
                 }),
                 partial_result: None,
             })

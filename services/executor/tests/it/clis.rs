@@ -602,9 +602,9 @@ async fn fallback_moves_on_after_a_classified_failure() {
     ))
     .await
     .expect("model server");
-    // gemini is rate limited, qwen's key is refused, codex works: gemini → qwen → codex.
+    // gemini's and qwen's keys are refused, codex works: gemini → qwen → codex.
     let mut config = config_for(&[
-        ("gemini", &format!("{url}/__429")),
+        ("gemini", &format!("{url}/__401")),
         ("qwen", &format!("{url}/__401")),
         ("codex", &url),
     ]);
@@ -631,16 +631,42 @@ async fn fallback_moves_on_after_a_classified_failure() {
             .as_deref(),
         Some("via fallback")
     );
-    // The rate limit was retried once with backoff before moving on; auth was not retried.
-    let hits = |prefix: &str| {
-        server
-            .requests()
-            .iter()
-            .filter(|r| r.path.starts_with(prefix))
-            .count()
-    };
-    assert_eq!(hits("/__429/"), 2, "gemini: first try + one retry");
-    assert_eq!(hits("/__401/"), 1, "qwen: auth is not retried");
+    f.service.stop().await;
+    drop(server);
+}
+
+/// A rate limit is the coordinator's to wait out (docs/quotas.md): the executor neither
+/// retries it nor falls back, and names the backend (and the wait) in the error.
+#[tokio::test]
+async fn a_rate_limit_neither_retries_nor_falls_back() {
+    let (url, server) = ModelServer::start(Script::write_file(
+        "notes/hello.txt",
+        "notes/hello.txt",
+        "never written",
+    ))
+    .await
+    .expect("model server");
+    let mut config = config_for(&[("gemini", &format!("{url}/__429")), ("codex", &url)]);
+    config.fallback = vec!["gemini".into(), "codex".into()];
+    config.retries = 1;
+    let mut f = fixture(config).await;
+    let status = f
+        .execute(task("IMPL-R", "gemini", "notes/hello.txt"))
+        .await
+        .expect_err("the rate limit ends the attempt");
+    let error = task_error(&status);
+    assert_eq!(error.kind(), ErrorKind::RateLimited, "{}", error.message);
+    assert_eq!(error.rate_limited_backend, "gemini");
+    let requests = server.requests();
+    let limited = requests
+        .iter()
+        .filter(|r| r.path.starts_with("/__429/"))
+        .count();
+    assert_eq!(limited, 1, "gemini: one call, no retry");
+    assert!(
+        requests.iter().all(|r| r.path.starts_with("/__429/")),
+        "codex never ran"
+    );
     f.service.stop().await;
 }
 

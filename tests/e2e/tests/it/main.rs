@@ -23,6 +23,8 @@ mod otlp;
 mod pause;
 mod postgres;
 mod quickstart;
+mod quota;
+mod quota_wave;
 mod reconnect;
 mod remotes;
 mod routing;
