@@ -42,6 +42,7 @@ mod repos;
 mod service;
 mod store;
 mod task;
+mod turns;
 mod web;
 
 use std::net::SocketAddr;

@@ -215,12 +215,26 @@ impl Coordinator {
         &self,
         now: i64,
     ) -> Result<BTreeMap<String, Vec<pb::CapabilityGap>>, Error> {
-        let ready = self.store.ready_tasks().await?;
         let mut out = BTreeMap::new();
+        let seen = self.store.role_last_seen(0).await?;
+        // Only the roles unserved for the threshold can have a gap: a busy role's ready tasks
+        // (all of a large session's, say) are not read every scan.
+        let threshold = millis(self.capability_gap);
+        let unserved: Vec<pb::Role> = <pb::Role as troupe_proto::names::Named>::ALL
+            .iter()
+            .copied()
+            .filter(|role| {
+                let last = seen.get(role).copied().unwrap_or(self.started_at);
+                now - last.max(self.started_at) >= threshold
+            })
+            .collect();
+        if unserved.is_empty() {
+            return Ok(out);
+        }
+        let ready = self.store.ready_tasks(&unserved).await?;
         if ready.is_empty() {
             return Ok(out);
         }
-        let seen = self.store.role_last_seen(0).await?;
         let mut by_session: BTreeMap<String, Vec<(String, pb::Role)>> = BTreeMap::new();
         for (session_id, task_id, role) in ready {
             by_session

@@ -507,7 +507,7 @@ fn padded(n: usize) -> usize {
 
 /// `AND <column> = $n` for one role (an equality keeps the claim index's order), `IN` for
 /// several, nothing for any role; the roles bind from `$first` on.
-fn role_filter(column: &str, roles: &[pb::Role], first: usize) -> String {
+pub(super) fn role_filter(column: &str, roles: &[pb::Role], first: usize) -> String {
     match roles.len() {
         0 => String::new(),
         1 => format!(" AND {column} = ${first}"),
@@ -668,8 +668,8 @@ pub(crate) async fn read_batch(
     })
 }
 
-/// How many completed tasks upstream of a checker (a validator task) its claim carries at
-/// most, beyond its direct dependencies: the nearest first (breadth-first up the graph).
+/// How many completed tasks beyond its direct dependencies a checker's (validator's) claim
+/// carries at most, nearest first (breadth-first up the graph).
 pub(crate) const MAX_UPSTREAM: usize = 256;
 
 /// The completed tasks upstream of each of `tasks`, in plan order: its direct dependencies;
@@ -761,50 +761,6 @@ const LEARNED_TASKS: u32 = 500;
 const LEARNED_MIN: usize = 3;
 
 impl Store {
-    /// The session holding the best ready task of `roles` (any role when empty) in claim
-    /// order, read without locks: a claim is queued on that session's group (see
-    /// [`crate::group_commit`]), which takes the session's best ready tasks under its lock.
-    pub(crate) async fn pick_session(&self, roles: &[pb::Role]) -> Result<Option<String>, Error> {
-        let role_filter = role_filter("t.role", roles, 1);
-        // The order of the `tasks_claim` index, so the best candidate is its first entry. The
-        // states are constants written into the statement, not parameters: PostgreSQL's
-        // generic plans (see `open_postgres`) then still know how few rows they select.
-        let sql = format!(
-            "SELECT t.session_id FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             WHERE t.state = {} AND s.state = {}{role_filter} \
-             ORDER BY t.priority, t.path_ms DESC, t.created_at, t.session_id, t.position LIMIT 1",
-            TaskState::Ready as i32,
-            SessionState::Active as i32
-        );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for role in roles {
-            query = query.bind(*role as i32);
-        }
-        let row = query.fetch_optional(&self.reader).await?;
-        Ok(row.map(|row| row.try_get("session_id")).transpose()?)
-    }
-
-    /// Returns the ready tasks of active sessions as (session id, task id, role).
-    pub(crate) async fn ready_tasks(&self) -> Result<Vec<(String, String, pb::Role)>, Error> {
-        let rows = sqlx::query(
-            "SELECT t.session_id, t.id, t.role FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             WHERE t.state = $1 AND s.state = $2 ORDER BY t.session_id, t.position",
-        )
-        .bind(TaskState::Ready as i32)
-        .bind(SessionState::Active as i32)
-        .fetch_all(&self.reader)
-        .await?;
-        rows.iter()
-            .map(|row| {
-                Ok((
-                    row.try_get("session_id")?,
-                    row.try_get("id")?,
-                    pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
-                ))
-            })
-            .collect()
-    }
-
     /// What each role's tasks took lately: the median, in milliseconds, of the last attempt
     /// (the one that succeeded) of the newest [`LEARNED_TASKS`] completed tasks in the
     /// `sessions` newest sessions, for roles with at least [`LEARNED_MIN`] of them.
