@@ -52,4 +52,50 @@ async fn sessions_take_turns_and_none_starves(db: Db) {
     harness.stop().await;
 }
 
-db_tests!(sessions_take_turns_and_none_starves);
+/// A worker that claims each next task with its completion (`claim_next`) stays in one session
+/// for a turn (the first claim and five more), then moves to the session served least
+/// recently: with two sessions of 20 tasks it alternates in runs of six until one is done.
+async fn claim_next_moves_on_after_a_turn(db: Db) {
+    let harness = Harness::start(db).await;
+    let plan = |name: &str| {
+        let tasks: Vec<_> = (0..20)
+            .map(|i| serde_json::json!({"id": format!("IMPL-{i}"), "title": format!("{name} {i}")}))
+            .collect();
+        serde_json::json!({"name": name, "tasks": tasks})
+    };
+    let first = session_id(&harness.create(plan("first")).await);
+    let second = session_id(&harness.create(plan("second")).await);
+    let mut next = harness.claim(&[Role::Executor], 1).await;
+    let mut served: Vec<bool> = Vec::new();
+    while let Some(claimed) = next.first().cloned() {
+        let session = &claimed.task.as_ref().expect("task").session_id;
+        served.push(session == &second);
+        next = harness.complete_and_claim(&claimed, 1).await;
+        if next.is_empty() {
+            next = harness.claim(&[Role::Executor], 1).await;
+        }
+    }
+    assert_eq!(served.len(), 40, "every task is claimed once");
+    // Runs of one session: six each while both have tasks, then the rest of the other.
+    let mut runs: Vec<usize> = Vec::new();
+    for (i, in_second) in served.iter().enumerate() {
+        if i == 0 || served[i - 1] != *in_second {
+            runs.push(0);
+        }
+        *runs.last_mut().expect("a run") += 1;
+    }
+    assert_eq!(runs, vec![6, 6, 6, 6, 6, 6, 2, 2], "served: {served:?}");
+    assert!(!served[0], "the older session first");
+    for session in [&first, &second] {
+        assert_eq!(
+            harness.session(session).await.session.expect("session").state(),
+            SessionState::Completed
+        );
+    }
+    harness.stop().await;
+}
+
+db_tests!(
+    sessions_take_turns_and_none_starves,
+    claim_next_moves_on_after_a_turn
+);
