@@ -50,9 +50,7 @@ mod tests {
     #[test]
     fn a_turn_ends_after_turn_claims_in_one_session() {
         let turns = Turns::default();
-        let ends: Vec<bool> = (0..2 * (TURN + 1))
-            .map(|_| turns.over("w", "s"))
-            .collect();
+        let ends: Vec<bool> = (0..2 * (TURN + 1)).map(|_| turns.over("w", "s")).collect();
         let expected: Vec<bool> = (0..2 * (TURN + 1))
             .map(|i| (i + 1) % (TURN + 1) == 0)
             .collect();

@@ -40,12 +40,24 @@ async fn sessions_take_turns_and_none_starves(db: Db) {
     for (round, window) in served[..16].chunks(4).enumerate() {
         let mut window = window.to_vec();
         window.sort_unstable();
-        assert_eq!(window, vec![0, 1, 2, 3], "round {round} serves every session: {served:?}");
+        assert_eq!(
+            window,
+            vec![0, 1, 2, 3],
+            "round {round} serves every session: {served:?}"
+        );
     }
-    assert!(served[16..].iter().all(|&s| s == 0), "then the big one alone");
+    assert!(
+        served[16..].iter().all(|&s| s == 0),
+        "then the big one alone"
+    );
     for session in &sessions {
         assert_eq!(
-            harness.session(session).await.session.expect("session").state(),
+            harness
+                .session(session)
+                .await
+                .session
+                .expect("session")
+                .state(),
             SessionState::Completed
         );
     }
@@ -88,7 +100,12 @@ async fn claim_next_moves_on_after_a_turn(db: Db) {
     assert!(!served[0], "the older session first");
     for session in [&first, &second] {
         assert_eq!(
-            harness.session(session).await.session.expect("session").state(),
+            harness
+                .session(session)
+                .await
+                .session
+                .expect("session")
+                .state(),
             SessionState::Completed
         );
     }
