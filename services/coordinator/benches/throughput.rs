@@ -205,6 +205,7 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
     // The rate runs to the last completion, as graphile-worker's burn-down does (its queue
     // is empty): by then the other workers wait in a long poll that nothing will answer.
     let finished = Arc::new(OnceLock::new());
+    let cpu_before = coordinator_cpu();
     let start = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
     for w in 0..args.workers {
@@ -277,6 +278,7 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
     let elapsed = *finished
         .get()
         .ok_or_else(|| anyhow::anyhow!("the workers stopped before the last completion"))?;
+    let cpu = coordinator_cpu().saturating_sub(cpu_before);
     let messages = match logger {
         Some(logger) => format!(" messages={}", logger.await??),
         None => String::new(),
@@ -305,7 +307,7 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         String::new()
     };
     println!(
-        "S1 db={} shape={} tasks={} workers={} batch={}{}: intake {:.2}s, {:.2}s, {:.0} tasks/s{messages}{fairness}{reads}",
+        "S1 db={} shape={} tasks={} workers={} batch={}{}: intake {:.2}s, {:.2}s, {:.0} tasks/s, coordinator CPU {:.2} ms/task{messages}{fairness}{reads}",
         args.db,
         args.shape,
         args.tasks,
@@ -314,9 +316,40 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
         if args.claim_next { " claim-next" } else { "" },
         intake.as_secs_f64(),
         elapsed.as_secs_f64(),
-        args.tasks as f64 / elapsed.as_secs_f64()
+        args.tasks as f64 / elapsed.as_secs_f64(),
+        cpu.as_secs_f64() * 1000.0 / args.tasks as f64
     );
     Ok(())
+}
+
+/// CPU time (user and system) of the coordinator's threads so far: its runtime's
+/// (`coordinator`) and SQLite's connection threads (`sqlx-sqlite-*`), from /proc. Less
+/// sensitive to a loaded machine than the rate (PostgreSQL's server processes are not
+/// counted). Zero where /proc is missing.
+fn coordinator_cpu() -> Duration {
+    let Ok(threads) = std::fs::read_dir("/proc/self/task") else {
+        return Duration::ZERO;
+    };
+    let mut ticks: u64 = 0;
+    for thread in threads.flatten() {
+        let Ok(stat) = std::fs::read_to_string(thread.path().join("stat")) else {
+            continue;
+        };
+        // `pid (comm) state ...`: the name may hold spaces, so split at the last ')'.
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let name = &stat[open + 1..close];
+        if !(name.starts_with("coordinator") || name.starts_with("sqlx-sqlite")) {
+            continue;
+        }
+        // After the name: state is field 3, utime 14 and stime 15.
+        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+        ticks += field(14).unwrap_or(0) + field(15).unwrap_or(0);
+    }
+    // USER_HZ, 100 on Linux.
+    Duration::from_millis(ticks * 10)
 }
 
 /// The median of 5 timed calls of `call`, in milliseconds.

@@ -14,8 +14,9 @@
 //! Lanes: SQLite has one writer, so everything shares one lane. PostgreSQL has a lane per
 //! session, so a group transaction locks one session row only and two coordinators' groups
 //! can never wait on each other crosswise. A claim does not name a session: it first reads,
-//! without locks, which session holds the best ready task for its roles, and queues there;
-//! when others emptied that session first it picks again.
+//! without locks, which session with a ready task for its roles was served least recently
+//! (sessions take turns), and queues there; when others emptied that session first it picks
+//! again. A completion's `claim_next` stays in its session for a turn (see [`crate::turns`]).
 //!
 //! A group of completions and claims of one active eager session first runs optimistically
 //! (see `run_optimistic`): no lock, its tasks from the in-memory copy of the session
@@ -56,6 +57,7 @@ use crate::lifecycle::task_cache::{self, TaskCache};
 use crate::store::sessions::{self, SessionRow};
 use crate::store::{Dialect, Store, Tx};
 use crate::task::Task;
+use crate::turns::Turns;
 
 /// One queued write and where its answer goes.
 #[derive(Debug)]
@@ -140,6 +142,8 @@ pub(crate) struct GroupCommit {
     /// completes tasks to claim for (see [`GroupCommit::park`]).
     parked: Arc<Mutex<Vec<Parked>>>,
     next_parked: Arc<std::sync::atomic::AtomicU64>,
+    /// How long each worker's `claim_next` has stayed in one session (see [`crate::turns`]).
+    turns: Arc<Turns>,
 }
 
 /// A parked claim: its request and where its answer goes once a group took it.
@@ -238,6 +242,7 @@ impl GroupCommit {
             sessions: Arc::default(),
             parked: Arc::default(),
             next_parked: Arc::default(),
+            turns: Arc::default(),
         }
     }
 
@@ -341,7 +346,8 @@ impl GroupCommit {
         }
     }
 
-    /// Claims up to `request.max` ready tasks of its roles from the session holding the best one.
+    /// Claims up to `request.max` ready tasks of its roles from the session served least
+    /// recently that has one (see [`Store::pick_session`]).
     pub(crate) async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claimed>, Error> {
         // Each round either claims or finds that others took the picked session's ready tasks
         // first (someone made progress), so this ends once nothing is ready.
@@ -398,6 +404,17 @@ impl GroupCommit {
         claim_next: Option<ClaimRequest>,
         now: i64,
     ) -> Result<(Task, Vec<Claimed>), Error> {
+        // At the end of the worker's turn in this session, its next claim goes to the session
+        // served least recently when that is another (see `crate::turns`), after the commit.
+        let mut claim_next = claim_next;
+        let mut elsewhere = None;
+        if let Some(request) = &claim_next
+            && self.turns.over(&request.worker_id, session_id)
+            && let Ok(Some(picked)) = self.store.pick_session(request.filter()).await
+            && picked != session_id
+        {
+            elsewhere = claim_next.take();
+        }
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
             session_id: session_id.to_owned(),
@@ -411,7 +428,20 @@ impl GroupCommit {
             reply,
         };
         self.submit(self.lane(session_id), op);
-        answer.await.unwrap_or_else(|_| Err(gone()))
+        let (task, mut next) = answer.await.unwrap_or_else(|_| Err(gone()))?;
+        if let Some(request) = elsewhere {
+            let request = ClaimRequest {
+                now: crate::convert::now_ms(),
+                ..request
+            };
+            // The completion is committed: a claim that fails now leaves the worker without
+            // a next task (it claims again), not with a completion it would think refused.
+            next = self.claim(&request).await.unwrap_or_else(|err| {
+                tracing::warn!(error = %err, "claim after a turn failed");
+                Vec::new()
+            });
+        }
+        Ok((task, next))
     }
 
     /// Queues `op` behind the running transaction of its lane, or runs it at once when the

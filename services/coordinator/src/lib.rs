@@ -43,6 +43,7 @@ mod repos;
 mod service;
 mod store;
 mod task;
+mod turns;
 mod web;
 
 use std::net::SocketAddr;

@@ -319,19 +319,34 @@ impl Coordinator {
         &self,
         now: i64,
     ) -> Result<BTreeMap<String, Vec<pb::CapabilityGap>>, Error> {
-        let ready = self.store.ready_tasks().await?;
         let mut out = BTreeMap::new();
+        let seen = self.store.role_last_seen(0).await?;
+        // Only the roles unserved for the threshold can have a role gap, and only routed tasks
+        // no live worker offers a backend for a backend gap: a busy role's ready tasks (all of
+        // a large session's, say) are not read every scan.
+        let threshold = millis(self.capability_gap);
+        let unserved: Vec<pb::Role> = <pb::Role as troupe_proto::names::Named>::ALL
+            .iter()
+            .copied()
+            .filter(|role| {
+                let last = seen.get(role).copied().unwrap_or(self.started_at);
+                now - last.max(self.started_at) >= threshold
+            })
+            .collect();
+        // What the workers seen within the gap threshold offer, per served role.
+        let live_since = now - threshold;
+        let mut offers = std::collections::HashMap::new();
+        for role in <pb::Role as troupe_proto::names::Named>::ALL {
+            if !unserved.contains(role) && *role != pb::Role::Unspecified {
+                let live = self.store.offers(*role, live_since).await?;
+                if !live.is_empty() {
+                    offers.insert(*role, live);
+                }
+            }
+        }
+        let ready = self.store.ready_tasks(&unserved, &offers).await?;
         if ready.is_empty() {
             return Ok(out);
-        }
-        let seen = self.store.role_last_seen(0).await?;
-        // What the workers seen within the gap threshold offer, per role with routed tasks.
-        let live_since = now - millis(self.capability_gap);
-        let mut offers = std::collections::HashMap::new();
-        for (_, _, role, routes) in &ready {
-            if !routes.is_empty() && !offers.contains_key(role) {
-                offers.insert(*role, self.store.offers(*role, live_since).await?);
-            }
         }
         let mut by_session: BTreeMap<String, Vec<check::Ready>> = BTreeMap::new();
         for (session_id, task_id, role, routes) in ready {

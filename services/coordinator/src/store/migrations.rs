@@ -41,6 +41,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     // 9 is taken by the task dependency index.
     (10, "gates", include_str!("migrations/0010_gates.sql")),
     (11, "routing", include_str!("migrations/0011_routing.sql")),
+    (
+        14,
+        "dependents due",
+        include_str!("migrations/0014_dependents_due.sql"),
+    ),
 ];
 
 /// The second step of migration 9: the dependency rows of tasks stored before it, read out of

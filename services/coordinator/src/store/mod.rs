@@ -38,6 +38,7 @@ pub(crate) mod events;
 pub(crate) mod gates;
 pub(crate) mod messages;
 mod migrations;
+mod ready;
 pub(crate) mod sessions;
 pub(crate) mod tasks;
 mod transactions;

@@ -21,7 +21,7 @@ const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, 
      progress, result, last_error, superseded_by, convergence, backends";
 
 /// [`TASK_COLUMNS`] of a table named `t`.
-static QUALIFIED_COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+pub(super) static QUALIFIED_COLUMNS: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
     TASK_COLUMNS
         .split(", ")
         .map(|column| format!("t.{column}"))
@@ -47,7 +47,7 @@ struct StoredFile {
     change: String,
 }
 
-fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
+pub(super) fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
     let depends_on: String = row.try_get("depends_on")?;
     let files: String = row.try_get("files")?;
     let spec: String = row.try_get("spec")?;
@@ -520,7 +520,7 @@ fn padded(n: usize) -> usize {
 
 /// `AND <column> = $n` for one role (an equality keeps the claim index's order), `IN` for
 /// several, nothing for any role; the roles bind from `$first` on.
-fn role_filter(column: &str, roles: &[pb::Role], first: usize) -> String {
+pub(super) fn role_filter(column: &str, roles: &[pb::Role], first: usize) -> String {
     match roles.len() {
         0 => String::new(),
         1 => format!(" AND {column} = ${first}"),
@@ -685,8 +685,8 @@ pub(crate) async fn read_batch(
     })
 }
 
-/// How many completed tasks upstream of a checker (a validator task) its claim carries at
-/// most, beyond its direct dependencies: the nearest first (breadth-first up the graph).
+/// How many completed tasks beyond its direct dependencies a checker's (validator's) claim
+/// carries at most, nearest first (breadth-first up the graph).
 pub(crate) const MAX_UPSTREAM: usize = 256;
 
 /// The completed tasks upstream of each of `tasks`, in plan order: its direct dependencies;
@@ -778,77 +778,6 @@ const LEARNED_TASKS: u32 = 500;
 const LEARNED_MIN: usize = 3;
 
 impl Store {
-    /// The session holding the best ready task of `roles` (any role when empty) in claim
-    /// order, read without locks: a claim is queued on that session's group (see
-    /// [`crate::group_commit`]), which takes the session's best ready tasks under its lock.
-    pub(crate) async fn pick_session(
-        &self,
-        (roles, offer): Filter<'_>,
-    ) -> Result<Option<String>, Error> {
-        let role_filter = role_filter("t.role", roles, 1);
-        // A worker never picks a session for tasks it cannot run (they would stay its best
-        // candidate forever, and its claims come back empty).
-        let (routing, patterns) = routing::sql_filter("t.backends", offer, 1 + roles.len());
-        // The order of the `tasks_claim` index, so the best candidate is its first entry. The
-        // states are constants written into the statement, not parameters: PostgreSQL's
-        // generic plans (see `open_postgres`) then still know how few rows they select.
-        let sql = format!(
-            "SELECT t.session_id FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             WHERE t.state = {} AND s.state = {}{role_filter}{routing} \
-             ORDER BY t.priority, t.path_ms DESC, t.created_at, t.session_id, t.position LIMIT 1",
-            TaskState::Ready as i32,
-            SessionState::Active as i32
-        );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for role in roles {
-            query = query.bind(*role as i32);
-        }
-        for pattern in patterns {
-            query = query.bind(pattern);
-        }
-        let row = query.fetch_optional(&self.reader).await?;
-        Ok(row.map(|row| row.try_get("session_id")).transpose()?)
-    }
-
-    /// The ready and running tasks of active sessions, whole (what the provider quotas are
-    /// rebuilt from, see [`crate::quota`]). Sessions paused keep their running tasks out.
-    pub(crate) async fn live_tasks(&self) -> Result<Vec<Task>, Error> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {} FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             WHERE t.state IN ($1, $2) AND s.state = $3",
-            *QUALIFIED_COLUMNS
-        )))
-        .bind(TaskState::Ready as i32)
-        .bind(TaskState::Running as i32)
-        .bind(SessionState::Active as i32)
-        .fetch_all(&self.reader)
-        .await?;
-        rows.iter().map(task_from_row).collect()
-    }
-
-    /// Returns the ready tasks of active sessions as (session id, task id, role, the backends
-    /// a worker must offer one of).
-    pub(crate) async fn ready_tasks(&self) -> Result<Vec<ReadyTask>, Error> {
-        let rows = sqlx::query(
-            "SELECT t.session_id, t.id, t.role, t.backends FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             WHERE t.state = $1 AND s.state = $2 ORDER BY t.session_id, t.position",
-        )
-        .bind(TaskState::Ready as i32)
-        .bind(SessionState::Active as i32)
-        .fetch_all(&self.reader)
-        .await?;
-        rows.iter()
-            .map(|row| {
-                Ok((
-                    row.try_get("session_id")?,
-                    row.try_get("id")?,
-                    pb::Role::try_from(row.try_get::<i32, _>("role")?).map_err(corrupt)?,
-                    routing::from_column(row.try_get::<Option<String>, _>("backends")?.as_deref()),
-                ))
-            })
-            .collect()
-    }
-
     /// What each role's tasks took lately: the median, in milliseconds, of the last attempt
     /// (the one that succeeded) of the newest [`LEARNED_TASKS`] completed tasks in the
     /// `sessions` newest sessions, for roles with at least [`LEARNED_MIN`] of them.

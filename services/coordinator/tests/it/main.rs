@@ -4,6 +4,7 @@
 mod bases;
 mod bus;
 mod convergence;
+mod fairness;
 mod pause;
 mod plans;
 mod processes;

@@ -1,0 +1,118 @@
+//! Claims across several active sessions: sessions take turns (the one served least recently
+//! goes first), so a large or older session does not starve the others.
+
+use troupe_proto::v1::{Role, SessionState};
+
+use crate::support::{Db, Harness, db_tests, session_id};
+
+/// Four sessions, the oldest with 40 tasks and three later ones with 4 each, drained by one
+/// worker claiming one task at a time: the claims go round the sessions, so each later session
+/// is done within the first 16 claims (oldest first would give the first 40 to the oldest).
+async fn sessions_take_turns_and_none_starves(db: Db) {
+    let harness = Harness::start(db).await;
+    let plan = |name: &str, count: usize| {
+        let tasks: Vec<_> = (0..count)
+            .map(|i| serde_json::json!({"id": format!("IMPL-{i}"), "title": format!("{name} {i}")}))
+            .collect();
+        serde_json::json!({"name": name, "tasks": tasks})
+    };
+    let mut sessions = vec![session_id(&harness.create(plan("big", 40)).await)];
+    for name in ["b", "c", "d"] {
+        sessions.push(session_id(&harness.create(plan(name, 4)).await));
+    }
+    let mut served: Vec<usize> = Vec::new();
+    loop {
+        let claimed = harness.claim(&[Role::Executor], 1).await;
+        let Some(claimed) = claimed.first() else {
+            break;
+        };
+        let session = &claimed.task.as_ref().expect("task").session_id;
+        served.push(
+            sessions
+                .iter()
+                .position(|known| known == session)
+                .expect("a known session"),
+        );
+        harness.complete(claimed, "done").await.expect("complete");
+    }
+    assert_eq!(served.len(), 52, "every task is claimed once");
+    // Round and round while every session has work: each window of four claims serves all.
+    for (round, window) in served[..16].chunks(4).enumerate() {
+        let mut window = window.to_vec();
+        window.sort_unstable();
+        assert_eq!(
+            window,
+            vec![0, 1, 2, 3],
+            "round {round} serves every session: {served:?}"
+        );
+    }
+    assert!(
+        served[16..].iter().all(|&s| s == 0),
+        "then the big one alone"
+    );
+    for session in &sessions {
+        assert_eq!(
+            harness
+                .session(session)
+                .await
+                .session
+                .expect("session")
+                .state(),
+            SessionState::Completed
+        );
+    }
+    harness.stop().await;
+}
+
+/// A worker that claims each next task with its completion (`claim_next`) stays in one session
+/// for a turn (the first claim and five more), then moves to the session served least
+/// recently: with two sessions of 20 tasks it alternates in runs of six until one is done.
+async fn claim_next_moves_on_after_a_turn(db: Db) {
+    let harness = Harness::start(db).await;
+    let plan = |name: &str| {
+        let tasks: Vec<_> = (0..20)
+            .map(|i| serde_json::json!({"id": format!("IMPL-{i}"), "title": format!("{name} {i}")}))
+            .collect();
+        serde_json::json!({"name": name, "tasks": tasks})
+    };
+    let first = session_id(&harness.create(plan("first")).await);
+    let second = session_id(&harness.create(plan("second")).await);
+    let mut next = harness.claim(&[Role::Executor], 1).await;
+    let mut served: Vec<bool> = Vec::new();
+    while let Some(claimed) = next.first().cloned() {
+        let session = &claimed.task.as_ref().expect("task").session_id;
+        served.push(session == &second);
+        next = harness.complete_and_claim(&claimed, 1).await;
+        if next.is_empty() {
+            next = harness.claim(&[Role::Executor], 1).await;
+        }
+    }
+    assert_eq!(served.len(), 40, "every task is claimed once");
+    // Runs of one session: six each while both have tasks, then the rest of the other.
+    let mut runs: Vec<usize> = Vec::new();
+    for (i, in_second) in served.iter().enumerate() {
+        if i == 0 || served[i - 1] != *in_second {
+            runs.push(0);
+        }
+        *runs.last_mut().expect("a run") += 1;
+    }
+    assert_eq!(runs, vec![6, 6, 6, 6, 6, 6, 2, 2], "served: {served:?}");
+    assert!(!served[0], "the older session first");
+    for session in [&first, &second] {
+        assert_eq!(
+            harness
+                .session(session)
+                .await
+                .session
+                .expect("session")
+                .state(),
+            SessionState::Completed
+        );
+    }
+    harness.stop().await;
+}
+
+db_tests!(
+    sessions_take_turns_and_none_starves,
+    claim_next_moves_on_after_a_turn
+);
