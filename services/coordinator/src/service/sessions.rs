@@ -339,11 +339,16 @@ impl Coordinator {
             .store
             .list_messages(session_id, &recent("progress", 50))
             .await?;
-        let gaps = if view.session.state == SessionState::Active {
-            self.gaps_by_session(now)
-                .await?
-                .remove(session_id)
-                .unwrap_or_default()
+        // From this session's ready tasks, already read (not every session's).
+        let ready: Vec<(String, pb::Role)> = view
+            .tasks
+            .iter()
+            .filter(|task| task.state == TaskState::Ready)
+            .map(|task| (task.id.clone(), task.role))
+            .collect();
+        let gaps = if view.session.state == SessionState::Active && !ready.is_empty() {
+            let seen = self.store.role_last_seen(0).await?;
+            crate::check::capability_gaps(&ready, &seen, self.started_at, now, self.capability_gap)
         } else {
             Vec::new()
         };
