@@ -67,7 +67,9 @@ struct Args {
     /// the n-th claim also carries the n-1 completed tasks upstream of it).
     #[arg(long, default_value = "pairs")]
     s2_shape: String,
-    /// Skip S1 or S2.
+    /// Run only `s1`, `s2` or `intake` (S1's sessions created, then read: intake time,
+    /// `CheckSession`, `GetSession`, a `ListTasks` page and the process's peak RSS; no
+    /// burn-down).
     #[arg(long)]
     only: Option<String>,
     // `cargo bench` passes `--bench`; accept and ignore it.
@@ -84,11 +86,15 @@ async fn main() -> anyhow::Result<()> {
     let (client, base_dir) = (bench.client.clone(), bench.base_dir.clone());
     // Stopped either way: dropping a running bench would hide the error behind a panic.
     let result = async {
-        if args.only.as_deref() != Some("s2") {
-            s1(&client, &base_dir, &args).await?;
-        }
-        if args.only.as_deref() != Some("s1") {
-            s2(&client, &base_dir, &args).await?;
+        match args.only.as_deref() {
+            Some("intake") => intake(&client, &base_dir, &args).await?,
+            Some("s1") => s1(&client, &base_dir, &args).await?,
+            Some("s2") => s2(&client, &base_dir, &args).await?,
+            None => {
+                s1(&client, &base_dir, &args).await?;
+                s2(&client, &base_dir, &args).await?;
+            }
+            Some(other) => bail!("unknown --only {other}"),
         }
         anyhow::Ok(())
     }
@@ -185,6 +191,42 @@ fn s1_tasks(shape: &str, count: usize) -> anyhow::Result<Vec<serde_json::Value>>
             Ok(json!({"id": id(i), "title": "no-op", "depends_on": deps}))
         })
         .collect()
+}
+
+/// Intake alone: S1's sessions created (the plan's JSON built before the clock starts), then
+/// the reads of the first, and the peak RSS of this process, which runs the coordinator too
+/// (so the figure includes the client's copy of each plan).
+async fn intake(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
+    let per_session = args.tasks / args.sessions.max(1);
+    if per_session == 0 || per_session * args.sessions != args.tasks {
+        bail!("--tasks must be a multiple of --sessions");
+    }
+    let mut took = Duration::ZERO;
+    let mut sessions = Vec::with_capacity(args.sessions);
+    let mut bytes = 0;
+    for n in 0..args.sessions {
+        let tasks = s1_tasks(&args.shape, per_session)?;
+        let plan =
+            json!({"name": format!("in-{n}"), "repos": {"app": {"path": "repo"}}, "tasks": tasks});
+        let plan_json = plan.to_string();
+        drop(plan);
+        bytes += plan_json.len();
+        let start = Instant::now();
+        sessions.push(common::create_session_json(client, base_dir, plan_json).await?);
+        took += start.elapsed();
+    }
+    let reads = reads(client, &sessions[0]).await?;
+    println!(
+        "intake db={} shape={} tasks={} sessions={} plan {:.1} MB: intake {:.2}s{reads}; peak RSS {}",
+        args.db,
+        args.shape,
+        args.tasks,
+        args.sessions,
+        bytes as f64 / 1e6,
+        took.as_secs_f64(),
+        common::peak_rss()
+    );
+    Ok(())
 }
 
 async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
@@ -403,6 +445,7 @@ async fn reads(client: &Client, session: &str) -> anyhow::Result<String> {
         let mut client = client.clone();
         let request = pb::CheckSessionRequest {
             session_id: session.to_owned(),
+            ..Default::default()
         };
         async move { client.check_session(request).await }
     })

@@ -39,14 +39,45 @@ fn progress_task(message: &pb::Message) -> String {
         .unwrap_or_else(|| message.from.clone())
 }
 
-/// Builds the read-only status of a session.
+/// The most stuck tasks, or ready task ids of a capability gap, a status lists (it counts the
+/// rest); the one-line summaries name the first [`NAMED`].
+pub(crate) const MAX_LISTED: usize = 1_000;
+
+/// Task ids a one-line summary names before it counts the rest.
+const NAMED: usize = 20;
+
+/// The first [`NAMED`] of `ids`, joined, and how many more there are.
+pub(crate) fn named<'a>(ids: impl ExactSizeIterator<Item = &'a str>) -> String {
+    let count = ids.len();
+    let mut text = ids.take(NAMED).collect::<Vec<_>>().join(", ");
+    if count > NAMED {
+        text.push_str(&format!(" and {} more", count - NAMED));
+    }
+    text
+}
+
+/// Whether a task goes into a bounded status graph ahead of the others: one that runs, or
+/// that needs someone's attention.
+fn noteworthy(state: TaskState) -> bool {
+    matches!(
+        state,
+        TaskState::Running
+            | TaskState::Failed
+            | TaskState::TimedOut
+            | TaskState::Blocked
+            | TaskState::WaitingApproval
+    )
+}
+
+/// Builds the read-only status of a session, its graph bounded to `max_graph` nodes (the
+/// noteworthy tasks first, up to [`crate::service`]'s page limit, then the others in order).
 pub(crate) fn status(
     session: pb::Session,
     tasks: &[Task],
     blockers: Vec<pb::Message>,
     progress_messages: &[pb::Message],
     capability_gaps: Vec<pb::CapabilityGap>,
-    now_ms: i64,
+    (now_ms, max_graph): (i64, usize),
 ) -> pb::CheckSessionResponse {
     // A failed task a fix round superseded is replaced by its re-run: not counted as work.
     let total = tasks
@@ -70,7 +101,19 @@ pub(crate) fn status(
         .iter()
         .map(|task| (task.id.as_str(), task.state))
         .collect();
-    let graph = tasks
+    let noteworthy_count = tasks.iter().filter(|task| noteworthy(task.state)).count();
+    let mut others = max_graph.saturating_sub(noteworthy_count);
+    let shown: Vec<&Task> = tasks
+        .iter()
+        .filter(|task| {
+            noteworthy(task.state)
+                || (others > 0 && {
+                    others -= 1;
+                    true
+                })
+        })
+        .collect();
+    let graph: Vec<pb::StatusNode> = shown
         .iter()
         .map(|task| pb::StatusNode {
             task_id: task.id.clone(),
@@ -97,14 +140,21 @@ pub(crate) fn status(
             superseded_by: task.superseded_by.clone(),
         })
         .collect();
-    let mut waves: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    let mut waves: BTreeMap<u32, pb::Wave> = BTreeMap::new();
     for task in tasks {
-        waves.entry(task.wave).or_default().push(task.id.clone());
+        let wave = waves.entry(task.wave).or_insert_with(|| pb::Wave {
+            number: task.wave,
+            ..Default::default()
+        });
+        wave.task_count += 1;
     }
-    let waves = waves
-        .into_iter()
-        .map(|(number, task_ids)| pb::Wave { number, task_ids })
-        .collect();
+    for task in &shown {
+        if let Some(wave) = waves.get_mut(&task.wave) {
+            wave.task_ids.push(task.id.clone());
+        }
+    }
+    let graph_omitted = u32::try_from(tasks.len() - graph.len()).unwrap_or(u32::MAX);
+    let waves = waves.into_values().collect();
     let active_workers = tasks
         .iter()
         .filter(|task| task.state == TaskState::Running)
@@ -134,11 +184,11 @@ pub(crate) fn status(
         stall,
         capability_gaps,
         quota_waits: Vec::new(),
+        graph_omitted,
     }
 }
 
 fn stall_report(stuck: &[task::Stuck], state: SessionState) -> pb::StallReport {
-    let names: Vec<&str> = stuck.iter().map(|task| task.task_id.as_str()).collect();
     let hint = match state {
         SessionState::Paused | SessionState::Failed => "; `resume` retries and reactivates",
         _ => "",
@@ -147,10 +197,12 @@ fn stall_report(stuck: &[task::Stuck], state: SessionState) -> pb::StallReport {
         summary: format!(
             "stalled: nothing ready or running and {} task(s) cannot start: {}{hint}",
             stuck.len(),
-            names.join(", ")
+            named(stuck.iter().map(|task| task.task_id.as_str()))
         ),
+        task_count: u32::try_from(stuck.len()).unwrap_or(u32::MAX),
         tasks: stuck
             .iter()
+            .take(MAX_LISTED)
             .map(|task| pb::StuckTask {
                 task_id: task.task_id.clone(),
                 state: task.state as i32,
@@ -197,7 +249,7 @@ pub(crate) fn capability_gaps(
         let mut message = format!(
             "no worker has claimed role {name} for {}s; ready: {}",
             unserved / 1000,
-            task_ids.join(", ")
+            named(task_ids.iter().map(String::as_str))
         );
         match covered_by {
             Some(other) => message.push_str(&format!(
@@ -206,9 +258,13 @@ pub(crate) fn capability_gaps(
             )),
             None => message.push_str(&format!("; start a worker for role {name}")),
         }
+        let task_count = u32::try_from(task_ids.len()).unwrap_or(u32::MAX);
+        let mut task_ids = task_ids;
+        task_ids.truncate(MAX_LISTED);
         gaps.push(pb::CapabilityGap {
             role: role as i32,
             task_ids,
+            task_count,
             unserved_for: prost_types::Duration::try_from(Duration::from_millis(
                 u64::try_from(unserved).unwrap_or(0),
             ))
@@ -267,11 +323,15 @@ pub(crate) fn backend_gaps(
                  worker for role {name} where `{backend}` is installed and signed in (`troupe \
                  doctor` there lists it available), or name a backend your workers have in \
                  these tasks' `agent.backend` or `agent.fallback`",
-                task_ids.join(", ")
+                named(task_ids.iter().map(String::as_str))
             );
+            let task_count = u32::try_from(task_ids.len()).unwrap_or(u32::MAX);
+            let mut task_ids = task_ids;
+            task_ids.truncate(MAX_LISTED);
             pb::CapabilityGap {
                 role: role as i32,
                 task_ids,
+                task_count,
                 unserved_for: None,
                 covered_by: pb::Role::Unspecified as i32,
                 message,

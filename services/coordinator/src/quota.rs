@@ -434,7 +434,12 @@ impl Quotas {
                 started_last_minute: standing.started_last_minute,
                 per_minute_limit: standing.limit.per_minute.unwrap_or(0),
                 paused_until: standing.paused_until.map(timestamp),
-                task_ids: task_ids.clone(),
+                task_ids: task_ids
+                    .iter()
+                    .take(crate::check::MAX_LISTED)
+                    .cloned()
+                    .collect(),
+                task_count: u32::try_from(task_ids.len()).unwrap_or(u32::MAX),
                 message: format!(
                     "{} ready task(s) wait on the {backend} quota: {}",
                     task_ids.len(),

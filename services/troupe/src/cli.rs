@@ -497,15 +497,21 @@ async fn submit_and_follow(
         }
     };
     let mut follower = Follower::new(connector, url, budget)?;
-    let created = follower
-        .create_session(CreateSessionRequest {
-            plan_json: plan.json,
-            base_dir: plan.base_dir.display().to_string(),
-            repo_paths,
-            dry_run: false,
-            assets,
-        })
-        .await;
+    // A large plan goes in pieces: no one message need hold it whole.
+    let upload = plan.json.len() > follow::PLAN_PIECE;
+    let request = CreateSessionRequest {
+        plan_json: plan.json,
+        base_dir: plan.base_dir.display().to_string(),
+        repo_paths,
+        dry_run: false,
+        assets,
+        max_tasks: 0,
+    };
+    let created = if upload {
+        follower.upload_plan(request).await
+    } else {
+        follower.create_session(request).await
+    };
     let created = match created {
         Ok(response) => response,
         Err(err) => match err.downcast_ref::<follow::CallFailed>() {
@@ -521,7 +527,7 @@ async fn submit_and_follow(
         },
     };
     let session = created.session.context("coordinator returned no session")?;
-    out(&report::session_header(&session, &created.tasks));
+    out(&report::session_header(&session, created.waves));
 
     let mut view = crate::live::for_stdout(plain, &created.tasks);
     let followed = follower.follow_events(&session.id, 0, view.as_mut()).await;
@@ -690,6 +696,7 @@ async fn check(args: SessionArgs) -> anyhow::Result<ExitCode> {
     let status = client
         .check_session(troupe_proto::v1::CheckSessionRequest {
             session_id: args.session,
+            ..Default::default()
         })
         .await
         .context("checking the session")?
@@ -930,11 +937,7 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
         .is_some_and(|session| session.repos.len() > 1);
     for wave in &status.waves {
         let _ = writeln!(out, "wave {}", wave.number);
-        for node in status
-            .graph
-            .iter()
-            .filter(|node| wave.task_ids.contains(&node.task_id))
-        {
+        for node in status.graph.iter().filter(|node| node.wave == wave.number) {
             let mut line = format!(
                 "  {:<8} {} {}",
                 troupe_proto::names::name(node.status()),
@@ -954,6 +957,18 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
             }
             let _ = writeln!(out, "{line}");
         }
+        // A large session's status lists some of each wave's tasks (`troupe graph` lists all).
+        let listed = u32::try_from(wave.task_ids.len()).unwrap_or(u32::MAX);
+        if wave.task_count > listed {
+            let _ = writeln!(out, "  ... and {} more", wave.task_count - listed);
+        }
+    }
+    if status.graph_omitted > 0 {
+        let _ = writeln!(
+            out,
+            "{} task(s) not listed: `troupe graph` lists every task",
+            status.graph_omitted
+        );
     }
     for worker in &status.active_workers {
         let elapsed = worker.elapsed.map_or(0, |elapsed| elapsed.seconds);
@@ -980,6 +995,10 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
         let _ = writeln!(out, "{}", stall.summary);
         for task in &stall.tasks {
             let _ = writeln!(out, "  {}: {}", task.task_id, task.reason);
+        }
+        let listed = u32::try_from(stall.tasks.len()).unwrap_or(u32::MAX);
+        if stall.task_count > listed {
+            let _ = writeln!(out, "  ... and {} more", stall.task_count - listed);
         }
     }
     out

@@ -157,6 +157,20 @@ impl Follower {
         .await
     }
 
+    /// [`Self::create_session`] of a plan sent in pieces of [`PLAN_PIECE`] bytes
+    /// (`UploadPlan`), for plans larger than one message should be; retried the same way.
+    pub async fn upload_plan(
+        &mut self,
+        request: CreateSessionRequest,
+    ) -> anyhow::Result<CreateSessionResponse> {
+        let request = std::sync::Arc::new(request);
+        self.call(never_sent, |mut client| {
+            let pieces = plan_pieces(std::sync::Arc::clone(&request));
+            async move { client.upload_plan(pieces).await }
+        })
+        .await
+    }
+
     /// `GetSession`, retried through outages.
     pub async fn get_session(&mut self, session_id: &str) -> anyhow::Result<GetSessionResponse> {
         self.call(is_transient, |mut client| {
@@ -292,6 +306,36 @@ pub fn is_unreachable(err: &anyhow::Error) -> bool {
                 })
             )
     })
+}
+
+/// Bytes of the plan per `UploadPlan` message.
+pub const PLAN_PIECE: usize = 1024 * 1024;
+
+/// An `UploadPlan` stream of `request`: the request without its plan, then the plan in
+/// pieces, each copied out only as the stream is sent (no second whole copy of the plan).
+pub fn plan_pieces(
+    request: std::sync::Arc<CreateSessionRequest>,
+) -> impl tokio_stream::Stream<Item = troupe_proto::v1::PlanChunk> + Send + 'static {
+    let head = troupe_proto::v1::PlanChunk {
+        // Field by field: cloning the request would copy the plan too.
+        request: Some(CreateSessionRequest {
+            plan_json: String::new(),
+            base_dir: request.base_dir.clone(),
+            repo_paths: request.repo_paths.clone(),
+            dry_run: request.dry_run,
+            assets: request.assets.clone(),
+            max_tasks: request.max_tasks,
+        }),
+        plan_json: Vec::new(),
+    };
+    let len = request.plan_json.len();
+    let pieces = (0..len)
+        .step_by(PLAN_PIECE)
+        .map(move |at| troupe_proto::v1::PlanChunk {
+            request: None,
+            plan_json: request.plan_json.as_bytes()[at..(at + PLAN_PIECE).min(len)].to_vec(),
+        });
+    tokio_stream::iter(std::iter::once(head).chain(pieces))
 }
 
 /// Reads a session with every one of its tasks: `GetSession`'s first page, then `ListTasks`

@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use troupe_proto::v1::{
     ConvergenceMet, GetSessionResponse, RepoAccess, Session, SessionEvent, SessionRepo,
-    SessionState, Task, TaskResult, TaskState, session_event, task_result,
+    SessionState, TaskResult, TaskState, session_event, task_result,
 };
 
 /// Returns a lowercase name for a task state (`completed`, `timed_out`, ...; see
@@ -101,12 +101,12 @@ pub fn event_line(event: &SessionEvent) -> Option<String> {
 }
 
 /// The header printed when a session starts.
-pub fn session_header(session: &Session, tasks: &[Task]) -> String {
-    let waves = tasks.iter().map(|task| task.wave).max().unwrap_or(0);
+pub fn session_header(session: &Session, waves: u32) -> String {
+    let tasks = session.counts.as_ref().map_or(0, |counts| counts.total);
     let mut text = format!(
         "session {} ({} tasks in {} waves, {} scheduling)\n",
         session.id,
-        tasks.len(),
+        tasks,
         waves,
         troupe_proto::names::name(session.mode())
     );
@@ -398,6 +398,7 @@ fn short(commit: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use troupe_proto::v1::Task;
 
     #[test]
     fn an_implementation_result_shows_its_fallbacks_and_denials() {
@@ -466,7 +467,7 @@ mod tests {
             ],
             ..Default::default()
         };
-        let header = session_header(&session, &[]);
+        let header = session_header(&session, 0);
         assert!(
             header.contains(
                 "repo spec: git://h/spec.git @ aaaaaaaaaa -> branch troupe/s (read-only context)"

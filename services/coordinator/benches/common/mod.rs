@@ -164,14 +164,36 @@ pub(crate) async fn create_session(
     base_dir: &str,
     plan: &serde_json::Value,
 ) -> anyhow::Result<String> {
+    create_session_json(client, base_dir, plan.to_string()).await
+}
+
+/// [`create_session`] of a plan already serialised.
+pub(crate) async fn create_session_json(
+    client: &troupe_grpc::CoordinatorClient,
+    base_dir: &str,
+    plan_json: String,
+) -> anyhow::Result<String> {
     let response = client
         .clone()
         .create_session(troupe_proto::v1::CreateSessionRequest {
-            plan_json: plan.to_string(),
+            plan_json,
             base_dir: base_dir.to_owned(),
             ..Default::default()
         })
         .await?
         .into_inner();
     Ok(response.session.context("no session")?.id)
+}
+
+/// This process's peak resident set (`VmHWM` of /proc/self/status), as the kernel reports it.
+#[allow(dead_code)] // Not every benchmark reports it.
+pub(crate) fn peak_rss() -> String {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("VmHWM:").map(|kb| kb.trim().to_owned()))
+        })
+        .unwrap_or_else(|| "unknown".to_owned())
 }

@@ -8,8 +8,8 @@ use crate::Error;
 use crate::check;
 use crate::convert::{json_to_struct, opt_timestamp, timestamp};
 use crate::lifecycle::claim::Claimed;
-use crate::service::SessionCheck;
 use crate::service::page_token;
+use crate::service::{Created, SessionCheck};
 use crate::store::sessions::{SessionPage, SessionRow, SessionSummary, SessionView, add_count};
 use crate::task::Task;
 
@@ -140,6 +140,31 @@ pub(super) fn page_proto(page: SessionPage) -> pb::GetSessionResponse {
     }
 }
 
+/// The wire form of `CreateSession`'s answer: the session with its counts and a page of tasks.
+pub(super) fn created_proto(created: Created) -> pb::CreateSessionResponse {
+    match created {
+        Created::DryRun { view, max, waves } => {
+            let (session, mut tasks) = view_proto(view);
+            tasks.truncate(max);
+            pb::CreateSessionResponse {
+                session: Some(session),
+                tasks,
+                next_page_token: String::new(),
+                waves,
+            }
+        }
+        Created::Stored { page, waves } => {
+            let page = page_proto(page);
+            pb::CreateSessionResponse {
+                session: page.session,
+                tasks: page.tasks,
+                next_page_token: page.next_page_token,
+                waves,
+            }
+        }
+    }
+}
+
 /// The wire form of a session with its repositories and task counts.
 pub(super) fn summary_proto(summary: SessionSummary) -> pb::Session {
     session_proto(&summary.session, summary.repos, summary.counts)
@@ -156,7 +181,7 @@ pub(super) fn check_proto(check: SessionCheck) -> pb::CheckSessionResponse {
         check.blockers,
         &check.progress,
         check.gaps,
-        check.now,
+        (check.now, check.max_graph),
     );
     response.quota_waits = check.quota_waits;
     response

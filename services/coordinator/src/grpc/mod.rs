@@ -14,6 +14,7 @@ use crate::convert::{json_to_struct, opt_timestamp, timestamp};
 use crate::service::Coordinator;
 
 mod convert;
+mod upload;
 
 impl From<Error> for Status {
     fn from(err: Error) -> Self {
@@ -122,15 +123,20 @@ impl coordinator_server::Coordinator for Adapter {
         &self,
         request: Request<pb::CreateSessionRequest>,
     ) -> Result<Response<pb::CreateSessionResponse>, Status> {
-        let view = self
+        let created = self
             .coordinator
             .create_session(request.into_inner())
             .await?;
-        let (session, tasks) = convert::view_proto(view);
-        Ok(Response::new(pb::CreateSessionResponse {
-            session: Some(session),
-            tasks,
-        }))
+        Ok(Response::new(convert::created_proto(created)))
+    }
+
+    async fn upload_plan(
+        &self,
+        request: Request<tonic::Streaming<pb::PlanChunk>>,
+    ) -> Result<Response<pb::CreateSessionResponse>, Status> {
+        let request = upload::assemble(request.into_inner()).await?;
+        let created = self.coordinator.create_session(request).await?;
+        Ok(Response::new(convert::created_proto(created)))
     }
 
     async fn get_session(
@@ -305,9 +311,10 @@ impl coordinator_server::Coordinator for Adapter {
         &self,
         request: Request<pb::CheckSessionRequest>,
     ) -> Result<Response<pb::CheckSessionResponse>, Status> {
+        let request = request.into_inner();
         let check = self
             .coordinator
-            .check_session(&request.into_inner().session_id)
+            .check_session(&request.session_id, request.max_graph)
             .await?;
         Ok(Response::new(convert::check_proto(check)))
     }

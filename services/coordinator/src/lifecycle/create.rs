@@ -2,18 +2,25 @@
 
 use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
 
-use super::save;
+use super::{finish, gate};
 use crate::Error;
 use crate::store::events::append_event;
+use crate::store::intake::{insert_tasks, insert_transitions};
 use crate::store::sessions::NewSession;
-use crate::store::tasks::insert_tasks;
 use crate::store::{Store, sessions};
+use crate::task;
 
 /// Stores a new session with its repos and tasks and releases its first tasks, atomically.
+///
+/// The graph is settled before the tasks are written, so each task goes in once, in the
+/// state it starts in (no second pass updating every released task), and no copy of the
+/// tasks is kept to tell what changed.
 pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> Result<(), Error> {
     let mut tx = store.begin().await?;
-    let session = &new.session;
     sessions::insert_session(&mut tx, &new, now).await?;
+    let NewSession {
+        session, mut tasks, ..
+    } = new;
     append_event(
         &mut tx,
         &session.id,
@@ -25,18 +32,16 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
         }),
     )
     .await?;
-    let gates: Vec<(String, String)> = new
-        .tasks
+    let gates: Vec<(String, String)> = tasks
         .iter()
         .filter_map(|task| {
             troupe_plan::approval_prompt(&task.spec).map(|prompt| (task.id.clone(), prompt))
         })
         .collect();
     crate::store::gates::insert_gates(&mut tx, &session.id, &gates).await?;
-    insert_tasks(&mut tx, &new.tasks).await?;
-    let mut transitions = Vec::new();
-    for task in &new.tasks {
-        transitions.push(pb::TaskTransition {
+    let mut transitions: Vec<pb::TaskTransition> = tasks
+        .iter()
+        .map(|task| pb::TaskTransition {
             task_id: task.id.clone(),
             from: TaskState::Unspecified as i32,
             to: task.state as i32,
@@ -47,13 +52,28 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
             } else {
                 "task created".to_owned()
             },
-        });
-    }
-    let mut active = session.clone();
+        })
+        .collect();
+    let created = transitions.len();
+    transitions.extend(task::settle(
+        &mut tasks,
+        session.mode,
+        session.on_failure,
+        now,
+    ));
+    gate::hold(
+        &mut tx,
+        &session.id,
+        &mut tasks,
+        &mut transitions[created..],
+    )
+    .await?;
+    insert_tasks(&mut tx, &tasks).await?;
+    let count = transitions.len();
+    insert_transitions(&mut tx, &session.id, now, transitions).await?;
+    let mut active = session;
     active.state = SessionState::Active;
-    let before = new.tasks.clone();
-    let mut tasks = new.tasks;
-    save(&mut tx, &mut active, &before, &mut tasks, transitions, now).await?;
+    finish(&mut tx, &mut active, &tasks, count, now).await?;
     tx.commit().await?;
     Ok(())
 }

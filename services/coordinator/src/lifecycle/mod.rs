@@ -148,9 +148,10 @@ pub(crate) async fn check_end(
 
 /// Returns the bus message reporting a stall.
 fn stall_message(stuck: &[task::Stuck]) -> NewMessage {
-    let names: Vec<&str> = stuck.iter().map(|task| task.task_id.as_str()).collect();
+    // Bounded however large the session: the first stuck tasks, and their count.
     let tasks = stuck
         .iter()
+        .take(crate::check::MAX_LISTED)
         .map(|task| {
             let mut entry = Map::new();
             entry.insert("task_id".to_owned(), Value::String(task.task_id.clone()));
@@ -165,13 +166,14 @@ fn stall_message(stuck: &[task::Stuck]) -> NewMessage {
     let mut data = Map::new();
     data.insert("kind".to_owned(), Value::String("stall".to_owned()));
     data.insert("tasks".to_owned(), Value::Array(tasks));
+    data.insert("task_count".to_owned(), Value::from(stuck.len()));
     NewMessage {
         from: "coordinator".to_owned(),
         to: "user".to_owned(),
         kind: "warning".to_owned(),
         summary: format!(
             "[coordinator] stalled: nothing ready or running, stuck: {}",
-            names.join(", ")
+            crate::check::named(stuck.iter().map(|task| task.task_id.as_str()))
         ),
         data: Some(data),
         idempotency_key: None,

@@ -22,7 +22,7 @@ mod bus;
 mod sessions;
 mod workers;
 
-pub(crate) use sessions::{SessionCheck, page_token};
+pub(crate) use sessions::{Created, SessionCheck, page_token};
 
 const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 

@@ -43,6 +43,30 @@ fn parse_page_token(token: &str) -> Result<i64, Error> {
         })
 }
 
+/// The most tasks a `CreateSession`, `GetSession` or `ListTasks` reply holds when `asked`
+/// (0: `default`).
+pub(crate) fn page_size(asked: u32, default: usize) -> usize {
+    match asked {
+        0 => default,
+        max => (max as usize).min(MAX_PAGE),
+    }
+}
+
+/// What `CreateSession` answers: the session with its counts, a bounded page of its tasks and
+/// the plan's number of waves.
+#[derive(Debug)]
+pub(crate) enum Created {
+    /// A dry run's session and every task (nothing is stored to page through): the reply
+    /// counts them all and holds the first `max` (see [`page_size`]).
+    DryRun {
+        view: SessionView,
+        max: usize,
+        waves: u32,
+    },
+    /// The stored session's first page.
+    Stored { page: SessionPage, waves: u32 },
+}
+
 /// A session's status as CCW's `check` reports it; the adapter builds the report
 /// ([`crate::check::status`]).
 #[derive(Debug)]
@@ -58,6 +82,8 @@ pub(crate) struct SessionCheck {
     pub(crate) quota_waits: Vec<pb::QuotaWait>,
     /// When the status was taken (unix ms).
     pub(crate) now: i64,
+    /// The most nodes of its graph (see [`crate::check::status`]).
+    pub(crate) max_graph: usize,
 }
 
 impl Coordinator {
@@ -65,7 +91,8 @@ impl Coordinator {
     pub(crate) async fn create_session(
         &self,
         mut request: pb::CreateSessionRequest,
-    ) -> Result<SessionView, Error> {
+    ) -> Result<Created, Error> {
+        let max = page_size(request.max_tasks, DEFAULT_SESSION_TASKS);
         let mut plan = Plan::from_json(&request.plan_json)?;
         // What workers need of the plan's directory travels in the stored plan: EXEC phases'
         // task files and the plan-level execution hints (no worker reads that directory).
@@ -134,10 +161,14 @@ impl Coordinator {
             };
             let mut tasks = task_rows(&plan, "", now);
             task::settle(&mut tasks, plan.mode, plan.on_failure, now);
-            return Ok(SessionView {
-                session,
-                repos: session_repos,
-                tasks,
+            return Ok(Created::DryRun {
+                view: SessionView {
+                    session,
+                    repos: session_repos,
+                    tasks,
+                },
+                max,
+                waves: waves(&plan),
             });
         }
 
@@ -184,7 +215,12 @@ impl Coordinator {
                 ),
             ],
         );
-        self.store.get_session(&session_id).await
+        // The answer is a page, as `GetSession`'s: the whole session would be as large as the
+        // plan, and as long to read back.
+        Ok(Created::Stored {
+            page: self.store.session_page(&session_id, max).await?,
+            waves: waves(&plan),
+        })
     }
 
     /// The bundle of plan assets stored under `digest`, encoded.
@@ -203,10 +239,7 @@ impl Coordinator {
         request: &pb::GetSessionRequest,
     ) -> Result<SessionPage, Error> {
         require(&request.session_id, "session_id")?;
-        let max = match request.max_tasks {
-            0 => DEFAULT_SESSION_TASKS,
-            max => (max as usize).min(MAX_PAGE),
-        };
+        let max = page_size(request.max_tasks, DEFAULT_SESSION_TASKS);
         self.store.session_page(&request.session_id, max).await
     }
 
@@ -217,10 +250,7 @@ impl Coordinator {
         request: &pb::ListTasksRequest,
     ) -> Result<(Vec<Task>, Option<String>), Error> {
         require(&request.session_id, "session_id")?;
-        let limit = match request.page_size {
-            0 => DEFAULT_PAGE,
-            size => (size as usize).min(MAX_PAGE),
-        };
+        let limit = page_size(request.page_size, DEFAULT_PAGE);
         let after = match request.page_token.as_str() {
             "" => None,
             token => Some(parse_page_token(token)?),
@@ -289,7 +319,11 @@ impl Coordinator {
     }
 
     /// CCW `check`: the session's status, read-only.
-    pub(crate) async fn check_session(&self, session_id: &str) -> Result<SessionCheck, Error> {
+    pub(crate) async fn check_session(
+        &self,
+        session_id: &str,
+        max_graph: u32,
+    ) -> Result<SessionCheck, Error> {
         require(session_id, "session_id")?;
         let now = now_ms();
         // Without the tasks' specs, which the check does not show.
@@ -307,11 +341,37 @@ impl Coordinator {
             .store
             .list_messages(session_id, &recent("progress", 50))
             .await?;
-        let gaps = if view.session.state == SessionState::Active {
-            self.gaps_by_session(now)
-                .await?
-                .remove(session_id)
-                .unwrap_or_default()
+        // From this session's ready tasks, already read (not every session's).
+        let ready: Vec<crate::check::Ready> = view
+            .tasks
+            .iter()
+            .filter(|task| task.state == TaskState::Ready)
+            .map(|task| (task.id.clone(), task.role, task.backends.clone()))
+            .collect();
+        let gaps = if view.session.state == SessionState::Active && !ready.is_empty() {
+            let seen = self.store.role_last_seen(0).await?;
+            let roles: Vec<(String, pb::Role)> = ready
+                .iter()
+                .map(|(id, role, _)| (id.clone(), *role))
+                .collect();
+            let mut gaps = crate::check::capability_gaps(
+                &roles,
+                &seen,
+                self.started_at,
+                now,
+                self.capability_gap,
+            );
+            // Routed tasks no live worker of their role can run (see `routing`).
+            let unserved: Vec<pb::Role> = gaps.iter().map(pb::CapabilityGap::role).collect();
+            let live_since = now - super::millis(self.capability_gap);
+            let mut offers = HashMap::new();
+            for (_, role, routes) in &ready {
+                if !routes.is_empty() && !offers.contains_key(role) {
+                    offers.insert(*role, self.store.offers(*role, live_since).await?);
+                }
+            }
+            gaps.extend(crate::check::backend_gaps(&ready, &offers, &unserved));
+            gaps
         } else {
             Vec::new()
         };
@@ -327,6 +387,7 @@ impl Coordinator {
             gaps,
             quota_waits,
             now,
+            max_graph: page_size(max_graph, DEFAULT_SESSION_TASKS),
         })
     }
 
@@ -340,7 +401,7 @@ impl Coordinator {
         let reconciled = lifecycle::resume::resume(&self.store, session_id, now_ms()).await?;
         self.notify();
         tracing::info!(reconciled = reconciled.len(), "session resumed");
-        Ok((reconciled, self.check_session(session_id).await?))
+        Ok((reconciled, self.check_session(session_id, 0).await?))
     }
 
     /// Pauses a session: no new claims until resumed; running tasks finish and are recorded.
@@ -468,6 +529,11 @@ async fn read_phase_dir(base_dir: &Path, dir: &str) -> Result<Vec<(String, Vec<u
     }
     files.sort();
     Ok(files)
+}
+
+/// The plan's number of waves (the highest, as they are numbered from 1).
+fn waves(plan: &Plan) -> u32 {
+    plan.tasks.iter().map(|task| task.wave).max().unwrap_or(0)
 }
 
 fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<Task> {

@@ -262,7 +262,7 @@ pub(super) async fn insert_event(
 }
 
 /// The stored form of one event.
-fn event_payload(session_id: &str, sequence: u64, now: i64, kind: Kind) -> Vec<u8> {
+pub(super) fn event_payload(session_id: &str, sequence: u64, now: i64, kind: Kind) -> Vec<u8> {
     pb::SessionEvent {
         sequence,
         session_id: session_id.to_owned(),

@@ -36,6 +36,7 @@ use crate::store::sessions::Fixed;
 
 pub(crate) mod events;
 pub(crate) mod gates;
+pub(crate) mod intake;
 pub(crate) mod messages;
 mod migrations;
 mod ready;

@@ -9,7 +9,7 @@ use troupe_plan::{Mode, OnFailure};
 use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
 
 use super::events::append_event;
-use super::tasks::{TaskFilter, list_tasks, load_tasks, load_tasks_lite, repo_stats};
+use super::tasks::{TaskFilter, list_tasks, load_tasks_lite, repo_stats};
 use super::{Dialect, Store, Tx, corrupt, to_u32};
 use crate::Error;
 use crate::task::Task;
@@ -132,22 +132,8 @@ impl Store {
             .transpose()
     }
 
-    /// Returns a session with its repos and tasks.
-    pub(crate) async fn get_session(&self, session_id: &str) -> Result<SessionView, Error> {
-        let mut tx = self.begin_read().await?;
-        let session = load_session(&mut tx, session_id).await?;
-        let repos = load_repos(&mut tx, session_id).await?;
-        let tasks = load_tasks(&mut tx, session_id).await?;
-        tx.commit().await?;
-        Ok(SessionView {
-            session,
-            repos,
-            tasks,
-        })
-    }
-
-    /// [`Store::get_session`] without the tasks' plan objects (`spec`, left empty): for a
-    /// session's check, which reads every task but none of their specs.
+    /// A session with its repos and every task, without the tasks' plan objects (`spec`, left
+    /// empty): for a session's check, which reads every task but none of their specs.
     pub(crate) async fn get_session_lite(&self, session_id: &str) -> Result<SessionView, Error> {
         let mut tx = self.begin_read().await?;
         let session = load_session(&mut tx, session_id).await?;

@@ -4,13 +4,13 @@
 use std::collections::HashMap;
 
 use prost::Message as _;
-use serde_json::Value;
 use sqlx::any::AnyRow;
 use sqlx::{Any, Row};
 use troupe_plan::Role;
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
 
-use super::{Dialect, Store, Tx, corrupt, parse_object, to_i64, to_u32};
+use super::intake::{insert_deps, values};
+use super::{Store, Tx, corrupt, parse_object, to_i64, to_u32};
 use crate::Error;
 use crate::lifecycle::routing::{self, Filter};
 use crate::task::Task;
@@ -41,10 +41,10 @@ pub(crate) type ReadyTask = (String, String, pb::Role, Vec<String>);
 
 /// JSON shape of a stored file change.
 #[derive(serde::Serialize, serde::Deserialize)]
-struct StoredFile {
-    path: String,
-    action: i32,
-    change: String,
+pub(super) struct StoredFile {
+    pub(super) path: String,
+    pub(super) action: i32,
+    pub(super) change: String,
 }
 
 pub(super) fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
@@ -118,108 +118,7 @@ pub(super) fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
 }
 
 pub(crate) async fn insert_task(tx: &mut Tx, task: &Task) -> Result<(), Error> {
-    insert_tasks(tx, std::slice::from_ref(task)).await
-}
-
-/// Columns [`insert_tasks`] binds per row (the others take their defaults).
-const INSERT_COLUMNS: [&str; 20] = [
-    "session_id",
-    "id",
-    "position",
-    "title",
-    "description",
-    "role",
-    "priority",
-    "repo",
-    "wave",
-    "critical_path",
-    "path_ms",
-    "depends_on",
-    "files",
-    "spec",
-    "state",
-    "max_attempts",
-    "created_at",
-    "finished_at",
-    "result",
-    "backends",
-];
-
-/// Rows per `INSERT` at intake: 19 parameters each, well below both databases' limits.
-const INSERT_ROWS: usize = 500;
-
-/// Dependency rows per `INSERT` (three parameters each).
-const DEP_ROWS: usize = 2000;
-
-/// Stores new tasks and their dependency rows: one statement per [`INSERT_ROWS`] tasks and
-/// per [`DEP_ROWS`] dependencies, so intake costs a few round trips, not one per task.
-pub(crate) async fn insert_tasks(tx: &mut Tx, tasks: &[Task]) -> Result<(), Error> {
-    for chunk in tasks.chunks(INSERT_ROWS) {
-        let sql = format!(
-            "INSERT INTO tasks ({}) VALUES {}",
-            INSERT_COLUMNS.join(", "),
-            values(tx.dialect, chunk.len(), INSERT_COLUMNS.len())
-        );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for task in chunk {
-            let files: Vec<StoredFile> = task
-                .files
-                .iter()
-                .map(|file| StoredFile {
-                    path: file.path.clone(),
-                    action: file.action,
-                    change: file.change.clone(),
-                })
-                .collect();
-            query = query
-                .bind(&task.session_id)
-                .bind(&task.id)
-                .bind(task.position)
-                .bind(&task.title)
-                .bind(&task.description)
-                .bind(task.role as i32)
-                .bind(task.priority as i32)
-                .bind(&task.repo)
-                .bind(i64::from(task.wave))
-                .bind(i64::from(task.critical_path))
-                .bind(i64::try_from(task.path_ms).unwrap_or(i64::MAX))
-                .bind(serde_json::to_string(&task.depends_on).map_err(corrupt)?)
-                .bind(serde_json::to_string(&files).map_err(corrupt)?)
-                .bind(Value::Object(task.spec.clone()).to_string())
-                .bind(task.state as i32)
-                .bind(i64::from(task.max_attempts))
-                .bind(task.created_at)
-                .bind(task.finished_at)
-                .bind(task.result.as_ref().map(prost::Message::encode_to_vec))
-                .bind(crate::lifecycle::routing::to_column(&task.backends));
-        }
-        query.execute(&mut **tx).await?;
-    }
-    let deps: Vec<(&str, &str, &str)> = tasks
-        .iter()
-        .flat_map(|task| {
-            task.depends_on
-                .iter()
-                .map(|dep| (task.session_id.as_str(), task.id.as_str(), dep.as_str()))
-        })
-        .collect();
-    insert_deps(tx, &deps).await
-}
-
-/// Stores dependency rows `(session, task, dependency)`.
-async fn insert_deps(tx: &mut Tx, deps: &[(&str, &str, &str)]) -> Result<(), Error> {
-    for chunk in deps.chunks(DEP_ROWS) {
-        let sql = format!(
-            "INSERT INTO task_deps (session_id, task_id, dep_id) VALUES {} ON CONFLICT DO NOTHING",
-            values(tx.dialect, chunk.len(), 3)
-        );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for (session_id, task_id, dep_id) in chunk {
-            query = query.bind(*session_id).bind(*task_id).bind(*dep_id);
-        }
-        query.execute(&mut **tx).await?;
-    }
-    Ok(())
+    super::intake::insert_tasks(tx, std::slice::from_ref(task)).await
 }
 
 /// Replaces the dependency rows of tasks whose `depends_on` changed (a fix round re-points
@@ -242,33 +141,6 @@ pub(crate) async fn replace_deps(tx: &mut Tx, tasks: &[&Task]) -> Result<(), Err
         })
         .collect();
     insert_deps(tx, &deps).await
-}
-
-/// The `VALUES` rows of a multi-row insert: `rows` rows of `width` parameters, numbered
-/// from 1. SQLite gets anonymous `?` parameters: it looks each named or numbered one up in a
-/// list when the statement is parsed and again per bind, which made large inserts quadratic.
-fn values(dialect: Dialect, rows: usize, width: usize) -> String {
-    let mut out = String::with_capacity(rows * width * 6);
-    for row in 0..rows {
-        if row > 0 {
-            out.push_str(", ");
-        }
-        out.push('(');
-        for column in 0..width {
-            if column > 0 {
-                out.push_str(", ");
-            }
-            match dialect {
-                Dialect::Sqlite => out.push('?'),
-                Dialect::Postgres => {
-                    use std::fmt::Write as _;
-                    let _ = write!(out, "${}", row * width + column + 1);
-                }
-            }
-        }
-        out.push(')');
-    }
-    out
 }
 
 /// Writes a task's `convergence` (its criteria as a validator downstream checked them); false

@@ -15,4 +15,5 @@ mod scale;
 mod scheduling;
 mod sessions;
 mod support;
+mod upload;
 mod watch;

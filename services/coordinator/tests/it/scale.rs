@@ -24,8 +24,8 @@ fn plan(count: usize) -> Value {
     json!({"name": "large", "repos": {"app": {"path": "repo"}}, "tasks": tasks})
 }
 
-/// A 50,000-task plan (more than gRPC's default 4 MiB) goes in with the default limits (and
-/// CreateSession's answer, every task, is as large), its tasks come back out in pages, and
+/// A 50,000-task plan (more than gRPC's default 4 MiB) goes in with the default limits,
+/// CreateSession answers its counts and a first page, its tasks come back out in pages, and
 /// its claims work as usual.
 async fn a_50000_task_plan_goes_in_and_comes_out_with_the_default_limits(db: Db) {
     let harness = Harness::start(db).await;
@@ -33,7 +33,11 @@ async fn a_50000_task_plan_goes_in_and_comes_out_with_the_default_limits(db: Db)
     let size = plan.to_string().len();
     assert!(size > 4 * 1024 * 1024, "the plan is {size} bytes");
     let created = harness.create(plan).await;
-    assert_eq!(created.tasks.len(), 50_000);
+    assert_eq!(created.tasks.len(), 1_000, "a page, not the whole plan");
+    let total = created.session.as_ref().and_then(|s| s.counts.as_ref());
+    assert_eq!(total.map(|counts| counts.total), Some(50_000));
+    assert_eq!(created.next_page_token, "after:999");
+    assert_eq!(created.waves, 100, "chains of 100");
     let session = harness.session(&session_id(&created)).await;
     assert_eq!(session.tasks.len(), 1_000);
     let (ids, pages) = list_all(

@@ -187,6 +187,7 @@ async fn check_reports_graph_workers_progress_and_blockers(db: Db) {
             .client()
             .check_session(pb::CheckSessionRequest {
                 session_id: "nope".into(),
+                ..Default::default()
             })
             .await,
         Code::NotFound,

@@ -250,6 +250,7 @@ impl Harness {
         self.client()
             .check_session(pb::CheckSessionRequest {
                 session_id: session_id.to_owned(),
+                ..Default::default()
             })
             .await
             .expect("check session")

@@ -19,6 +19,7 @@ const BOTH: &[Scope] = &[Scope::Worker, Scope::Client];
 /// `(service, method, scopes beyond admin)` for every business RPC.
 pub const RPCS: &[(&str, &str, &[Scope])] = &[
     ("troupe.v1.Coordinator", "CreateSession", CLIENT),
+    ("troupe.v1.Coordinator", "UploadPlan", CLIENT),
     ("troupe.v1.Coordinator", "GetSession", CLIENT),
     ("troupe.v1.Coordinator", "ListTasks", CLIENT),
     ("troupe.v1.Coordinator", "ListSessions", CLIENT),

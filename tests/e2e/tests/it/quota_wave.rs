@@ -201,6 +201,7 @@ pub(crate) async fn run(wave: &Wave) -> anyhow::Result<Outcome> {
         let check = client
             .check_session(CheckSessionRequest {
                 session_id: session_id.clone(),
+                ..Default::default()
             })
             .await?
             .into_inner();

@@ -206,6 +206,7 @@ async fn claude_tasks_go_to_the_worker_that_has_claude_and_a_gap_names_it() -> a
             .ok()?
             .check_session(CheckSessionRequest {
                 session_id: gap_session.clone(),
+                ..Default::default()
             })
             .await
             .ok()?
