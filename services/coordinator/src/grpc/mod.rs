@@ -138,7 +138,12 @@ impl coordinator_server::Coordinator for Adapter {
         request: Request<pb::GetSessionRequest>,
     ) -> Result<Response<pb::GetSessionResponse>, Status> {
         let page = self.coordinator.get_session(&request.into_inner()).await?;
-        Ok(Response::new(convert::page_proto(page)))
+        let figures = self.coordinator.work_progress_of(&page.tasks);
+        let mut response = convert::page_proto(page);
+        for (task, figures) in response.tasks.iter_mut().zip(figures) {
+            task.work_progress = figures;
+        }
+        Ok(Response::new(response))
     }
 
     async fn list_tasks(
@@ -146,8 +151,16 @@ impl coordinator_server::Coordinator for Adapter {
         request: Request<pb::ListTasksRequest>,
     ) -> Result<Response<pb::ListTasksResponse>, Status> {
         let (tasks, next) = self.coordinator.list_tasks(&request.into_inner()).await?;
+        let figures = self.coordinator.work_progress_of(&tasks);
         Ok(Response::new(pb::ListTasksResponse {
-            tasks: tasks.iter().map(convert::task_proto).collect(),
+            tasks: tasks
+                .iter()
+                .zip(figures)
+                .map(|(task, figures)| pb::Task {
+                    work_progress: figures,
+                    ..convert::task_proto(task)
+                })
+                .collect(),
             next_page_token: next.unwrap_or_default(),
         }))
     }

@@ -693,6 +693,8 @@ async fn fallbacks_name_only_backends_left_for_another() {
             lease: None,
             fencing_token: 0,
             context: Vec::new(),
+            usage: None,
+            usage: None,
         };
         async move {
             let cancel = tokio_util::sync::CancellationToken::new();
