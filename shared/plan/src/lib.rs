@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 mod approval;
+pub mod checkpoint;
 pub mod ccw;
 pub mod execution;
 mod kind;
@@ -475,6 +476,8 @@ pub struct Plan {
     /// `sandbox`: the plan's confinement for its tasks (copied into each task that sets none;
     /// workers apply the stricter of a task's and their own).
     pub sandbox: Option<spec::SandboxMode>,
+    /// `checkpoints`: the roles' stages a person approves (see [`checkpoint`]).
+    pub checkpoints: Vec<checkpoint::Checkpoint>,
 }
 
 impl Plan {
