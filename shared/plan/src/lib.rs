@@ -9,8 +9,8 @@
 #![warn(missing_docs)]
 
 mod approval;
-pub mod checkpoint;
 pub mod ccw;
+pub mod checkpoint;
 pub mod execution;
 mod kind;
 pub mod phase;

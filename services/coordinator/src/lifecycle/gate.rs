@@ -135,11 +135,13 @@ pub(crate) async fn answer_checkpoint(
     }
     let waiting = gates::waiting_gates(&mut tx, session_id).await?;
     if !waiting.contains_key(&checkpoint_gate(id)) {
-        return Err(if gates::has_gate(&mut tx, session_id, &checkpoint_gate(id)).await? {
-            Error::FailedPrecondition(format!("checkpoint {id} was already answered"))
-        } else {
-            Error::NotFound(format!("session {session_id} has no checkpoint {id}"))
-        });
+        return Err(
+            if gates::has_gate(&mut tx, session_id, &checkpoint_gate(id)).await? {
+                Error::FailedPrecondition(format!("checkpoint {id} was already answered"))
+            } else {
+                Error::NotFound(format!("session {session_id} has no checkpoint {id}"))
+            },
+        );
     }
     let before = load_tasks_lite(&mut tx, session_id).await?;
     let mut tasks = before.clone();
