@@ -6,12 +6,15 @@ use std::sync::{Arc, Mutex};
 
 use crate::{Usage, UsageSink};
 
+/// Told the name of each backend as its run starts.
+type BackendNamed = Arc<dyn Fn(&str) + Send + Sync>;
+
 /// Adds up the usage each backend run reports so far into the attempt's total.
 #[derive(Clone)]
 pub struct UsageMeter {
     total: Arc<Mutex<Usage>>,
     report: Arc<dyn Fn(Usage) + Send + Sync>,
-    backend: Option<Arc<dyn Fn(&str) + Send + Sync>>,
+    backend: Option<BackendNamed>,
 }
 
 impl std::fmt::Debug for UsageMeter {

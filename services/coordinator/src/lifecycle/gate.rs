@@ -343,8 +343,21 @@ pub(crate) async fn answer(
     } else {
         format!("{verb} by {}: {}", answer.by, answer.note)
     };
+    // A role's checkpoint that holds the task too keeps it waiting after its own approval.
+    let still_held = if answer.approve {
+        let waiting = gates::waiting_gates(&mut tx, session_id).await?;
+        waiting_checkpoints(&waiting)
+            .into_iter()
+            .find(|(checkpoint, _)| holds(*checkpoint, &before[position], &before))
+            .map(|((role, when), _)| format!("{}:{}", role.as_str(), when.as_str()))
+    } else {
+        None
+    };
     let task = &mut tasks[position];
-    let transition = if answer.approve {
+    let transition = if let Some(checkpoint) = still_held {
+        let reason = format!("{reason}; still waiting at checkpoint {checkpoint}");
+        task::transition(task, TaskState::WaitingApproval, reason, now)
+    } else if answer.approve {
         task::transition(task, TaskState::Ready, reason, now)
     } else {
         task.last_error = Some(pb::TaskError {
