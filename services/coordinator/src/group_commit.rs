@@ -73,6 +73,8 @@ enum Op {
         task_id: String,
         token: u64,
         progress: String,
+        /// The typed figures the heartbeat carried (`HeartbeatRequest.work_progress`).
+        figures: Option<pb::WorkProgress>,
         lease_ms: Option<i64>,
         now: i64,
         reply: oneshot::Sender<Result<(i64, bool), Error>>,
@@ -377,7 +379,7 @@ impl GroupCommit {
         session_id: &str,
         task_id: &str,
         token: u64,
-        progress: &str,
+        (progress, figures): (&str, Option<pb::WorkProgress>),
         lease_ms: Option<i64>,
         now: i64,
     ) -> Result<(i64, bool), Error> {
@@ -387,6 +389,7 @@ impl GroupCommit {
             task_id: task_id.to_owned(),
             token,
             progress: progress.to_owned(),
+            figures,
             lease_ms,
             now,
             reply,
@@ -793,6 +796,7 @@ impl GroupCommit {
                 task_id,
                 token,
                 progress,
+                figures,
                 lease_ms,
                 now,
                 ..
@@ -803,7 +807,7 @@ impl GroupCommit {
                     session_id,
                     task_id,
                     *token,
-                    progress,
+                    (progress, figures.as_ref()),
                     *lease_ms,
                     *now,
                     tasks.as_deref_mut(),

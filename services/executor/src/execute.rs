@@ -78,6 +78,9 @@ pub struct Job {
     /// The session's read-only repositories: checked out beside the task's worktree as
     /// context, and any change to them fails the task.
     pub context: Vec<ContextRepo>,
+    /// Told the attempt's token usage as its backend runs report it (a worker's heartbeats
+    /// carry it); `None` when nobody follows the attempt.
+    pub usage: Option<troupe_backends::UsageMeter>,
 }
 
 /// A read-only repository given to a task as context.
@@ -386,6 +389,7 @@ struct Prepared {
     run_key: PathBuf,
     placeholders: BTreeMap<String, String>,
     upstream: Vec<UpstreamNote>,
+    usage: Option<troupe_backends::UsageMeter>,
 }
 
 impl Prepared {
@@ -948,6 +952,7 @@ impl Executor {
             run_key,
             placeholders,
             upstream: job.upstream,
+            usage: job.usage,
         })
     }
 
@@ -1352,6 +1357,7 @@ impl Executor {
                     read_only: p.read_only,
                     resume: resume.clone(),
                     sandbox: self.base_sandbox(p, Some(name)),
+                    usage_sink: p.usage.as_ref().map(|meter| meter.run_sink(name)),
                 };
                 progress(format!("running backend {name}"));
                 match backend.run(run, cancel).await {

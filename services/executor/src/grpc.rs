@@ -129,6 +129,7 @@ fn job_from_request(request: ExecuteTaskRequest) -> Result<Job, Error> {
         lease: None,
         fencing_token: 0,
         context: Vec::new(),
+        usage: None,
     })
 }
 

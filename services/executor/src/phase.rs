@@ -260,6 +260,7 @@ impl Executor {
                     lease: job.lease.clone(),
                     fencing_token: job.fencing_token,
                     context: job.context.clone(),
+                    usage: job.usage.clone(),
                 };
                 let board = &board;
                 let ids = &ids;

@@ -107,6 +107,7 @@ pub(crate) fn job_from_claim(claim: ClaimedTask) -> Result<Job, TaskFailure> {
         lease: None,
         fencing_token,
         context,
+        usage: None,
     })
 }
 
@@ -119,6 +120,17 @@ impl TaskHandler for ExecuteHandler {
             let lease = lease.clone();
             async move { lease.confirm_lease().await.map_err(|lost| lost.to_string()) }
         })));
+        let (figures, named) = (ctx.clone(), ctx.clone());
+        job.usage = Some(
+            troupe_backends::UsageMeter::new(move |usage| {
+                figures.report_tokens(troupe_proto::v1::Usage {
+                    input_tokens: usage.input_tokens,
+                    output_tokens: usage.output_tokens,
+                    cached_input_tokens: usage.cached_input_tokens,
+                });
+            })
+            .with_backend(move |backend| named.report_backend(backend)),
+        );
         let cancel = ctx.cancelled();
         let notes = ctx.clone();
         let progress = move |note: String| notes.progress(note);

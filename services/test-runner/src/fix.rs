@@ -25,7 +25,7 @@ use troupe_process::Command;
 use troupe_proto::names;
 use troupe_proto::v1::{
     ErrorKind, FixIteration, FixLoopReport, FixScope, FixStrategy, FixVerdict, Severity,
-    TestOutcome, TestRunReport,
+    TestIterationProgress, TestOutcome, TestRunReport,
 };
 
 use crate::Error;
@@ -174,6 +174,46 @@ pub(crate) fn strategy(iteration: u32, pass_rate: f64, critical: usize) -> FixSt
         FixStrategy::Surgical
     } else {
         FixStrategy::Aggressive
+    }
+}
+
+/// Receives the figures of each suite run of the loop as it finishes.
+#[derive(Clone)]
+pub struct IterationSink(std::sync::Arc<dyn Fn(TestIterationProgress) + Send + Sync>);
+
+impl IterationSink {
+    /// A sink calling `f`.
+    pub fn new(f: impl Fn(TestIterationProgress) + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+
+    /// Tells the figures of one suite run.
+    pub fn report(&self, figures: TestIterationProgress) {
+        (self.0)(figures);
+    }
+}
+
+impl std::fmt::Debug for IterationSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("IterationSink")
+    }
+}
+
+/// The figures of one suite run: the first (`iteration` 0) or the one after fix iteration
+/// `iteration`.
+pub(crate) fn iteration_figures(
+    iteration: u32,
+    max_iterations: u32,
+    report: &TestRunReport,
+) -> TestIterationProgress {
+    let totals = report.totals.unwrap_or_default();
+    TestIterationProgress {
+        iteration,
+        max_iterations,
+        pass_rate: report.pass_rate,
+        coverage: report.coverage.as_ref().and_then(|c| c.overall),
+        failing: totals.failed + totals.errors,
+        total: totals.total,
     }
 }
 
@@ -416,6 +456,12 @@ pub(crate) async fn run_loop(
     }
     let coverage_of =
         |r: &TestRunReport| r.coverage.as_ref().and_then(|c| c.overall).unwrap_or(0.0);
+    let tell = |iteration: u32, report: &TestRunReport| {
+        if let Some(sink) = &ctx.spec.iterations {
+            sink.report(iteration_figures(iteration, ctx.fix.max_iterations, report));
+        }
+    };
+    tell(0, &current);
     record.coverage_history.push(coverage_of(&current));
     record.pass_rate_history.push(current.pass_rate);
 
@@ -485,6 +531,7 @@ pub(crate) async fn run_loop(
                 idle_timeout: config.backend(name).idle_timeout().or(settings.idle_timeout()),
                 // CLI backends (codex, claude, ...) need a private HOME/TMPDIR per run.
                 home: Some(iter_dir.join(format!("agent-home-{name}-{run}"))),
+                usage_sink: ctx.spec.usage.as_ref().map(|meter| meter.run_sink(name)),
                 ..troupe_backends::RunSpec::default()
             },
             move || async move {
@@ -623,6 +670,7 @@ pub(crate) async fn run_loop(
         step.totals = full.totals;
         step.pass_rate = full.pass_rate;
         step.coverage = full.coverage.as_ref().and_then(|c| c.overall);
+        tell(iteration, &full);
         let new_failures: Vec<String> = failing_names(&full)
             .into_iter()
             .filter(|n| !before.contains(n))
@@ -715,6 +763,40 @@ mod tests {
         assert!(!in_scope(FixScope::Tests, "src/a.js"));
         assert!(!in_scope(FixScope::Source, "tests/a.test.js"));
         assert!(in_scope(FixScope::Both, "src/a.js"));
+    }
+
+    #[test]
+    fn an_iterations_figures_come_from_its_report() {
+        let report = TestRunReport {
+            pass_rate: 0.75,
+            totals: Some(troupe_proto::v1::TestTotals {
+                total: 8,
+                passed: 6,
+                failed: 1,
+                skipped: 0,
+                errors: 1,
+            }),
+            coverage: Some(troupe_proto::v1::Coverage {
+                overall: Some(82.5),
+                ..Default::default()
+            }),
+            ..TestRunReport::default()
+        };
+        let figures = iteration_figures(2, 3, &report);
+        assert_eq!(
+            figures,
+            TestIterationProgress {
+                iteration: 2,
+                max_iterations: 3,
+                pass_rate: 0.75,
+                coverage: Some(82.5),
+                failing: 2,
+                total: 8,
+            }
+        );
+        // No coverage measured: absent, not 0 %.
+        let bare = iteration_figures(0, 3, &TestRunReport::default());
+        assert_eq!((bare.coverage, bare.failing, bare.total), (None, 0, 0));
     }
 
     #[test]

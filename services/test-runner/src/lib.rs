@@ -47,7 +47,9 @@ use troupe_proto::v1::Role;
 use troupe_proto::v1::test_runner_server::TestRunnerServer;
 use troupe_telemetry::metrics::MetricsArgs;
 
-pub use fix::{DEFAULT_AGENT_TIMEOUT, DEFAULT_MAX_ITERATIONS, FixSpec, PASS_RATE_TARGET};
+pub use fix::{
+    DEFAULT_AGENT_TIMEOUT, DEFAULT_MAX_ITERATIONS, FixSpec, IterationSink, PASS_RATE_TARGET,
+};
 pub use runner::{DEFAULT_TEST_TIMEOUT_SECONDS, DEFAULT_TIMEOUT, RunSpec, Runner};
 pub use worker::TestRunHandler;
 

@@ -76,6 +76,11 @@ pub struct RunSpec {
     pub placeholders: std::collections::BTreeMap<String, String>,
     /// The plan's `sandbox` for this task: it may tighten the service's mode, never loosen it.
     pub sandbox: Option<troupe_process::SandboxMode>,
+    /// Told each suite run of the fix loop as it finishes (the first run, then each
+    /// iteration's), so a worker's heartbeats can carry the figures.
+    pub iterations: Option<crate::fix::IterationSink>,
+    /// Told the fix agents' token usage as it grows.
+    pub usage: Option<troupe_backends::UsageMeter>,
 }
 
 impl RunSpec {
@@ -142,6 +147,8 @@ impl RunSpec {
             python: request.python,
             placeholders: std::collections::BTreeMap::new(),
             sandbox: None,
+            iterations: None,
+            usage: None,
         };
         spec.validate()?;
         crate::setup::check_env(&spec.env)?;
@@ -605,6 +612,10 @@ impl Runner {
         report.framework_version = base.framework_version.clone();
         report.setup_steps = steps;
         report.missing_generated = missing;
+        if let Some(sink) = &spec.iterations {
+            let max = spec.fix.as_ref().map_or(0, |fix| fix.max_iterations);
+            sink.report(crate::fix::iteration_figures(0, max, &report));
+        }
         if let Some(fix) = &spec.fix
             && crate::fix::needs_fixing(&report)
         {

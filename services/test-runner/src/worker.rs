@@ -243,6 +243,26 @@ impl TestRunHandler {
             .into_iter()
             .filter(|(_, value)| !value.is_empty())
             .collect(),
+            iterations: Some(crate::IterationSink::new({
+                let ctx = ctx.clone();
+                move |figures| ctx.report_test(figures)
+            })),
+            usage: Some(
+                troupe_backends::UsageMeter::new({
+                    let ctx = ctx.clone();
+                    move |usage| {
+                        ctx.report_tokens(troupe_proto::v1::Usage {
+                            input_tokens: usage.input_tokens,
+                            output_tokens: usage.output_tokens,
+                            cached_input_tokens: usage.cached_input_tokens,
+                        });
+                    }
+                })
+                .with_backend({
+                    let ctx = ctx.clone();
+                    move |backend| ctx.report_backend(backend)
+                }),
+            ),
         };
         let report = self
             .runner

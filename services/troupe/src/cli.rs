@@ -103,10 +103,11 @@ enum Command {
     Doctor(DoctorArgs),
     /// Cancels a session: nothing new starts, running tasks are told to stop.
     Cancel(CancelArgs),
-    /// Approves a task waiting at its approval gate: it becomes ready.
+    /// Approves a task waiting at its approval gate (it becomes ready), or a role's checkpoint
+    /// (`--role`, `--checkpoint`: every task it holds becomes ready).
     Approve(GateArgs),
-    /// Rejects a task waiting at its approval gate: it fails, and what depends on it follows
-    /// the plan's `on_failure`.
+    /// Rejects a task waiting at its approval gate, or a role's checkpoint (the tasks it guards
+    /// fail); what depends on them follows the plan's `on_failure`.
     Reject(GateArgs),
     /// Prints a session's DAG with each task's state and duration, grouped by repo and wave.
     Graph(GraphArgs),
@@ -124,11 +125,21 @@ struct CancelArgs {
 }
 
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("gate").required(true).args(["task", "role", "checkpoint"])))]
 struct GateArgs {
     #[command(flatten)]
     session: SessionArgs,
     /// The task waiting for approval.
-    task: String,
+    task: Option<String>,
+    /// A role's checkpoint instead of a task: `executor`, `validator` or `test-runner`.
+    #[arg(long, conflicts_with_all = ["task", "checkpoint"])]
+    role: Option<String>,
+    /// With `--role`: the checkpoint before the role's first task or after its last.
+    #[arg(long, requires = "role", value_parser = ["before", "after"], default_value = "after")]
+    when: String,
+    /// A role's checkpoint by its id, `ROLE:WHEN` (`executor:after`).
+    #[arg(long, conflicts_with = "task")]
+    checkpoint: Option<String>,
     /// Why, recorded with the answer (and, for a rejection, as the task's error).
     #[arg(long, default_value = "")]
     note: String,
@@ -784,34 +795,49 @@ async fn cancel(args: CancelArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `troupe approve` / `troupe reject`: answers a task's approval gate.
+/// `troupe approve` / `troupe reject`: answers a task's approval gate or a role's checkpoint.
 async fn answer_gate(args: GateArgs, approve: bool) -> anyhow::Result<ExitCode> {
     let mut client = args.session.client().await?;
-    let (session_id, task_id, note) = (args.session.session, args.task, args.note);
-    let task = if approve {
-        client
+    let checkpoint = match (&args.role, args.checkpoint) {
+        (Some(role), _) => format!("{role}:{}", args.when),
+        (None, Some(checkpoint)) => checkpoint,
+        (None, None) => String::new(),
+    };
+    let (session_id, task_id, note) = (
+        args.session.session,
+        args.task.unwrap_or_default(),
+        args.note,
+    );
+    let (task, released) = if approve {
+        let answer = client
             .approve_task(troupe_proto::v1::ApproveTaskRequest {
                 session_id,
                 task_id,
                 note,
+                checkpoint: checkpoint.clone(),
             })
             .await
             .map_err(follow::CallFailed)?
-            .into_inner()
-            .task
+            .into_inner();
+        (answer.task, answer.released)
     } else {
-        client
+        let answer = client
             .reject_task(troupe_proto::v1::RejectTaskRequest {
                 session_id,
                 task_id,
                 note,
+                checkpoint: checkpoint.clone(),
             })
             .await
             .map_err(follow::CallFailed)?
-            .into_inner()
-            .task
+            .into_inner();
+        (answer.task, answer.released)
     };
-    if let Some(task) = task {
+    if !checkpoint.is_empty() {
+        let verb = if approve { "approved" } else { "rejected" };
+        println!("checkpoint {checkpoint} is {verb}");
+    }
+    for task in task.iter().chain(&released) {
         println!("{} is {}", task.id, report::task_state_name(task.state));
     }
     Ok(ExitCode::SUCCESS)

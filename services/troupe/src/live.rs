@@ -1,14 +1,17 @@
 //! What `troupe run` and `troupe watch` show while a session runs: on a terminal, progress bars
 //! (overall, per role, per wave) and a line per running task with its elapsed time, attempt,
-//! worker and last heartbeat note, with transitions scrolling above them; elsewhere (a pipe, a
-//! file, `--plain`) one plain line per event.
+//! worker, backend, tokens so far and last heartbeat note (and, under a test run, its latest
+//! iteration's pass rate and coverage), with transitions scrolling above them; elsewhere (a
+//! pipe, a file, `--plain`) one plain line per event.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{IsTerminal as _, Write as _};
 use std::time::Duration;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use troupe_proto::v1::{Role, SessionEvent, Task, TaskState, session_event};
+use troupe_proto::v1::{
+    Role, SessionEvent, Task, TaskState, TestIterationProgress, WorkProgress, session_event,
+};
 
 use crate::report;
 
@@ -50,6 +53,8 @@ struct TaskView {
     attempt: u32,
     worker: String,
     note: String,
+    /// The figures of the running attempt's latest heartbeat.
+    figures: WorkProgress,
 }
 
 fn is_finished(state: TaskState) -> bool {
@@ -81,6 +86,8 @@ pub struct Live {
     roles: BTreeMap<&'static str, ProgressBar>,
     waves: BTreeMap<u32, ProgressBar>,
     running: BTreeMap<String, ProgressBar>,
+    /// The line under a running test task with its latest test iteration.
+    tests: BTreeMap<String, ProgressBar>,
 }
 
 /// Bars after this many waves are summed into the last one shown, to keep the screen short.
@@ -104,6 +111,7 @@ impl Live {
             roles: BTreeMap::new(),
             waves: BTreeMap::new(),
             running: BTreeMap::new(),
+            tests: BTreeMap::new(),
             overall,
             multi: multi.clone(),
         };
@@ -137,6 +145,7 @@ impl Live {
                     attempt: task.attempt,
                     worker: task.worker_id.clone(),
                     note: task.progress.clone(),
+                    figures: task.work_progress.clone().unwrap_or_default(),
                 },
             );
         }
@@ -195,13 +204,15 @@ impl Live {
             ids.sort();
             ids.into_iter().cloned().collect()
         };
-        self.running.retain(|id, bar| {
-            let keep = running.contains(id);
-            if !keep {
-                bar.finish_and_clear();
-            }
-            keep
-        });
+        for lines in [&mut self.running, &mut self.tests] {
+            lines.retain(|id, bar| {
+                let keep = running.contains(id);
+                if !keep {
+                    bar.finish_and_clear();
+                }
+                keep
+            });
+        }
         let style = ProgressStyle::with_template("{spinner} {prefix:<14} {elapsed:>4} {wide_msg}")
             .expect("a valid template");
         for id in running {
@@ -214,15 +225,74 @@ impl Live {
                 bar.enable_steady_tick(Duration::from_millis(250));
                 bar
             });
-            let mut message = format!("attempt {}", task.attempt.max(1));
-            if !task.worker.is_empty() {
-                message.push_str(&format!(" on {}", task.worker));
+            bar.set_message(running_line(task));
+            if let Some(test) = &task.figures.test {
+                let bar = bar.clone();
+                let line = self.tests.entry(id.clone()).or_insert_with(|| {
+                    let style =
+                        ProgressStyle::with_template("  {wide_msg}").expect("a valid template");
+                    self.multi
+                        .insert_after(&bar, ProgressBar::new_spinner().with_style(style))
+                });
+                line.set_message(test_line(test));
             }
-            if !task.note.is_empty() {
-                message.push_str(&format!(" - {}", task.note));
-            }
-            bar.set_message(message);
         }
+    }
+}
+
+/// `attempt 1 on w1 · codex · 1.2k in / 340 out tokens - note`.
+fn running_line(task: &TaskView) -> String {
+    let mut line = format!("attempt {}", task.attempt.max(1));
+    if !task.worker.is_empty() {
+        line.push_str(&format!(" on {}", task.worker));
+    }
+    if !task.figures.backend.is_empty() {
+        line.push_str(&format!(" · {}", task.figures.backend));
+    }
+    if let Some(tokens) = &task.figures.tokens {
+        line.push_str(&format!(
+            " · {} in / {} out tokens",
+            count(tokens.input_tokens),
+            count(tokens.output_tokens)
+        ));
+    }
+    if !task.note.is_empty() {
+        line.push_str(&format!(" - {}", task.note));
+    }
+    line
+}
+
+/// `tests: first run 4/6 passing (66.7%), coverage 81.0%, 2 failing` or `tests: fix
+/// iteration 1/3 ...`.
+fn test_line(test: &TestIterationProgress) -> String {
+    let which = if test.iteration == 0 {
+        "first run".to_owned()
+    } else {
+        format!("fix iteration {}/{}", test.iteration, test.max_iterations)
+    };
+    let mut line = format!(
+        "tests: {which} {}/{} passing ({:.1}%)",
+        test.total.saturating_sub(test.failing),
+        test.total,
+        test.pass_rate * 100.0
+    );
+    if let Some(coverage) = test.coverage {
+        line.push_str(&format!(", coverage {coverage:.1}%"));
+    }
+    line.push_str(&format!(", {} failing", test.failing));
+    line
+}
+
+/// A token count, short: `950`, `12.3k`, `4.5M`.
+fn count(n: u64) -> String {
+    #[allow(clippy::cast_precision_loss)] // display only
+    let f = n as f64;
+    if n < 1_000 {
+        n.to_string()
+    } else if n < 1_000_000 {
+        format!("{:.1}k", f / 1e3)
+    } else {
+        format!("{:.1}M", f / 1e6)
     }
 }
 
@@ -245,12 +315,18 @@ impl View for Live {
                         attempt: 0,
                         worker: String::new(),
                         note: String::new(),
+                        figures: WorkProgress::default(),
                     });
                 task.state = TaskState::try_from(transition.to).unwrap_or(TaskState::Unspecified);
                 task.attempt = transition.attempt;
                 task.worker.clone_from(&transition.worker_id);
                 if task.state != TaskState::Running {
                     task.note.clear();
+                }
+                if task.state != TaskState::Running || transition.from != TaskState::Running as i32
+                {
+                    // A new attempt starts with no figures.
+                    task.figures = WorkProgress::default();
                 }
                 // Transitions other than "started" scroll above the bars, as in the plain view.
                 if task.state != TaskState::Running
@@ -262,6 +338,9 @@ impl View for Live {
             Some(session_event::Kind::Progress(progress)) => {
                 if let Some(task) = self.tasks.get_mut(&progress.task_id) {
                     task.note = progress.note.lines().next().unwrap_or_default().to_owned();
+                    if let Some(figures) = &progress.work_progress {
+                        task.figures = figures.clone();
+                    }
                 }
             }
             Some(_) => {
@@ -275,7 +354,10 @@ impl View for Live {
     }
 
     fn finish(&mut self) {
-        for bar in std::mem::take(&mut self.running).into_values() {
+        for bar in std::mem::take(&mut self.running)
+            .into_values()
+            .chain(std::mem::take(&mut self.tests).into_values())
+        {
             bar.finish_and_clear();
         }
         self.overall.finish();
@@ -330,6 +412,73 @@ mod tests {
         assert_eq!(live.roles["executor"].position(), 1);
         assert_eq!(live.roles["executor"].length(), Some(2));
         assert_eq!(live.waves[&2].position(), 0);
+        live.finish();
+    }
+
+    fn progress(id: &str, figures: WorkProgress) -> SessionEvent {
+        SessionEvent {
+            kind: Some(session_event::Kind::Progress(
+                troupe_proto::v1::TaskProgress {
+                    task_id: id.to_owned(),
+                    note: "running backend agent".to_owned(),
+                    worker_id: "w1".to_owned(),
+                    work_progress: Some(figures),
+                },
+            )),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn running_tasks_show_their_tokens_and_test_iterations() {
+        let tasks = [
+            task("IMPL-1", Role::Executor, 1),
+            task("TEST-1", Role::TestRunner, 1),
+        ];
+        let mut live = Live::new(&tasks, ProgressDrawTarget::hidden());
+        live.event(&moved("IMPL-1", TaskState::Running));
+        live.event(&moved("TEST-1", TaskState::Running));
+        live.event(&progress(
+            "IMPL-1",
+            WorkProgress {
+                tokens: Some(troupe_proto::v1::Usage {
+                    input_tokens: 12_345,
+                    output_tokens: 678,
+                    cached_input_tokens: 0,
+                }),
+                backend: "agent".to_owned(),
+                test: None,
+            },
+        ));
+        assert_eq!(
+            live.running["IMPL-1"].message(),
+            "attempt 1 on w1 · agent · 12.3k in / 678 out tokens - running backend agent"
+        );
+        assert!(!live.tests.contains_key("IMPL-1"));
+        live.event(&progress(
+            "TEST-1",
+            WorkProgress {
+                test: Some(TestIterationProgress {
+                    iteration: 1,
+                    max_iterations: 3,
+                    pass_rate: 0.8,
+                    coverage: Some(91.25),
+                    failing: 1,
+                    total: 5,
+                }),
+                ..WorkProgress::default()
+            },
+        ));
+        assert_eq!(
+            live.tests["TEST-1"].message(),
+            "tests: fix iteration 1/3 4/5 passing (80.0%), coverage 91.2%, 1 failing"
+        );
+        // A new attempt forgets the last one's figures; a finished task loses its lines.
+        live.event(&moved("TEST-1", TaskState::Completed));
+        assert!(live.tests.is_empty());
+        live.event(&moved("IMPL-1", TaskState::Ready));
+        live.event(&moved("IMPL-1", TaskState::Running));
+        assert_eq!(live.running["IMPL-1"].message(), "attempt 1 on w1");
         live.finish();
     }
 }

@@ -505,6 +505,9 @@ impl AgentLoopBackend {
                 .pointer("/usage/completion_tokens")
                 .and_then(Value::as_u64)
                 .unwrap_or(0);
+            if let Some(sink) = &spec.usage_sink {
+                sink.report(usage);
+            }
             let message = reply
                 .pointer("/choices/0/message")
                 .cloned()

@@ -621,6 +621,17 @@ impl CliBackend {
         if let Some(limit) = idle {
             cmd = cmd.idle_timeout(limit);
         }
+        if let Some(sink) = spec.usage_sink.clone() {
+            // The same events the run's transcript is made of, parsed as they come, for the
+            // usage so far.
+            let parser = std::sync::Mutex::new(events::StreamParser::new(self.kind));
+            cmd = cmd.on_stdout_line(troupe_process::LineObserver::new(move |line| {
+                let usage = parser.lock().ok().and_then(|mut parser| parser.line(line));
+                if let Some(usage) = usage {
+                    sink.report(usage);
+                }
+            }));
+        }
         let argv = cmd.argv();
         // fast_fail for CLIs that retry with no switch to stop them: stop at their first
         // failed model call, as their own log records it.

@@ -241,28 +241,62 @@ pub fn classify_message(message: &str) -> ErrorKind {
 
 /// Parses a whole stdout.
 pub fn parse(kind: CliKind, stdout: &str) -> Transcript {
-    let mut t = Transcript::default();
-    let mut text_parts = String::new();
+    let mut parser = StreamParser::new(kind);
     for line in stdout.lines() {
+        parser.line(line);
+    }
+    parser.finish()
+}
+
+/// Parses a stream line by line as the CLI prints it: [`parse`] for a run still going, which
+/// tells the usage so far after each line.
+#[derive(Debug)]
+pub struct StreamParser {
+    kind: CliKind,
+    transcript: Transcript,
+    text_parts: String,
+}
+
+impl StreamParser {
+    /// A parser for `kind`'s stream.
+    pub fn new(kind: CliKind) -> Self {
+        Self {
+            kind,
+            transcript: Transcript::default(),
+            text_parts: String::new(),
+        }
+    }
+
+    /// Takes one line; returns the usage so far when this line changed it.
+    pub fn line(&mut self, line: &str) -> Option<Usage> {
         let line = line.trim();
         if line.is_empty() {
-            continue;
+            return None;
         }
         let Ok(v) = serde_json::from_str::<Value>(line) else {
-            t.unparsed += 1;
-            continue;
+            self.transcript.unparsed += 1;
+            return None;
         };
-        match kind {
-            CliKind::Codex => codex(&mut t, &v),
-            CliKind::Claude | CliKind::Qwen => claude_like(&mut t, &v, kind),
-            CliKind::Gemini => gemini(&mut t, &v, &mut text_parts),
-            CliKind::Opencode => opencode(&mut t, &v),
+        let before = self.transcript.usage;
+        let t = &mut self.transcript;
+        match self.kind {
+            CliKind::Codex => codex(t, &v),
+            CliKind::Claude | CliKind::Qwen => claude_like(t, &v, self.kind),
+            CliKind::Gemini => gemini(t, &v, &mut self.text_parts),
+            CliKind::Opencode => opencode(t, &v),
         }
+        (self.transcript.usage != before)
+            .then_some(self.transcript.usage)
+            .flatten()
     }
-    if kind == CliKind::Gemini && t.final_message.is_empty() {
-        t.final_message = text_parts;
+
+    /// The whole stream's transcript.
+    pub fn finish(mut self) -> Transcript {
+        if self.kind == CliKind::Gemini && self.transcript.final_message.is_empty() {
+            self.transcript.final_message = self.text_parts;
+        }
+        self.transcript
     }
-    t
 }
 
 fn codex(t: &mut Transcript, v: &Value) {
@@ -570,6 +604,47 @@ mod tests {
         .map(CliKind::name)
         .collect();
         assert_eq!(bound, vec!["gemini", "qwen", "opencode"]);
+    }
+
+    #[test]
+    fn a_stream_parsed_line_by_line_tells_the_usage_as_it_grows() {
+        // opencode adds each step's tokens; the parser reports the sum after each step, and
+        // nothing for lines that do not change it.
+        let lines = [
+            r#"{"type":"step_start","part":{"type":"step-start"}}"#,
+            r#"{"type":"step_finish","part":{"type":"step-finish","tokens":{"input":100,"output":7,"cache":{"read":40}}}}"#,
+            "not json",
+            r#"{"type":"step_finish","part":{"type":"step-finish","tokens":{"input":20,"output":3,"cache":{"read":0}}}}"#,
+        ];
+        let mut parser = StreamParser::new(CliKind::Opencode);
+        let seen: Vec<Option<Usage>> = lines.iter().map(|line| parser.line(line)).collect();
+        let usage = |input, output, cached| Usage {
+            input_tokens: input,
+            output_tokens: output,
+            cached_input_tokens: cached,
+        };
+        assert_eq!(
+            seen,
+            [
+                None,
+                Some(usage(100, 7, 40)),
+                None,
+                Some(usage(120, 10, 40))
+            ]
+        );
+        let whole = parser.finish();
+        assert_eq!(whole.usage, Some(usage(120, 10, 40)));
+        assert_eq!(whole.unparsed, 1);
+        // Codex reports its turn's usage once, at the end of the turn.
+        let mut codex = StreamParser::new(CliKind::Codex);
+        assert_eq!(
+            codex.line(r#"{"type":"thread.started","thread_id":"t"}"#),
+            None
+        );
+        assert_eq!(
+            codex.line(r#"{"type":"turn.completed","usage":{"input_tokens":246,"cached_input_tokens":6,"output_tokens":90}}"#),
+            Some(usage(246, 90, 6))
+        );
     }
 
     #[test]

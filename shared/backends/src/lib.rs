@@ -20,6 +20,7 @@ mod confine;
 pub mod credential;
 mod events;
 mod placeholder;
+mod usage;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -37,8 +38,11 @@ pub use command::CommandBackend;
 pub use config::{AuthMode, BackendConfig, BackendsConfig, ConfigError};
 pub use confine::{confine, relative_inside};
 pub use credential::Credential;
-pub use events::{AgentEvent, CliKind, Transcript, classify_message, parse as parse_events};
+pub use events::{
+    AgentEvent, CliKind, StreamParser, Transcript, classify_message, parse as parse_events,
+};
 pub use placeholder::{PLACEHOLDERS, substitute};
+pub use usage::UsageMeter;
 
 /// The TCP port of a model endpoint URL (explicit, or the scheme's default), which a
 /// sandbox restricting connections must allow.
@@ -100,6 +104,31 @@ pub struct RunSpec {
     /// The service's base sandbox; the backend adds the worktree, home and prompt file
     /// ([`RunSpec::child_sandbox`]). Default: off.
     pub sandbox: troupe_process::Sandbox,
+    /// Told the run's token usage so far each time the backend learns more of it (a CLI's
+    /// usage event, an `agent` turn), so a worker can report it while the run goes on.
+    pub usage_sink: Option<UsageSink>,
+}
+
+/// Receives a run's token usage so far (cumulative within the run).
+#[derive(Clone)]
+pub struct UsageSink(std::sync::Arc<dyn Fn(Usage) + Send + Sync>);
+
+impl UsageSink {
+    /// A sink calling `f`.
+    pub fn new(f: impl Fn(Usage) + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+
+    /// Reports `usage` so far.
+    pub fn report(&self, usage: Usage) {
+        (self.0)(usage);
+    }
+}
+
+impl std::fmt::Debug for UsageSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("UsageSink")
+    }
 }
 
 impl RunSpec {

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use troupe_proto::v1::{
     ClaimTasksRequest, ClaimedTask, CompleteTaskRequest, ErrorKind, FailTaskRequest, Lease, Role,
-    Task, TaskError, TaskResult,
+    Task, TaskError, TaskResult, TestIterationProgress, Usage, WorkProgress,
 };
 
 use crate::{Connector, CoordinatorClient, Error, ServiceHealth, is_transient, timed, within};
@@ -112,6 +112,7 @@ pub trait TaskHandler: Send + Sync + 'static {
 pub struct TaskContext {
     cancel: CancellationToken,
     progress: Arc<Mutex<Option<String>>>,
+    figures: Arc<Mutex<Figures>>,
     worker_id: Arc<str>,
     lease: Option<Arc<LeaseState>>,
     /// The deadline a context outside any lease reports: far enough to never matter.
@@ -126,6 +127,7 @@ impl TaskContext {
         Self {
             cancel,
             progress: Arc::new(Mutex::new(None)),
+            figures: Arc::new(Mutex::new(Figures::default())),
             worker_id: worker_id.into(),
             lease: None,
             // About thirty years, as tokio's own "far future".
@@ -149,6 +151,53 @@ impl TaskContext {
     pub fn progress(&self, note: impl Into<String>) {
         if let Ok(mut slot) = self.progress.lock() {
             *slot = Some(note.into());
+        }
+    }
+
+    /// Records the attempt's token usage so far (the total, not an increment), sent with the
+    /// next heartbeat.
+    pub fn report_tokens(&self, tokens: Usage) {
+        self.update_figures(|figures| figures.tokens = Some(tokens));
+    }
+
+    /// Records the backend the attempt's agent runs on now, sent with the next heartbeat.
+    pub fn report_backend(&self, backend: &str) {
+        self.update_figures(|figures| backend.clone_into(&mut figures.backend));
+    }
+
+    /// Records the latest test run of a test-runner's fix loop, sent with the next heartbeat.
+    pub fn report_test(&self, test: TestIterationProgress) {
+        self.update_figures(|figures| figures.test = Some(test));
+    }
+
+    /// The figures recorded so far (what the next heartbeat sends, or the last one sent).
+    pub fn figures(&self) -> WorkProgress {
+        self.figures
+            .lock()
+            .map(|slot| slot.latest.clone())
+            .unwrap_or_default()
+    }
+
+    fn update_figures(&self, change: impl FnOnce(&mut WorkProgress)) {
+        if let Ok(mut slot) = self.figures.lock() {
+            let before = slot.latest.clone();
+            change(&mut slot.latest);
+            slot.unsent |= slot.latest != before;
+        }
+    }
+
+    /// The figures, when they changed since the last heartbeat that carried them.
+    fn take_figures(&self) -> Option<WorkProgress> {
+        let mut slot = self.figures.lock().ok()?;
+        std::mem::take(&mut slot.unsent).then(|| slot.latest.clone())
+    }
+
+    /// Marks the figures unsent again after a heartbeat that did not deliver them.
+    fn restore_figures(&self, sent: Option<WorkProgress>) {
+        if sent.is_some()
+            && let Ok(mut slot) = self.figures.lock()
+        {
+            slot.unsent = true;
         }
     }
 
@@ -210,6 +259,13 @@ impl TaskContext {
             slot.get_or_insert(note);
         }
     }
+}
+
+/// The typed figures of a running attempt, and whether the coordinator has the latest.
+#[derive(Debug, Default)]
+struct Figures {
+    latest: WorkProgress,
+    unsent: bool,
 }
 
 /// How a worker loop runs.
@@ -859,7 +915,8 @@ async fn keep_lease(lease: &LeaseState, ctx: &TaskContext) -> LeaseLost {
             continue;
         }
         let progress = ctx.take_progress();
-        match lease.heartbeat(progress.clone()).await {
+        let figures = ctx.take_figures();
+        match lease.heartbeat(progress.clone(), figures.clone()).await {
             Beat::Answered { cancel: false } => {
                 backoff.reset();
                 next = lease.clock().next_beat();
@@ -876,6 +933,7 @@ async fn keep_lease(lease: &LeaseState, ctx: &TaskContext) -> LeaseLost {
             }
             Beat::Transient(status) => {
                 ctx.restore_progress(progress);
+                ctx.restore_figures(figures);
                 let delay = backoff.next_delay();
                 tracing::warn!(code = ?status.code(), error = %status.message(), retry_in = ?delay, "heartbeat failed; the lease holds until its deadline");
                 next = Instant::now() + delay;

@@ -11,6 +11,7 @@
 mod approval;
 pub mod backend;
 pub mod ccw;
+pub mod checkpoint;
 pub mod execution;
 mod kind;
 pub mod phase;
@@ -477,6 +478,8 @@ pub struct Plan {
     /// `sandbox`: the plan's confinement for its tasks (copied into each task that sets none;
     /// workers apply the stricter of a task's and their own).
     pub sandbox: Option<spec::SandboxMode>,
+    /// `checkpoints`: the roles' stages a person approves (see [`checkpoint`]).
+    pub checkpoints: Vec<checkpoint::Checkpoint>,
 }
 
 impl Plan {

@@ -170,12 +170,17 @@ pub(crate) fn parse(text: &str) -> Result<Plan, PlanError> {
         }
     }
 
+    let mut roles: Vec<Role> = tasks.iter().map(|task| task.role).collect();
+    roles.dedup();
+    let checkpoints = crate::checkpoint::parse(&root, &roles, &mut problems);
+
     if !problems.0.is_empty() {
         return Err(PlanError {
             problems: problems.0,
         });
     }
     Ok(Plan {
+        checkpoints,
         name,
         description,
         mode,

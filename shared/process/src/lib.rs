@@ -201,7 +201,29 @@ pub struct Command {
     max_output_bytes: usize,
     kill_grace: Duration,
     sandbox: Option<Sandbox>,
+    stdout_lines: Option<LineObserver>,
 }
+
+/// Called with each complete line of a child's stdout as it arrives (without the newline), for
+/// callers that follow a long run (an agent CLI's JSON events); the output is still collected.
+#[derive(Clone)]
+pub struct LineObserver(Arc<dyn Fn(&str) + Send + Sync>);
+
+impl LineObserver {
+    /// An observer calling `f` with each line.
+    pub fn new(f: impl Fn(&str) + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for LineObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LineObserver")
+    }
+}
+
+/// Longest line an observer is given; a longer one is cut (its tail is not passed on).
+const MAX_OBSERVED_LINE: usize = 1024 * 1024;
 
 impl Command {
     /// A command running `program` with no arguments.
@@ -219,6 +241,7 @@ impl Command {
             max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
             kill_grace: DEFAULT_KILL_GRACE,
             sandbox: None,
+            stdout_lines: None,
         }
     }
 
@@ -312,6 +335,12 @@ impl Command {
     /// Time between SIGTERM and SIGKILL when the group is stopped.
     pub fn kill_grace(mut self, grace: Duration) -> Self {
         self.kill_grace = grace;
+        self
+    }
+
+    /// Calls `observer` with each line of stdout as it arrives.
+    pub fn on_stdout_line(mut self, observer: LineObserver) -> Self {
+        self.stdout_lines = Some(observer);
         self
     }
 
@@ -445,14 +474,20 @@ impl Command {
 
         let last_output = Arc::new(AtomicU64::new(0));
         let max = self.max_output_bytes;
-        let stdout = child
-            .stdout
-            .take()
-            .map(|out| tokio::spawn(read_tail(out, max, Arc::clone(&last_output), started)));
+        let observer = self.stdout_lines.take();
+        let stdout = child.stdout.take().map(|out| {
+            tokio::spawn(read_tail(
+                out,
+                max,
+                Arc::clone(&last_output),
+                started,
+                observer,
+            ))
+        });
         let stderr = child
             .stderr
             .take()
-            .map(|err| tokio::spawn(read_tail(err, max, Arc::clone(&last_output), started)));
+            .map(|err| tokio::spawn(read_tail(err, max, Arc::clone(&last_output), started, None)));
 
         let wall = async {
             match self.timeout {
@@ -640,9 +675,11 @@ async fn read_tail<R: AsyncRead + Unpin>(
     max: usize,
     last_output: Arc<AtomicU64>,
     started: Instant,
+    observer: Option<LineObserver>,
 ) -> TailBuffer {
     let mut tail = TailBuffer::new(max);
     let mut chunk = vec![0u8; 16 * 1024];
+    let mut line: Vec<u8> = Vec::new();
     loop {
         match reader.read(&mut chunk).await {
             Ok(0) => break,
@@ -650,6 +687,18 @@ async fn read_tail<R: AsyncRead + Unpin>(
                 let elapsed = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
                 last_output.store(elapsed, Ordering::Relaxed);
                 tail.push(&chunk[..n]);
+                if let Some(observer) = &observer {
+                    for piece in chunk[..n].split_inclusive(|b| *b == b'\n') {
+                        if line.len() < MAX_OBSERVED_LINE {
+                            let room = MAX_OBSERVED_LINE - line.len();
+                            line.extend_from_slice(&piece[..piece.len().min(room)]);
+                        }
+                        if piece.ends_with(b"\n") {
+                            (observer.0)(String::from_utf8_lossy(&line).trim_end());
+                            line.clear();
+                        }
+                    }
+                }
             }
             Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
             Err(err) => {
@@ -657,6 +706,11 @@ async fn read_tail<R: AsyncRead + Unpin>(
                 break;
             }
         }
+    }
+    if let Some(observer) = &observer
+        && !line.is_empty()
+    {
+        (observer.0)(String::from_utf8_lossy(&line).trim_end());
     }
     tail
 }
@@ -740,6 +794,27 @@ mod tests {
         assert_eq!(out.stdout_text(), "out\n");
         assert_eq!(out.stderr_text(), "err\n");
         assert!(!out.success());
+    }
+
+    #[tokio::test]
+    async fn a_stdout_observer_sees_each_line_as_it_comes() {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let sink = Arc::clone(&seen);
+        // The first line is seen while the child still sleeps; a last line without its
+        // newline is passed on at the end; stderr is not observed.
+        let cmd = sh("echo one; printf 'tw'; printf 'o\\n'; echo err >&2; sleep 2; printf three")
+            .on_stdout_line(LineObserver::new(move |line| {
+                sink.lock().unwrap().push(line.to_owned());
+            }));
+        let running = tokio::spawn(run(cmd));
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        while seen.lock().unwrap().len() < 2 {
+            assert!(std::time::Instant::now() < deadline, "lines not seen early");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let out = running.await.unwrap();
+        assert_eq!(*seen.lock().unwrap(), ["one", "two", "three"]);
+        assert_eq!(out.stdout_text(), "one\ntwo\nthree");
     }
 
     #[tokio::test]

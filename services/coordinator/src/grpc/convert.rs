@@ -77,6 +77,9 @@ pub(super) fn task_proto(row: &Task) -> pb::Task {
         progress: row.progress.clone(),
         superseded_by: row.superseded_by.clone(),
         convergence: row.convergence.clone(),
+        // Filled from the coordinator's memory where the caller has it (`GetSession`,
+        // `ListTasks`).
+        work_progress: None,
     }
 }
 

@@ -107,6 +107,44 @@ impl Adapter {
             .await?;
         Ok(convert::task_proto(&task))
     }
+
+    /// The session's tasks waiting at a role's checkpoint, with its id (for the web view).
+    pub(crate) async fn held_at_checkpoints(
+        &self,
+        session_id: &str,
+    ) -> Result<std::collections::HashMap<String, String>, Status> {
+        Ok(self.coordinator.held_at_checkpoints(session_id).await?)
+    }
+
+    /// `ApproveTask` and `RejectTask` for one: a task's gate, or a role's checkpoint (the
+    /// tasks it held, as they then stand, go in the second).
+    async fn answer(
+        &self,
+        (session_id, task_id, checkpoint): (&str, &str, &str),
+        approve: bool,
+        by: &str,
+        note: &str,
+    ) -> Result<(Option<pb::Task>, Vec<pb::Task>), Status> {
+        match (task_id.is_empty(), checkpoint.is_empty()) {
+            (_, true) => Ok((
+                Some(
+                    self.answer_gate(session_id, task_id, approve, by, note)
+                        .await?,
+                ),
+                Vec::new(),
+            )),
+            (true, false) => {
+                let tasks = self
+                    .coordinator
+                    .answer_checkpoint((session_id, checkpoint), approve, (by, note))
+                    .await?;
+                Ok((None, tasks.iter().map(convert::task_proto).collect()))
+            }
+            (false, false) => Err(Status::invalid_argument(
+                "give task_id or checkpoint, not both",
+            )),
+        }
+    }
 }
 
 /// Implements the generated service trait over the domain coordinator.
@@ -144,7 +182,12 @@ impl coordinator_server::Coordinator for Adapter {
         request: Request<pb::GetSessionRequest>,
     ) -> Result<Response<pb::GetSessionResponse>, Status> {
         let page = self.coordinator.get_session(&request.into_inner()).await?;
-        Ok(Response::new(convert::page_proto(page)))
+        let figures = self.coordinator.work_progress_of(&page.tasks);
+        let mut response = convert::page_proto(page);
+        for (task, figures) in response.tasks.iter_mut().zip(figures) {
+            task.work_progress = figures;
+        }
+        Ok(Response::new(response))
     }
 
     async fn list_tasks(
@@ -152,8 +195,16 @@ impl coordinator_server::Coordinator for Adapter {
         request: Request<pb::ListTasksRequest>,
     ) -> Result<Response<pb::ListTasksResponse>, Status> {
         let (tasks, next) = self.coordinator.list_tasks(&request.into_inner()).await?;
+        let figures = self.coordinator.work_progress_of(&tasks);
         Ok(Response::new(pb::ListTasksResponse {
-            tasks: tasks.iter().map(convert::task_proto).collect(),
+            tasks: tasks
+                .iter()
+                .zip(figures)
+                .map(|(task, figures)| pb::Task {
+                    work_progress: figures,
+                    ..convert::task_proto(task)
+                })
+                .collect(),
             next_page_token: next.unwrap_or_default(),
         }))
     }
@@ -174,16 +225,15 @@ impl coordinator_server::Coordinator for Adapter {
     ) -> Result<Response<pb::ApproveTaskResponse>, Status> {
         let by = caller(&request);
         let request = request.into_inner();
-        let task = self
-            .answer_gate(
-                &request.session_id,
-                &request.task_id,
+        let (task, released) = self
+            .answer(
+                (&request.session_id, &request.task_id, &request.checkpoint),
                 true,
                 &by,
                 &request.note,
             )
             .await?;
-        Ok(Response::new(pb::ApproveTaskResponse { task: Some(task) }))
+        Ok(Response::new(pb::ApproveTaskResponse { task, released }))
     }
 
     async fn reject_task(
@@ -192,16 +242,15 @@ impl coordinator_server::Coordinator for Adapter {
     ) -> Result<Response<pb::RejectTaskResponse>, Status> {
         let by = caller(&request);
         let request = request.into_inner();
-        let task = self
-            .answer_gate(
-                &request.session_id,
-                &request.task_id,
+        let (task, released) = self
+            .answer(
+                (&request.session_id, &request.task_id, &request.checkpoint),
                 false,
                 &by,
                 &request.note,
             )
             .await?;
-        Ok(Response::new(pb::RejectTaskResponse { task: Some(task) }))
+        Ok(Response::new(pb::RejectTaskResponse { task, released }))
     }
 
     async fn cancel_session(

@@ -37,6 +37,11 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
         .filter_map(|task| {
             troupe_plan::approval_prompt(&task.spec).map(|prompt| (task.id.clone(), prompt))
         })
+        .chain(
+            troupe_plan::checkpoint::checkpoints_of(&new.plan_json)
+                .into_iter()
+                .map(|(id, prompt)| (super::gate::checkpoint_gate(&id), prompt)),
+        )
         .collect();
     crate::store::gates::insert_gates(&mut tx, &session.id, &gates).await?;
     let mut transitions: Vec<pb::TaskTransition> = tasks

@@ -18,7 +18,7 @@ pub(crate) async fn heartbeat_in(
     session_id: &str,
     task_id: &str,
     token: u64,
-    progress: &str,
+    (progress, figures): (&str, Option<&pb::WorkProgress>),
     lease_ms: Option<i64>,
     now: i64,
     cache: Option<&mut TaskCache>,
@@ -39,16 +39,21 @@ pub(crate) async fn heartbeat_in(
     }
     let expires_at = now + task.lease_ms;
     task.lease_expires_at = Some(expires_at);
-    if !progress.is_empty() && progress != task.progress {
+    let noted = !progress.is_empty() && progress != task.progress;
+    if noted {
         task.progress = progress.to_owned();
+    }
+    // Figures come only when they changed (the worker sends them once), so each is an event.
+    if noted || figures.is_some() {
         append_event(
             tx,
             session_id,
             now,
             Kind::Progress(pb::TaskProgress {
                 task_id: task_id.to_owned(),
-                note: progress.to_owned(),
+                note: task.progress.clone(),
                 worker_id: task.worker_id.clone(),
+                work_progress: figures.cloned(),
             }),
         )
         .await?;

@@ -17,6 +17,7 @@ use crate::Error;
 use crate::convert::now_ms;
 use crate::group_commit::GroupCommit;
 use crate::store::{self, Dialect, Store};
+use crate::task::Task;
 
 mod bus;
 mod sessions;
@@ -64,6 +65,9 @@ pub(crate) struct Coordinator {
     started_at: i64,
     /// When each worker was last recorded in the store, to write that at most every few seconds.
     workers_seen: Mutex<HashMap<String, i64>>,
+    /// The latest figures each running attempt's heartbeats carried, by (session, task), with
+    /// the attempt's fencing token; memory only (the progress events keep them too).
+    work_progress: Mutex<HashMap<(String, String), (u64, pb::WorkProgress)>>,
     /// Random id of this coordinator, the payload of its change notifications.
     origin: String,
     /// Provider quotas, enforced at claim time (see [`crate::quota`]).
@@ -154,6 +158,7 @@ impl Coordinator {
             learn_from_sessions,
             started_at: now_ms(),
             workers_seen: Mutex::new(HashMap::new()),
+            work_progress: Mutex::new(HashMap::new()),
             origin: uuid::Uuid::new_v4().simple().to_string(),
             publish: Notify::new(),
             quotas,
@@ -195,6 +200,42 @@ impl Coordinator {
     fn notify(&self) {
         advance(&self.claimable);
         self.notify_watchers();
+    }
+
+    /// Keeps the figures a heartbeat of the attempt holding `token` carried.
+    fn keep_work_progress(
+        &self,
+        (session_id, task_id): (&str, &str),
+        token: u64,
+        figures: pb::WorkProgress,
+    ) {
+        if let Ok(mut kept) = self.work_progress.lock() {
+            kept.insert(
+                (session_id.to_owned(), task_id.to_owned()),
+                (token, figures),
+            );
+        }
+    }
+
+    /// The figures of each task's running attempt, as its latest heartbeat carried them; `None`
+    /// for a task not running, or whose attempt sent none. Figures of attempts that are over
+    /// are dropped on the way.
+    pub(crate) fn work_progress_of(&self, tasks: &[Task]) -> Vec<Option<pb::WorkProgress>> {
+        let Ok(mut kept) = self.work_progress.lock() else {
+            return vec![None; tasks.len()];
+        };
+        tasks
+            .iter()
+            .map(|task| {
+                let key = (task.session_id.clone(), task.id.clone());
+                let (token, figures) = kept.get(&key)?;
+                if task.state == pb::TaskState::Running && *token == task.fencing_token {
+                    return Some(figures.clone());
+                }
+                kept.remove(&key);
+                None
+            })
+            .collect()
     }
 
     /// Announces a committed change that cannot make a task claimable (a claim, a heartbeat):

@@ -318,6 +318,36 @@ impl Coordinator {
         Ok(task)
     }
 
+    /// A person's answer at a role's checkpoint (`ROLE:WHEN`); returns the tasks it held.
+    pub(crate) async fn answer_checkpoint(
+        &self,
+        (session_id, checkpoint): (&str, &str),
+        approve: bool,
+        (by, note): (&str, &str),
+    ) -> Result<Vec<crate::task::Task>, Error> {
+        require(session_id, "session_id")?;
+        let answer = lifecycle::gate::Answer { approve, by, note };
+        let tasks = lifecycle::gate::answer_checkpoint(
+            &self.store,
+            session_id,
+            checkpoint,
+            answer,
+            now_ms(),
+        )
+        .await?;
+        self.notify();
+        tracing::info!(session_id, checkpoint, approve, by, "checkpoint answered");
+        Ok(tasks)
+    }
+
+    /// The session's tasks waiting at a role's checkpoint, with its id.
+    pub(crate) async fn held_at_checkpoints(
+        &self,
+        session_id: &str,
+    ) -> Result<std::collections::HashMap<String, String>, Error> {
+        lifecycle::gate::held_at_checkpoints(&self.store, session_id).await
+    }
+
     /// CCW `check`: the session's status, read-only.
     pub(crate) async fn check_session(
         &self,

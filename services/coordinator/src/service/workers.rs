@@ -77,18 +77,27 @@ impl Coordinator {
             Some(value) => Some(millis(lease(Some(value), DEFAULT_LEASE)?)),
         };
         let progress: String = request.progress.chars().take(MAX_PROGRESS_CHARS).collect();
+        let figures = request.work_progress;
+        let carried = figures.is_some();
         let (expires_at, cancel_requested) = self
             .group
             .heartbeat(
                 &request.session_id,
                 &request.task_id,
                 request.fencing_token,
-                &progress,
+                (&progress, figures.clone()),
                 lease_ms,
                 now_ms(),
             )
             .await?;
-        if !progress.is_empty() {
+        if let Some(figures) = figures {
+            self.keep_work_progress(
+                (&request.session_id, &request.task_id),
+                request.fencing_token,
+                figures,
+            );
+        }
+        if !progress.is_empty() || carried {
             self.notify_watchers();
         }
         Ok((expires_at, cancel_requested))

@@ -70,3 +70,13 @@ pub(crate) async fn decide(
     .await?;
     Ok(done.rows_affected() == 1)
 }
+
+/// Whether the session has a gate (answered or not) under `id`.
+pub(crate) async fn has_gate(tx: &mut Tx, session_id: &str, id: &str) -> Result<bool, Error> {
+    let row = sqlx::query("SELECT 1 AS one FROM gates WHERE session_id = $1 AND task_id = $2")
+        .bind(session_id)
+        .bind(id)
+        .fetch_optional(&mut **tx)
+        .await?;
+    Ok(row.is_some())
+}

@@ -167,6 +167,7 @@ async fn session(
     web.authorize("GetSession", &headers)?;
     web.authorize("ListMessages", &headers)?;
     let view = web.get_session(session_id.clone()).await?;
+    let held = web.adapter.held_at_checkpoints(&session_id).await?;
     let messages = web
         .adapter
         .list_messages(Request::new(pb::ListMessagesRequest {
@@ -177,7 +178,7 @@ async fn session(
         .await?
         .into_inner()
         .messages;
-    Ok(Html(pages::session(&view, &messages)))
+    Ok(Html(pages::session(&view, &held, &messages)))
 }
 
 /// The part of a session's page that changes: its DAG and task table.
@@ -187,8 +188,9 @@ async fn live(
     headers: HeaderMap,
 ) -> Result<Html<String>, Failure> {
     web.authorize("GetSession", &headers)?;
+    let held = web.adapter.held_at_checkpoints(&session_id).await?;
     let view = web.get_session(session_id).await?;
-    Ok(Html(pages::live(&view)))
+    Ok(Html(pages::live(&view, &held)))
 }
 
 /// `WatchSession` as server-sent events: one `task` event per transition (its data the task
@@ -254,6 +256,9 @@ async fn task(
 struct GateForm {
     #[serde(default)]
     note: String,
+    /// Set on a task held at a role's checkpoint: the checkpoint is answered.
+    #[serde(default)]
+    checkpoint: String,
 }
 
 async fn approve(
@@ -274,8 +279,8 @@ async fn reject(
     answer_gate(state, path, headers, form, false).await
 }
 
-/// A gate's buttons: `ApproveTask` or `RejectTask` as the signed-in caller, then back to the
-/// session.
+/// A gate's buttons: `ApproveTask` or `RejectTask` (for the task, or for the checkpoint the
+/// form names) as the signed-in caller, then back to the session.
 async fn answer_gate(
     State(web): State<Web>,
     Path((session_id, task_id)): Path<(String, String)>,
@@ -286,6 +291,11 @@ async fn answer_gate(
     let method = if approve { "ApproveTask" } else { "RejectTask" };
     let principal = web.authorize(method, &headers)?;
     let back = format!("/sessions/{session_id}");
+    let (task_id, checkpoint) = if form.checkpoint.is_empty() {
+        (task_id, String::new())
+    } else {
+        (String::new(), form.checkpoint)
+    };
     if approve {
         web.adapter
             .approve_task(as_caller(
@@ -293,6 +303,7 @@ async fn answer_gate(
                     session_id,
                     task_id,
                     note: form.note,
+                    checkpoint,
                 }),
                 principal,
             ))
@@ -304,6 +315,7 @@ async fn answer_gate(
                     session_id,
                     task_id,
                     note: form.note,
+                    checkpoint,
                 }),
                 principal,
             ))

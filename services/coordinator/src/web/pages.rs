@@ -1,6 +1,8 @@
 //! The web view's HTML. maud escapes everything it interpolates; the one raw insertion is the
 //! DAG's SVG, which `troupe_view` draws and escapes itself.
 
+use std::collections::HashMap;
+
 use maud::{DOCTYPE, Markup, PreEscaped, html};
 use troupe_proto::v1::{self as pb, task_result::Detail};
 use troupe_view::graph::{self, Node, human_duration};
@@ -71,7 +73,7 @@ pub(super) fn sessions(sessions: &[pb::Session]) -> String {
 }
 
 /// The DAG and the task table: what `/live` serves and the page refreshes.
-fn live_markup(view: &pb::GetSessionResponse) -> Markup {
+fn live_markup(view: &pb::GetSessionResponse, held: &HashMap<String, String>) -> Markup {
     let session_id = view.session.as_ref().map(|s| s.id.as_str()).unwrap_or("");
     let now = chrono::Utc::now();
     let nodes: Vec<Node> = view
@@ -104,8 +106,15 @@ fn live_markup(view: &pb::GetSessionResponse) -> Markup {
                             @let base = format!("/sessions/{session_id}/tasks/{}", task.id);
                             form.gate method="post" {
                                 input type="text" name="note" placeholder="note";
-                                " " button.approve type="submit" formaction={ (base) "/approve" } { "Approve" }
-                                " " button.reject type="submit" formaction={ (base) "/reject" } { "Reject" }
+                                @if let Some(checkpoint) = held.get(&task.id) {
+                                    // Held at a role's checkpoint: the answer is the checkpoint's.
+                                    input type="hidden" name="checkpoint" value=(checkpoint);
+                                    " " button.approve type="submit" formaction={ (base) "/approve" } { "Approve checkpoint " (checkpoint) }
+                                    " " button.reject type="submit" formaction={ (base) "/reject" } { "Reject checkpoint " (checkpoint) }
+                                } @else {
+                                    " " button.approve type="submit" formaction={ (base) "/approve" } { "Approve" }
+                                    " " button.reject type="submit" formaction={ (base) "/reject" } { "Reject" }
+                                }
                             }
                         }
                     }
@@ -116,19 +125,23 @@ fn live_markup(view: &pb::GetSessionResponse) -> Markup {
 }
 
 /// The live part alone.
-pub(super) fn live(view: &pb::GetSessionResponse) -> String {
-    live_markup(view).into_string()
+pub(super) fn live(view: &pb::GetSessionResponse, held: &HashMap<String, String>) -> String {
+    live_markup(view, held).into_string()
 }
 
 /// A session: its live DAG and tasks, then its messages.
-pub(super) fn session(view: &pb::GetSessionResponse, messages: &[pb::Message]) -> String {
+pub(super) fn session(
+    view: &pb::GetSessionResponse,
+    held: &HashMap<String, String>,
+    messages: &[pb::Message],
+) -> String {
     let session = view.session.clone().unwrap_or_default();
     layout(
         &session.id,
         html! {
             h1 { (session.name) " " span.muted { (session.id) } }
             @if !session.description.is_empty() { p { (session.description) } }
-            div #live data-session=(session.id) { (live_markup(view)) }
+            div #live data-session=(session.id) { (live_markup(view, held)) }
             h2 { "Messages" }
             table #messages {
                 tr { th { "#" } th { "from" } th { "to" } th { "type" } th { "summary" } }

@@ -335,6 +335,7 @@ async fn heartbeats_extend_leases_and_record_progress(db: Db) {
                 seconds: 60,
                 nanos: 0,
             }),
+            work_progress: None,
         })
         .await
         .expect("heartbeat")

@@ -87,6 +87,26 @@ async fn imported_completed_tasks_resume_where_they_were(db: Db) {
     harness.stop().await;
 }
 
+/// Figures a worker's heartbeat carries.
+fn figures() -> pb::WorkProgress {
+    pb::WorkProgress {
+        tokens: Some(pb::Usage {
+            input_tokens: 1200,
+            output_tokens: 80,
+            cached_input_tokens: 100,
+        }),
+        test: Some(pb::TestIterationProgress {
+            iteration: 1,
+            max_iterations: 3,
+            pass_rate: 0.5,
+            coverage: Some(70.0),
+            failing: 2,
+            total: 4,
+        }),
+        backend: "codex".to_owned(),
+    }
+}
+
 async fn check_reports_graph_workers_progress_and_blockers(db: Db) {
     let harness = Harness::start(db).await;
     let created = harness
@@ -104,9 +124,59 @@ async fn check_reports_graph_workers_progress_and_blockers(db: Db) {
             fencing_token: token(&claimed[0]),
             progress: "halfway".into(),
             lease_duration: None,
+            work_progress: Some(figures()),
         })
         .await
         .expect("heartbeat");
+    // The figures reach the running task in GetSession and ListTasks, and the event log.
+    let running = harness.session(&session).await;
+    let impl1 = running
+        .tasks
+        .iter()
+        .find(|t| t.id == "IMPL-1")
+        .expect("IMPL-1");
+    assert_eq!(impl1.work_progress, Some(figures()));
+    assert!(
+        running
+            .tasks
+            .iter()
+            .filter(|t| t.id != "IMPL-1")
+            .all(|t| t.work_progress.is_none())
+    );
+    let listed = harness
+        .client()
+        .list_tasks(pb::ListTasksRequest {
+            session_id: session.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("list")
+        .into_inner();
+    let impl1 = listed
+        .tasks
+        .iter()
+        .find(|t| t.id == "IMPL-1")
+        .expect("IMPL-1");
+    assert_eq!(impl1.work_progress, Some(figures()));
+    let mut events = harness
+        .client()
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.clone(),
+            after_sequence: 0,
+            follow: false,
+        })
+        .await
+        .expect("watch")
+        .into_inner();
+    // The session is active, so the stream stays open: read up to its progress event.
+    let mut carried = Vec::new();
+    while let Some(event) = events.message().await.expect("event") {
+        if let Some(pb::session_event::Kind::Progress(p)) = event.kind {
+            carried.push((p.note, p.work_progress));
+            break;
+        }
+    }
+    assert_eq!(carried, vec![("halfway".to_owned(), Some(figures()))]);
     harness
         .client()
         .log_message(pb::LogMessageRequest {
@@ -171,6 +241,11 @@ async fn check_reports_graph_workers_progress_and_blockers(db: Db) {
     assert_eq!(before, after, "check is read-only");
 
     harness.complete(&claimed[0], "ok").await.expect("complete");
+    let done = harness.session(&session).await;
+    assert!(
+        done.tasks.iter().all(|t| t.work_progress.is_none()),
+        "figures are for running attempts only"
+    );
     let check = harness.check(&session).await;
     assert_eq!(check.percent_complete, 25);
     assert_eq!(

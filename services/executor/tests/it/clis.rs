@@ -719,6 +719,7 @@ async fn fallbacks_name_only_backends_left_for_another() {
             lease: None,
             fencing_token: 0,
             context: Vec::new(),
+            usage: None,
         };
         async move {
             let cancel = tokio_util::sync::CancellationToken::new();
@@ -1376,6 +1377,7 @@ async fn eight_parallel_tasks_two_conflicting() {
         lease: None,
         fencing_token: 0,
         context: Vec::new(),
+        usage: None,
     };
     let mut jobs: Vec<troupe_executor::Job> = (1..=6)
         .map(|i| {

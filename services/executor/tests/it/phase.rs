@@ -310,6 +310,7 @@ fn session_job(f: &Fixture, spec: Value, attempt: u32) -> troupe_executor::Job {
         lease: None,
         fencing_token: 0,
         context: Vec::new(),
+        usage: None,
     }
 }
 

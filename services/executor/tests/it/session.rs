@@ -77,6 +77,7 @@ impl Session {
             lease: None,
             fencing_token: 0,
             context: Vec::new(),
+            usage: None,
         }
     }
 

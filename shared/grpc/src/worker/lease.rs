@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use troupe_proto::v1::HeartbeatRequest;
+use troupe_proto::v1::{HeartbeatRequest, WorkProgress};
 
 use super::{RECONNECT, duration_proto};
 use crate::{CoordinatorClient, is_transient, timed, within};
@@ -246,7 +246,7 @@ impl LeaseState {
     }
 
     /// Sends one heartbeat with `progress`, bounded by the RPC timeout and the lease.
-    pub(crate) async fn heartbeat(&self, progress: String) -> Beat {
+    pub(crate) async fn heartbeat(&self, progress: String, figures: Option<WorkProgress>) -> Beat {
         if let Some(lost) = self.check() {
             return Beat::Lost(lost);
         }
@@ -254,14 +254,20 @@ impl LeaseState {
         let Some(left) = self.clock().remaining(sent) else {
             return Beat::Lost(self.mark_lost(LeaseLost::Expired));
         };
-        self.beat_once(progress, sent, self.rpc_timeout.min(left))
+        self.beat_once((progress, figures), sent, self.rpc_timeout.min(left))
             .await
     }
 
     /// One `Heartbeat` call sent at `sent`, waiting at most `timeout`; a confirmation moves
     /// the clock to `sent`.
-    async fn beat_once(&self, progress: String, sent: Instant, timeout: Duration) -> Beat {
+    async fn beat_once(
+        &self,
+        (progress, work_progress): (String, Option<WorkProgress>),
+        sent: Instant,
+        timeout: Duration,
+    ) -> Beat {
         let request = HeartbeatRequest {
+            work_progress,
             session_id: self.session_id.clone(),
             task_id: self.task_id.clone(),
             fencing_token: self.fencing_token,
@@ -306,7 +312,7 @@ impl LeaseState {
                 return Err(self.mark_lost(LeaseLost::Expired));
             };
             match self
-                .beat_once(String::new(), sent, self.rpc_timeout.min(left))
+                .beat_once((String::new(), None), sent, self.rpc_timeout.min(left))
                 .await
             {
                 Beat::Answered { cancel: false } => return Ok(()),
@@ -327,7 +333,7 @@ impl LeaseState {
         let mut backoff = RECONNECT.retries();
         let mut last_error = None;
         loop {
-            match self.heartbeat(String::new()).await {
+            match self.heartbeat(String::new(), None).await {
                 Beat::Answered { cancel: false } => return Ok(self.deadline()),
                 Beat::Answered { cancel: true } => {
                     cancel.cancel();

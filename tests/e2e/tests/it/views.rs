@@ -459,3 +459,246 @@ async fn troupe_watch_on_a_terminal_draws_bars_and_running_tasks() -> anyhow::Re
     embedded.wait().await?;
     Ok(())
 }
+
+/// A fixing agent for the `command` backend that takes its time (so a terminal can show the
+/// iteration before it) and then applies the first of its `path old new` edits still to do:
+/// one fix per iteration.
+const SLOW_FIX_AGENT: &str = r#"import sys, time
+worktree, edits = sys.argv[1], sys.argv[2:]
+assert "PURPOSE: Fix failing tests" in sys.stdin.read()
+time.sleep(15)
+for i in range(0, len(edits), 3):
+    path, old, new = edits[i:i + 3]
+    full = f"{worktree}/{path}"
+    text = open(full).read()
+    if old in text:
+        open(full, "w").write(text.replace(old, new))
+        break
+"#;
+
+/// `troupe watch` on a terminal while an `agent` task spends tokens on the scripted model
+/// server and a Pytest run goes through its fix loop: the running task's line shows its backend
+/// and tokens so far, the test task's line under it each test run's figures; `GetSession` and
+/// the session's events carry the same figures, typed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn troupe_watch_shows_tokens_so_far_and_test_iterations() -> anyhow::Result<()> {
+    use troupe_modelserver::{Action, INPUT_TOKENS, ModelServer, OUTPUT_TOKENS, Script};
+    use troupe_proto::v1::{WatchSessionRequest, session_event::Kind};
+
+    // One model call, then the agent sleeps 20 s in its `run` tool before writing the file.
+    let (model_url, _model) = ModelServer::start(Script::default().rule(
+        "notes/slow.txt",
+        vec![
+            Action::Shell {
+                command: "sleep 20".to_owned(),
+            },
+            Action::WriteFile {
+                path: "notes/slow.txt".to_owned(),
+                content: "slow\n".to_owned(),
+            },
+        ],
+    ))
+    .await?;
+    let root = tempfile::tempdir()?;
+    let config = root.path().join("executor.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "fallback = []\nretries = 0\n[backends.agent]\nmodel = \"fake-model\"\n\
+             endpoint = \"{model_url}/v1\"\napi_key = \"fake-key\"\ntimeout_seconds = 120\n\
+             allow_commands = [\"sleep\"]\n"
+        ),
+    )?;
+    let repo = crate::test_runner_support::fixture_repo("pytest-proj", &[], &[], None);
+    let agent = root.path().join("slow_fix.py");
+    std::fs::write(&agent, SLOW_FIX_AGENT)?;
+    let fix = [
+        "python3",
+        &agent.display().to_string(),
+        "{worktree}",
+        "tests/test_mathops.py",
+        "divide(10, 4) == 2",
+        "divide(10, 4) == 2.5",
+        "tests/test_strings.py",
+        "    user = parse_user('{\"age\": 3}')\n    assert user[\"age\"] == 3",
+        "    import pytest\n\n    with pytest.raises(KeyError):\n        parse_user('{\"age\": 3}')",
+    ]
+    .map(str::to_owned);
+    let plan = serde_json::json!({"name": "figures", "repos": {"app": {"path": repo.path()}},
+        "tasks": [
+            {"id": "IMPL-1", "title": "Create notes/slow.txt",
+             "description": "Create the file notes/slow.txt.",
+             "files": [{"path": "notes/slow.txt", "action": "create", "change": "new file"}],
+             "agent": {"backend": "agent"}},
+            {"id": "TEST-1", "title": "Run the tests and fix them",
+             "test": {"framework": "pytest", "coverage_target": 10,
+                      "fix": {"agent": {"backend": "command", "command": fix},
+                              "max_iterations": 3, "scope": "tests"}}}]});
+
+    let data = root.path().join("up").display().to_string();
+    let config_text = config.display().to_string();
+    let up = ChildService::start(
+        "troupe",
+        &["up", "--data-dir", &data],
+        &[("TROUPE_EXECUTOR_CONFIG", config_text.as_str())],
+    )
+    .await?;
+    let url = up.url();
+    let mut client = troupe_grpc::coordinator_client(&url)?;
+    let session = client
+        .create_session(CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: root.path().display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .session
+        .context("session")?
+        .id;
+
+    let tmux = Tmux {
+        socket: format!("troupe-figures-{}", std::process::id()),
+    };
+    let troupe_bin = binary("troupe").display().to_string();
+    tmux.command(&[
+        "new-session",
+        "-d",
+        "-s",
+        "watch",
+        "-x",
+        "200",
+        "-y",
+        "40",
+        "--",
+        &troupe_bin,
+        "watch",
+        &session,
+        "--connect",
+        &url,
+        ";",
+        "set-option",
+        "-t",
+        "watch",
+        "remain-on-exit",
+        "on",
+    ])?;
+    // One look at the screen every 200 ms until the session is done: the agent task's tokens
+    // so far while its tool sleeps, and the test task's line after its first run (two failing)
+    // and after fix iteration 1 (one left), each shown while the next fixing agent sleeps.
+    let tokens = format!("{INPUT_TOKENS} in / {OUTPUT_TOKENS} out tokens");
+    let (mut with_tokens, mut first, mut iteration) = (None, None, None);
+    let deadline = std::time::Instant::now() + Duration::from_secs(300);
+    let done = loop {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the session did not finish: {}",
+            tmux.screen()?
+        );
+        let screen = tmux.screen()?;
+        let line = |needle: &str| {
+            screen
+                .lines()
+                .find(|l| l.contains(needle))
+                .map(str::to_owned)
+        };
+        if with_tokens.is_none()
+            && screen
+                .lines()
+                .any(|l| l.contains("IMPL-1") && l.contains(&tokens))
+        {
+            // The same figures, typed, from GetSession while the task runs.
+            let view = client
+                .get_session(GetSessionRequest {
+                    session_id: session.clone(),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            let running = view.tasks.iter().find(|t| t.id == "IMPL-1");
+            let figures = running.and_then(|t| t.work_progress.clone());
+            with_tokens = Some((screen.clone(), figures));
+        }
+        if first.is_none() {
+            first = line("tests: first run");
+        }
+        if iteration.is_none()
+            && let Some(found) = line("tests: fix iteration 1/3")
+        {
+            let lines: Vec<&str> = screen.lines().collect();
+            let at = lines
+                .iter()
+                .position(|l| l.contains("tests: fix iteration"));
+            // The line sits right under its task's.
+            let under = at.is_some_and(|at| at > 0 && lines[at - 1].contains("TEST-1"));
+            iteration = Some((found, under, screen.clone()));
+        }
+        if screen.contains("2/2") {
+            break screen;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (screen, figures) = with_tokens.context("tokens so far never shown")?;
+    assert!(
+        screen
+            .lines()
+            .any(|l| l.contains("IMPL-1") && l.contains("· agent ·")),
+        "{screen}"
+    );
+    let figures = figures.context("GetSession gave no figures for the running task")?;
+    assert_eq!(
+        figures.tokens.map(|t| (t.input_tokens, t.output_tokens)),
+        Some((INPUT_TOKENS, OUTPUT_TOKENS)),
+        "{figures:?}"
+    );
+    assert_eq!(figures.backend, "agent");
+    let first = first.context("the first test run never shown")?;
+    assert!(
+        first.contains("2 failing") && first.contains("coverage "),
+        "{first}"
+    );
+    let (line, under, screen) = iteration.context("fix iteration 1 never shown")?;
+    assert!(
+        line.contains("1 failing") && line.contains("coverage "),
+        "{line}"
+    );
+    assert!(under, "{screen}");
+    assert!(
+        !done.lines().any(|l| l.trim_start().starts_with("tests: ")),
+        "{done}"
+    );
+
+    // The session's events carry every test run's figures, in order.
+    let mut events = client
+        .watch_session(WatchSessionRequest {
+            session_id: session.clone(),
+            after_sequence: 0,
+            follow: false,
+        })
+        .await?
+        .into_inner();
+    let mut iterations = Vec::new();
+    while let Some(event) = events.message().await? {
+        if let Some(Kind::Progress(p)) = event.kind
+            && let Some(test) = p.work_progress.and_then(|w| w.test)
+            && iterations.last() != Some(&(test.iteration, test.failing))
+        {
+            iterations.push((test.iteration, test.failing));
+        }
+    }
+    // The last run's figures go out only if a heartbeat comes before the task completes.
+    assert!(iterations.starts_with(&[(0, 2), (1, 1)]), "{iterations:?}");
+    let view = client
+        .get_session(GetSessionRequest {
+            session_id: session.clone(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    assert!(
+        view.tasks.iter().all(|t| t.work_progress.is_none()),
+        "figures are for running tasks only"
+    );
+    up.terminate(Duration::from_secs(20)).await?;
+    Ok(())
+}
