@@ -213,6 +213,7 @@ pub(crate) async fn answer_checkpoint(
                 message: reason.clone(),
                 retryable: false,
                 details: Vec::new(),
+                ..pb::TaskError::default()
             });
             transitions.push(task::transition(task, TaskState::Failed, &reason, now));
             touched.push(i);
