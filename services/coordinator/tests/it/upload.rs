@@ -1,6 +1,8 @@
 //! Large plans in pieces (`UploadPlan`) and large sessions out in bounded replies
 //! (`CreateSession`'s page, `CheckSession`'s bounded graph), over a real server.
 
+use std::time::Duration;
+
 use prost::Message as _;
 use serde_json::{Value, json};
 use tonic::Code;
@@ -86,8 +88,16 @@ async fn a_100000_task_plan_goes_in_pieces_and_its_replies_stay_bounded(db: Db) 
     let counts = session.counts.expect("counts");
     assert_eq!((counts.total, counts.ready), (100_000, 1_000));
 
-    // Two tasks run: a bounded check lists them ahead of the others.
-    let claimed = harness.claim(&[Role::Executor], 2).await;
+    // Two tasks run: a bounded check lists them ahead of the others. Their leases outlast
+    // the slowest check of 100,000 tasks on a loaded machine (a lapsed one is ready again).
+    let claimed = harness
+        .claim_with(
+            &[Role::Executor],
+            2,
+            Duration::ZERO,
+            Duration::from_secs(600),
+        )
+        .await;
     assert_eq!(claimed.len(), 2);
     let check = harness
         .client()
