@@ -8,7 +8,8 @@ use troupe_proto::v1::{self as pb, GraphStatus, SessionState, TaskState};
 
 use crate::convert::{opt_timestamp, struct_to_json};
 use crate::lifecycle::routing::{self, Offer};
-use crate::task::{self, Task};
+use crate::store::check::CheckRows;
+use crate::task;
 
 /// Returns the graph status of a task state (CCW's done / running / ready / pending).
 pub(crate) fn graph_status(state: TaskState) -> GraphStatus {
@@ -49,6 +50,11 @@ const NAMED: usize = 20;
 /// The first [`NAMED`] of `ids`, joined, and how many more there are.
 pub(crate) fn named<'a>(ids: impl ExactSizeIterator<Item = &'a str>) -> String {
     let count = ids.len();
+    named_of(ids, count)
+}
+
+/// The first [`NAMED`] of `ids`, the first of `count`, joined, and how many more there are.
+pub(crate) fn named_of<'a>(ids: impl Iterator<Item = &'a str>, count: usize) -> String {
     let mut text = ids.take(NAMED).collect::<Vec<_>>().join(", ");
     if count > NAMED {
         text.push_str(&format!(" and {} more", count - NAMED));
@@ -56,38 +62,19 @@ pub(crate) fn named<'a>(ids: impl ExactSizeIterator<Item = &'a str>) -> String {
     text
 }
 
-/// Whether a task goes into a bounded status graph ahead of the others: one that runs, or
-/// that needs someone's attention.
-fn noteworthy(state: TaskState) -> bool {
-    matches!(
-        state,
-        TaskState::Running
-            | TaskState::Failed
-            | TaskState::TimedOut
-            | TaskState::Blocked
-            | TaskState::WaitingApproval
-    )
-}
-
-/// Builds the read-only status of a session, its graph bounded to `max_graph` nodes (the
-/// noteworthy tasks first, up to [`crate::service`]'s page limit, then the others in order).
+/// Builds the read-only status of a session from the rows [`crate::store::check`] read (its
+/// graph bounded there: see [`CheckRows::shown`]).
 pub(crate) fn status(
     session: pb::Session,
-    tasks: &[Task],
+    rows: &CheckRows,
     blockers: Vec<pb::Message>,
     progress_messages: &[pb::Message],
     capability_gaps: Vec<pb::CapabilityGap>,
-    (now_ms, max_graph): (i64, usize),
+    now_ms: i64,
 ) -> pb::CheckSessionResponse {
     // A failed task a fix round superseded is replaced by its re-run: not counted as work.
-    let total = tasks
-        .iter()
-        .filter(|task| task.superseded_by.is_empty())
-        .count();
-    let done = tasks
-        .iter()
-        .filter(|task| task.state == TaskState::Completed)
-        .count();
+    let total = rows.active as usize;
+    let done = rows.counts.completed as usize;
     // An empty plan is trivially complete.
     let percent_complete = (done * 100)
         .checked_div(total)
@@ -97,22 +84,7 @@ pub(crate) fn status(
     for message in progress_messages {
         latest.insert(progress_task(message), message.summary.clone());
     }
-    let state_of: HashMap<&str, TaskState> = tasks
-        .iter()
-        .map(|task| (task.id.as_str(), task.state))
-        .collect();
-    let noteworthy_count = tasks.iter().filter(|task| noteworthy(task.state)).count();
-    let mut others = max_graph.saturating_sub(noteworthy_count);
-    let shown: Vec<&Task> = tasks
-        .iter()
-        .filter(|task| {
-            noteworthy(task.state)
-                || (others > 0 && {
-                    others -= 1;
-                    true
-                })
-        })
-        .collect();
+    let shown = &rows.shown;
     let graph: Vec<pb::StatusNode> = shown
         .iter()
         .map(|task| pb::StatusNode {
@@ -126,7 +98,7 @@ pub(crate) fn status(
             waiting_on: task
                 .depends_on
                 .iter()
-                .filter(|dep| state_of.get(dep.as_str()) != Some(&TaskState::Completed))
+                .filter(|dep| rows.dep_states.get(dep.as_str()) != Some(&TaskState::Completed))
                 .cloned()
                 .collect(),
             progress: if task.progress.is_empty() {
@@ -140,22 +112,30 @@ pub(crate) fn status(
             superseded_by: task.superseded_by.clone(),
         })
         .collect();
-    let mut waves: BTreeMap<u32, pb::Wave> = BTreeMap::new();
-    for task in tasks {
-        let wave = waves.entry(task.wave).or_insert_with(|| pb::Wave {
-            number: task.wave,
-            ..Default::default()
-        });
-        wave.task_count += 1;
-    }
-    for task in &shown {
+    let mut waves: BTreeMap<u32, pb::Wave> = rows
+        .waves
+        .iter()
+        .map(|(number, task_count)| {
+            let wave = pb::Wave {
+                number: *number,
+                task_count: *task_count,
+                ..Default::default()
+            };
+            (*number, wave)
+        })
+        .collect();
+    for task in shown {
         if let Some(wave) = waves.get_mut(&task.wave) {
             wave.task_ids.push(task.id.clone());
         }
     }
-    let graph_omitted = u32::try_from(tasks.len() - graph.len()).unwrap_or(u32::MAX);
+    let graph_omitted = rows
+        .counts
+        .total
+        .saturating_sub(u32::try_from(graph.len()).unwrap_or(u32::MAX));
     let waves = waves.into_values().collect();
-    let active_workers = tasks
+    // Every running task is in `shown`.
+    let active_workers = shown
         .iter()
         .filter(|task| task.state == TaskState::Running)
         .map(|task| {
@@ -173,7 +153,15 @@ pub(crate) fn status(
         })
         .collect();
     let state = session.state();
-    let stall = task::stall(tasks, state, now_ms).map(|stuck| stall_report(&stuck, state));
+    let stall = (!rows.moving && !rows.stuck.is_empty()).then(|| {
+        let stuck: Vec<task::Stuck> = rows
+            .stuck
+            .iter()
+            .map(|task| task::stuck(task, |dep| rows.dep_states.get(dep).copied(), state))
+            .collect();
+        let count = rows.counts.pending + rows.counts.blocked;
+        stall_report(&stuck, count, state)
+    });
     pb::CheckSessionResponse {
         session: Some(session),
         percent_complete,
@@ -188,18 +176,21 @@ pub(crate) fn status(
     }
 }
 
-fn stall_report(stuck: &[task::Stuck], state: SessionState) -> pb::StallReport {
+/// `stuck`: the first of the `count` stuck tasks.
+fn stall_report(stuck: &[task::Stuck], count: u32, state: SessionState) -> pb::StallReport {
     let hint = match state {
         SessionState::Paused | SessionState::Failed => "; `resume` retries and reactivates",
         _ => "",
     };
     pb::StallReport {
         summary: format!(
-            "stalled: nothing ready or running and {} task(s) cannot start: {}{hint}",
-            stuck.len(),
-            named(stuck.iter().map(|task| task.task_id.as_str()))
+            "stalled: nothing ready or running and {count} task(s) cannot start: {}{hint}",
+            named_of(
+                stuck.iter().map(|task| task.task_id.as_str()),
+                count as usize
+            )
         ),
-        task_count: u32::try_from(stuck.len()).unwrap_or(u32::MAX),
+        task_count: count,
         tasks: stuck
             .iter()
             .take(MAX_LISTED)
@@ -214,9 +205,11 @@ fn stall_report(stuck: &[task::Stuck], state: SessionState) -> pb::StallReport {
 
 /// Returns the roles whose ready tasks (`ready`: task id and role) no worker has claimed for
 /// `threshold`: `seen` is when a worker serving each role was last seen, `floor` when the
-/// coordinator started (no one could have claimed before).
+/// coordinator started (no one could have claimed before). `ready` may be the first of them:
+/// `counts` has how many each role has (a role missing there: as many as `ready` lists).
 pub(crate) fn capability_gaps(
     ready: &[(String, pb::Role)],
+    counts: &HashMap<pb::Role, u32>,
     seen: &HashMap<pb::Role, i64>,
     floor: i64,
     now_ms: i64,
@@ -246,10 +239,12 @@ pub(crate) fn capability_gaps(
             .map(|kind| kind.role().to_proto())
             .find(|other| *other != role && served(*other));
         let name = role_name(role);
+        let listed = u32::try_from(task_ids.len()).unwrap_or(u32::MAX);
+        let task_count = counts.get(&role).map_or(listed, |count| listed.max(*count));
         let mut message = format!(
             "no worker has claimed role {name} for {}s; ready: {}",
             unserved / 1000,
-            named(task_ids.iter().map(String::as_str))
+            named_of(task_ids.iter().map(String::as_str), task_count as usize)
         );
         match covered_by {
             Some(other) => message.push_str(&format!(
@@ -258,7 +253,6 @@ pub(crate) fn capability_gaps(
             )),
             None => message.push_str(&format!("; start a worker for role {name}")),
         }
-        let task_count = u32::try_from(task_ids.len()).unwrap_or(u32::MAX);
         let mut task_ids = task_ids;
         task_ids.truncate(MAX_LISTED);
         gaps.push(pb::CapabilityGap {
@@ -283,9 +277,11 @@ pub(crate) type Ready = (String, pb::Role, Vec<String>);
 
 /// Returns, per role and backend, the ready tasks (`ready`) that no live worker can run:
 /// `offers` are what the live workers of each role offer. Roles in `unserved` (no live worker
-/// at all: a role gap already says so) are left out.
+/// at all: a role gap already says so) are left out. `ready` may be the first of them:
+/// `counts` has how many each role and primary backend has (missing: as many as listed).
 pub(crate) fn backend_gaps(
     ready: &[Ready],
+    counts: &HashMap<(pb::Role, String), u32>,
     offers: &HashMap<pb::Role, Vec<Offer>>,
     unserved: &[pb::Role],
 ) -> Vec<pb::CapabilityGap> {
@@ -313,6 +309,10 @@ pub(crate) fn backend_gaps(
         .map(|((role, backend), (task_ids, fallbacks))| {
             let role = pb::Role::try_from(role).unwrap_or(pb::Role::Unspecified);
             let name = role_name(role);
+            let listed = u32::try_from(task_ids.len()).unwrap_or(u32::MAX);
+            let task_count = counts
+                .get(&(role, backend.clone()))
+                .map_or(listed, |count| listed.max(*count));
             let also = if fallbacks.is_empty() {
                 String::new()
             } else {
@@ -323,9 +323,8 @@ pub(crate) fn backend_gaps(
                  worker for role {name} where `{backend}` is installed and signed in (`troupe \
                  doctor` there lists it available), or name a backend your workers have in \
                  these tasks' `agent.backend` or `agent.fallback`",
-                named(task_ids.iter().map(String::as_str))
+                named_of(task_ids.iter().map(String::as_str), task_count as usize)
             );
-            let task_count = u32::try_from(task_ids.len()).unwrap_or(u32::MAX);
             let mut task_ids = task_ids;
             task_ids.truncate(MAX_LISTED);
             pb::CapabilityGap {
@@ -359,13 +358,30 @@ mod tests {
         let mut seen = HashMap::new();
         seen.insert(pb::Role::Executor, 9_500);
         seen.insert(pb::Role::TestRunner, 9_900);
-        let gaps = capability_gaps(&ready, &seen, 0, 10_000, Duration::from_secs(2));
+        let gaps = capability_gaps(
+            &ready,
+            &HashMap::new(),
+            &seen,
+            0,
+            10_000,
+            Duration::from_secs(2),
+        );
         assert_eq!(gaps.len(), 1, "{gaps:?}");
         assert_eq!(gaps[0].role(), pb::Role::Validator);
         assert_eq!(gaps[0].covered_by(), pb::Role::TestRunner);
         assert!(gaps[0].message.contains("validator"), "{}", gaps[0].message);
         // Right after the coordinator started nobody could have claimed yet.
-        assert!(capability_gaps(&ready, &seen, 9_000, 10_000, Duration::from_secs(2)).is_empty());
+        assert!(
+            capability_gaps(
+                &ready,
+                &HashMap::new(),
+                &seen,
+                9_000,
+                10_000,
+                Duration::from_secs(2)
+            )
+            .is_empty()
+        );
     }
 
     #[test]
@@ -384,7 +400,7 @@ mod tests {
         ];
         let mut offers = HashMap::new();
         offers.insert(pb::Role::Executor, vec![Some(names(&["agent", "codex"]))]);
-        let gaps = backend_gaps(&ready, &offers, &[]);
+        let gaps = backend_gaps(&ready, &HashMap::new(), &offers, &[]);
         assert_eq!(gaps.len(), 1, "{gaps:?}");
         assert_eq!(gaps[0].backend, "claude");
         assert_eq!(gaps[0].role(), pb::Role::Executor);
@@ -404,8 +420,8 @@ mod tests {
         // A live worker that declares nothing runs anything; a role with no live worker is
         // a role gap, not a backend one.
         offers.insert(pb::Role::Executor, vec![Some(names(&["codex"])), None]);
-        assert!(backend_gaps(&ready, &offers, &[]).is_empty());
+        assert!(backend_gaps(&ready, &HashMap::new(), &offers, &[]).is_empty());
         offers.insert(pb::Role::Executor, vec![Some(names(&["codex"]))]);
-        assert!(backend_gaps(&ready, &offers, &[pb::Role::Executor]).is_empty());
+        assert!(backend_gaps(&ready, &HashMap::new(), &offers, &[pb::Role::Executor]).is_empty());
     }
 }

@@ -220,40 +220,49 @@ pub(crate) fn stall(tasks: &[Task], session: SessionState, now_ms: i64) -> Optio
     if moving {
         return None;
     }
-    let index: HashMap<&str, &Task> = tasks.iter().map(|task| (task.id.as_str(), task)).collect();
+    let states: HashMap<&str, TaskState> = tasks
+        .iter()
+        .map(|task| (task.id.as_str(), task.state))
+        .collect();
     let stuck: Vec<Stuck> = tasks
         .iter()
         .filter(|task| matches!(task.state, TaskState::Pending | TaskState::Blocked))
-        .map(|task| {
-            let waits: Vec<String> = task
-                .depends_on
-                .iter()
-                .filter_map(|dep| match index.get(dep.as_str()) {
-                    None => Some(format!("depends on unknown task {dep}")),
-                    Some(dep_task) if dep_task.state == TaskState::Completed => None,
-                    Some(dep_task) => {
-                        Some(format!("waits on {dep} ({})", state_name(dep_task.state)))
-                    }
-                })
-                .collect();
-            let reason = if !waits.is_empty() {
-                waits.join(", ")
-            } else if session == SessionState::Paused {
-                "the session is paused".to_owned()
-            } else {
-                format!(
-                    "dependencies completed but the task is {} (resume the session)",
-                    state_name(task.state)
-                )
-            };
-            Stuck {
-                task_id: task.id.clone(),
-                state: task.state,
-                reason,
-            }
-        })
+        .map(|task| stuck(task, |dep| states.get(dep).copied(), session))
         .collect();
     (!stuck.is_empty()).then_some(stuck)
+}
+
+/// A pending or blocked task of a stalled session and why it cannot start: `state_of` gives
+/// the state of a dependency (`None`: no such task).
+pub(crate) fn stuck(
+    task: &Task,
+    state_of: impl Fn(&str) -> Option<TaskState>,
+    session: SessionState,
+) -> Stuck {
+    let waits: Vec<String> = task
+        .depends_on
+        .iter()
+        .filter_map(|dep| match state_of(dep) {
+            None => Some(format!("depends on unknown task {dep}")),
+            Some(TaskState::Completed) => None,
+            Some(state) => Some(format!("waits on {dep} ({})", state_name(state))),
+        })
+        .collect();
+    let reason = if !waits.is_empty() {
+        waits.join(", ")
+    } else if session == SessionState::Paused {
+        "the session is paused".to_owned()
+    } else {
+        format!(
+            "dependencies completed but the task is {} (resume the session)",
+            state_name(task.state)
+        )
+    };
+    Stuck {
+        task_id: task.id.clone(),
+        state: task.state,
+        reason,
+    }
 }
 
 /// Returns the lowercase name of a task state, for reasons and messages.

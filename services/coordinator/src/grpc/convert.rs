@@ -175,16 +175,15 @@ pub(super) fn summary_proto(summary: SessionSummary) -> pb::Session {
 
 /// The wire form of CCW's `check` of a session (see [`check::status`]).
 pub(super) fn check_proto(check: SessionCheck) -> pb::CheckSessionResponse {
-    let view = check.view;
-    let counts = counts_of(&view.tasks);
-    let session = session_proto(&view.session, view.repos.clone(), counts);
+    let rows = check.rows;
+    let session = session_proto(&rows.session, rows.repos.clone(), rows.counts);
     let mut response = check::status(
         session,
-        &view.tasks,
+        &rows,
         check.blockers,
         &check.progress,
         check.gaps,
-        (check.now, check.max_graph),
+        check.now,
     );
     response.quota_waits = check.quota_waits;
     response

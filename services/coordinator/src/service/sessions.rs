@@ -71,7 +71,8 @@ pub(crate) enum Created {
 /// ([`crate::check::status`]).
 #[derive(Debug)]
 pub(crate) struct SessionCheck {
-    pub(crate) view: SessionView,
+    /// What the store read (see [`crate::store::check`]).
+    pub(crate) rows: crate::store::check::CheckRows,
     /// The newest `blocker` messages.
     pub(crate) blockers: Vec<pb::Message>,
     /// The newest `progress` messages, oldest first: each task's latest note.
@@ -82,8 +83,6 @@ pub(crate) struct SessionCheck {
     pub(crate) quota_waits: Vec<pb::QuotaWait>,
     /// When the status was taken (unix ms).
     pub(crate) now: i64,
-    /// The most nodes of its graph (see [`crate::check::status`]).
-    pub(crate) max_graph: usize,
 }
 
 impl Coordinator {
@@ -356,8 +355,9 @@ impl Coordinator {
     ) -> Result<SessionCheck, Error> {
         require(session_id, "session_id")?;
         let now = now_ms();
-        // Without the tasks' specs, which the check does not show.
-        let view = self.store.get_session_lite(session_id).await?;
+        let max_graph = page_size(max_graph, DEFAULT_SESSION_TASKS);
+        // No more task rows than the reply shows (issue 21).
+        let rows = self.store.check_rows(session_id, max_graph, now).await?;
         let recent = |kind: &str, last: u32| MessageFilter {
             kind: Some(kind.to_owned()),
             last,
@@ -371,54 +371,103 @@ impl Coordinator {
             .store
             .list_messages(session_id, &recent("progress", 50))
             .await?;
-        // From this session's ready tasks, already read (not every session's).
-        let ready: Vec<crate::check::Ready> = view
-            .tasks
-            .iter()
-            .filter(|task| task.state == TaskState::Ready)
-            .map(|task| (task.id.clone(), task.role, task.backends.clone()))
-            .collect();
-        let gaps = if view.session.state == SessionState::Active && !ready.is_empty() {
-            let seen = self.store.role_last_seen(0).await?;
-            let roles: Vec<(String, pb::Role)> = ready
-                .iter()
-                .map(|(id, role, _)| (id.clone(), *role))
-                .collect();
-            let mut gaps = crate::check::capability_gaps(
-                &roles,
-                &seen,
-                self.started_at,
-                now,
-                self.capability_gap,
-            );
-            // Routed tasks no live worker of their role can run (see `routing`).
-            let unserved: Vec<pb::Role> = gaps.iter().map(pb::CapabilityGap::role).collect();
-            let live_since = now - super::millis(self.capability_gap);
-            let mut offers = HashMap::new();
-            for (_, role, routes) in &ready {
-                if !routes.is_empty() && !offers.contains_key(role) {
-                    offers.insert(*role, self.store.offers(*role, live_since).await?);
-                }
-            }
-            gaps.extend(crate::check::backend_gaps(&ready, &offers, &unserved));
-            gaps
+        let gaps = if rows.session.state == SessionState::Active && rows.counts.ready > 0 {
+            self.gaps(session_id, now).await?
         } else {
             Vec::new()
         };
-        let quota_waits = if view.session.state == SessionState::Active {
+        let quota_waits = if rows.session.state == SessionState::Active {
             self.quotas.waits(session_id, now)
         } else {
             Vec::new()
         };
         Ok(SessionCheck {
-            view,
+            rows,
             blockers,
             progress,
             gaps,
             quota_waits,
             now,
-            max_graph: page_size(max_graph, DEFAULT_SESSION_TASKS),
         })
+    }
+
+    /// The capability and backend gaps of an active session's ready tasks, reading per role
+    /// their count and, only for a role or route no live worker serves, the first
+    /// [`crate::check::MAX_LISTED`] of them.
+    async fn gaps(&self, session_id: &str, now: i64) -> Result<Vec<pb::CapabilityGap>, Error> {
+        use crate::check::MAX_LISTED;
+        let ready_roles = self.store.ready_roles(session_id).await?;
+        let seen = self.store.role_last_seen(0).await?;
+        let threshold = super::millis(self.capability_gap);
+        let counts: HashMap<pb::Role, u32> = ready_roles.iter().copied().collect();
+        let mut unserved_ready = Vec::new();
+        for (role, _) in &ready_roles {
+            let last = seen
+                .get(role)
+                .copied()
+                .unwrap_or(self.started_at)
+                .max(self.started_at);
+            if now - last >= threshold {
+                for (_, id) in self
+                    .store
+                    .ready_ids(session_id, *role, None, MAX_LISTED)
+                    .await?
+                {
+                    unserved_ready.push((id, *role));
+                }
+            }
+        }
+        let mut gaps = crate::check::capability_gaps(
+            &unserved_ready,
+            &counts,
+            &seen,
+            self.started_at,
+            now,
+            self.capability_gap,
+        );
+        // Routed tasks no live worker of their role can run (see `routing`).
+        let unserved: Vec<pb::Role> = gaps.iter().map(pb::CapabilityGap::role).collect();
+        let live_since = now - threshold;
+        let mut offers = HashMap::new();
+        let mut routed: Vec<(i64, crate::check::Ready)> = Vec::new();
+        let mut route_counts: HashMap<(pb::Role, String), u32> = HashMap::new();
+        for (role, _) in &ready_roles {
+            if unserved.contains(role) {
+                continue;
+            }
+            let live = self.store.offers(*role, live_since).await?;
+            if live.is_empty() {
+                continue;
+            }
+            for (column, count) in self.store.ready_routes(session_id, *role).await? {
+                let routes = crate::lifecycle::routing::from_column(column.as_deref());
+                let (Some(primary), Some(column)) = (routes.first(), column.as_deref()) else {
+                    continue;
+                };
+                if crate::lifecycle::routing::served(&live, &routes) {
+                    continue;
+                }
+                *route_counts.entry((*role, primary.clone())).or_default() += count;
+                for (position, id) in self
+                    .store
+                    .ready_ids(session_id, *role, Some(column), MAX_LISTED)
+                    .await?
+                {
+                    routed.push((position, (id, *role, routes.clone())));
+                }
+            }
+            offers.insert(*role, live);
+        }
+        // Plan order across routes, as if read in one pass.
+        routed.sort_by_key(|(position, _)| *position);
+        let routed: Vec<crate::check::Ready> = routed.into_iter().map(|(_, ready)| ready).collect();
+        gaps.extend(crate::check::backend_gaps(
+            &routed,
+            &route_counts,
+            &offers,
+            &unserved,
+        ));
+        Ok(gaps)
     }
 
     /// CCW `resume`: reconcile, advance, then report the status.

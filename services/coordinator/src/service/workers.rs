@@ -369,10 +369,23 @@ impl Coordinator {
                 .iter()
                 .map(|(id, role, _)| (id.clone(), *role))
                 .collect();
-            let mut gaps =
-                check::capability_gaps(&roles, &seen, self.started_at, now, self.capability_gap);
+            // Every ready task is listed here: the lists are their counts.
+            let none = std::collections::HashMap::new();
+            let mut gaps = check::capability_gaps(
+                &roles,
+                &none,
+                &seen,
+                self.started_at,
+                now,
+                self.capability_gap,
+            );
             let unserved: Vec<pb::Role> = gaps.iter().map(pb::CapabilityGap::role).collect();
-            gaps.extend(check::backend_gaps(&ready, &offers, &unserved));
+            gaps.extend(check::backend_gaps(
+                &ready,
+                &std::collections::HashMap::new(),
+                &offers,
+                &unserved,
+            ));
             if !gaps.is_empty() {
                 out.insert(session_id, gaps);
             }

@@ -34,6 +34,7 @@ use sqlx::{AnyPool, ConnectOptions as _};
 use crate::Error;
 use crate::store::sessions::Fixed;
 
+pub(crate) mod check;
 pub(crate) mod events;
 pub(crate) mod gates;
 pub(crate) mod intake;

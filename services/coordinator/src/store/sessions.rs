@@ -9,7 +9,7 @@ use troupe_plan::{Mode, OnFailure};
 use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
 
 use super::events::append_event;
-use super::tasks::{TaskFilter, list_tasks, load_tasks_lite, repo_stats};
+use super::tasks::{TaskFilter, list_tasks, repo_stats};
 use super::{Dialect, Store, Tx, corrupt, to_u32};
 use crate::Error;
 use crate::task::Task;
@@ -130,21 +130,6 @@ impl Store {
                     .map_err(corrupt)
             })
             .transpose()
-    }
-
-    /// A session with its repos and every task, without the tasks' plan objects (`spec`, left
-    /// empty): for a session's check, which reads every task but none of their specs.
-    pub(crate) async fn get_session_lite(&self, session_id: &str) -> Result<SessionView, Error> {
-        let mut tx = self.begin_read().await?;
-        let session = load_session(&mut tx, session_id).await?;
-        let repos = load_repos(&mut tx, session_id).await?;
-        let tasks = load_tasks_lite(&mut tx, session_id).await?;
-        tx.commit().await?;
-        Ok(SessionView {
-            session,
-            repos,
-            tasks,
-        })
     }
 
     /// A session with its counts and the first `max_tasks` of its tasks, reading no more
@@ -383,7 +368,10 @@ pub(crate) async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<Sessio
     })
 }
 
-async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo>, Error> {
+pub(super) async fn load_repos(
+    tx: &mut Tx,
+    session_id: &str,
+) -> Result<Vec<pb::SessionRepo>, Error> {
     let rows = sqlx::query(
         "SELECT name, path, base_commit, branch, url, access FROM session_repos WHERE session_id = $1 ORDER BY position",
     )
@@ -405,7 +393,7 @@ async fn load_repos(tx: &mut Tx, session_id: &str) -> Result<Vec<pb::SessionRepo
         .collect()
 }
 
-async fn load_counts(tx: &mut Tx, session_id: &str) -> Result<pb::TaskCounts, Error> {
+pub(super) async fn load_counts(tx: &mut Tx, session_id: &str) -> Result<pb::TaskCounts, Error> {
     let rows =
         sqlx::query("SELECT state, COUNT(*) AS n FROM tasks WHERE session_id = $1 GROUP BY state")
             .bind(session_id)

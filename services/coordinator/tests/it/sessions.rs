@@ -471,10 +471,73 @@ async fn capability_gap_is_warned_and_names_a_covering_role(db: Db) {
     harness.stop().await;
 }
 
+/// A check of a large session reads and lists a bounded part of it and counts the rest: a
+/// stall with 1,499 stuck tasks lists 1,000 of them (the graph as many, the failed task
+/// first), and a capability gap of 1,500 ready tasks lists 1,000.
+async fn a_large_check_counts_what_it_does_not_list(db: Db) {
+    let harness = Harness::start_tuned(
+        db,
+        troupe_coordinator::Tuning {
+            capability_gap_seconds: 0.2,
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut tasks = vec![t("IMPL-0", &[])];
+    tasks.extend((1..1_500).map(|i| t(&format!("IMPL-{i}"), &["IMPL-0"])));
+    let created = harness
+        .create(json!({"name": "stuck", "on_failure": "block", "max_attempts": 1, "tasks": tasks}))
+        .await;
+    let session = session_id(&created);
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    harness.fail(&claimed[0], false).await;
+    let check = harness.check(&session).await;
+    let stall = check.stall.expect("stall report");
+    assert_eq!((stall.task_count, stall.tasks.len()), (1_499, 1_000));
+    assert_eq!(stall.tasks[0].task_id, "IMPL-1");
+    assert_eq!(stall.tasks[0].reason, "waits on IMPL-0 (failed)");
+    assert!(stall.summary.contains("1499 task(s)"), "{}", stall.summary);
+    assert!(
+        stall.summary.contains("IMPL-20 and 1479 more;"),
+        "{}",
+        stall.summary
+    );
+    assert_eq!((check.graph.len(), check.graph_omitted), (1_000, 500));
+    assert_eq!(check.graph[0].task_id, "IMPL-0");
+    assert_eq!(check.graph[0].state(), TaskState::Failed);
+    assert_eq!(check.graph[1].waiting_on, ["IMPL-0"]);
+    let counted: u32 = check.waves.iter().map(|wave| wave.task_count).sum();
+    assert_eq!((check.waves.len(), counted), (2, 1_500));
+
+    let validate: Vec<Value> = (0..1_500)
+        .map(|i| json!({"id": format!("TEST-{i}"), "title": "t", "role": "validator"}))
+        .collect();
+    let created = harness
+        .create(json!({"name": "gap", "tasks": validate}))
+        .await;
+    // No validator worker: past the threshold its tasks are a gap.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let check = harness.check(&session_id(&created)).await;
+    assert!(check.stall.is_none());
+    assert_eq!(
+        check.capability_gaps.len(),
+        1,
+        "{:?}",
+        check.capability_gaps
+    );
+    let gap = &check.capability_gaps[0];
+    assert_eq!(gap.role(), Role::Validator);
+    assert_eq!((gap.task_count, gap.task_ids.len()), (1_500, 1_000));
+    assert_eq!(gap.task_ids[999], "TEST-999");
+    assert!(gap.message.contains("and 1480 more"), "{}", gap.message);
+    harness.stop().await;
+}
+
 db_tests!(
     imported_completed_tasks_resume_where_they_were,
     check_reports_graph_workers_progress_and_blockers,
     stall_is_reported_then_resume_retries_and_finishes,
     resume_keeps_live_leases_and_refuses_cancelled_sessions,
     capability_gap_is_warned_and_names_a_covering_role,
+    a_large_check_counts_what_it_does_not_list,
 );
