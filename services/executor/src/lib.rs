@@ -229,6 +229,8 @@ impl troupe_grpc::boot::Service for App {
 
     /// Runs the executor worker loop when a coordinator is configured, else waits for shutdown.
     async fn run_background(self, shutdown: CancellationToken) -> Result<(), Error> {
+        // The probe below can take seconds: the worker's families are scraped meanwhile.
+        troupe_grpc::worker::register_metrics();
         // What `troupe doctor` sees here (installed, with a credential), so the coordinator
         // routes tasks to workers that can run their backend; probed once, at start.
         let capabilities = match &self.config.coordinator_url {

@@ -535,6 +535,12 @@ pub fn default_worker_id(role: &str) -> String {
     format!("{role}-{host}-{}", std::process::id())
 }
 
+/// Registers the worker loop's metric families, so a scrape shows them before the loop
+/// starts (a worker may first spend seconds probing its backends).
+pub fn register_metrics() {
+    metrics::register();
+}
+
 /// Claims and runs tasks with `handler` until `shutdown` is cancelled, then cancels running
 /// tasks and waits up to `drain_timeout` for them to report. Returns what it did.
 pub async fn run_worker<H: TaskHandler>(
