@@ -177,16 +177,8 @@ pub(crate) async fn answer_checkpoint(
         now,
     )
     .await?;
-    let verb = if answer.approve {
-        "approved"
-    } else {
-        "rejected"
-    };
-    let reason = if answer.note.is_empty() {
-        format!("checkpoint {id} {verb} by {}", answer.by)
-    } else {
-        format!("checkpoint {id} {verb} by {}: {}", answer.by, answer.note)
-    };
+    let verb = answer.verb();
+    let reason = format!("checkpoint {id} {}", answer.decision());
     // Gates still waiting after this answer: a task another one holds stays.
     let mut still = waiting;
     still.remove(&checkpoint_gate(id));
@@ -275,6 +267,21 @@ pub(crate) struct Answer<'a> {
     pub(crate) note: &'a str,
 }
 
+impl Answer<'_> {
+    fn verb(&self) -> &'static str {
+        if self.approve { "approved" } else { "rejected" }
+    }
+
+    /// "approved by X" (with ": note" when there is one): the reason the answer's transitions
+    /// record.
+    fn decision(&self) -> String {
+        match self.note {
+            "" => format!("{} by {}", self.verb(), self.by),
+            note => format!("{} by {}: {note}", self.verb(), self.by),
+        }
+    }
+}
+
 /// Answers the gate of `task_id` and returns the task as it then stands.
 pub(crate) async fn answer(
     store: &Store,
@@ -334,16 +341,7 @@ pub(crate) async fn answer(
             "task {task_id} has no gate waiting for an answer"
         )));
     }
-    let verb = if answer.approve {
-        "approved"
-    } else {
-        "rejected"
-    };
-    let reason = if answer.note.is_empty() {
-        format!("{verb} by {}", answer.by)
-    } else {
-        format!("{verb} by {}: {}", answer.by, answer.note)
-    };
+    let reason = answer.decision();
     // A role's checkpoint that holds the task too keeps it waiting after its own approval.
     let still_held = if answer.approve {
         let waiting = gates::waiting_gates(&mut tx, session_id).await?;

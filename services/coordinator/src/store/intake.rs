@@ -86,8 +86,16 @@ pub(crate) async fn insert_tasks(tx: &mut Tx, tasks: &[Task]) -> Result<(), Erro
         }
         query.execute(&mut **tx).await?;
     }
+    insert_deps_of(tx, tasks).await
+}
+
+/// Stores the dependency rows of `tasks` (one per task and dependency).
+pub(super) async fn insert_deps_of<'a>(
+    tx: &mut Tx,
+    tasks: impl IntoIterator<Item = &'a Task>,
+) -> Result<(), Error> {
     let deps: Vec<(&str, &str, &str)> = tasks
-        .iter()
+        .into_iter()
         .flat_map(|task| {
             task.depends_on
                 .iter()

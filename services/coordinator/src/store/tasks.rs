@@ -9,7 +9,7 @@ use sqlx::{Any, Row};
 use troupe_plan::Role;
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
 
-use super::intake::{insert_deps, values};
+use super::intake::{insert_deps_of, values};
 use super::{Store, Tx, corrupt, parse_object, to_i64, to_u32};
 use crate::Error;
 use crate::lifecycle::routing::{self, Filter};
@@ -132,15 +132,7 @@ pub(crate) async fn replace_deps(tx: &mut Tx, tasks: &[&Task]) -> Result<(), Err
             .execute(&mut **tx)
             .await?;
     }
-    let deps: Vec<(&str, &str, &str)> = tasks
-        .iter()
-        .flat_map(|task| {
-            task.depends_on
-                .iter()
-                .map(|dep| (task.session_id.as_str(), task.id.as_str(), dep.as_str()))
-        })
-        .collect();
-    insert_deps(tx, &deps).await
+    insert_deps_of(tx, tasks.iter().copied()).await
 }
 
 /// Writes a task's `convergence` (its criteria as a validator downstream checked them); false
