@@ -16,7 +16,7 @@ use super::save;
 use crate::Error;
 use crate::store::gates::{self, Decision};
 use crate::store::messages::{NewMessage, insert_message};
-use crate::store::sessions::lock_and_load_session;
+use crate::store::sessions::{SessionRow, lock_and_load_session};
 use crate::store::tasks::load_tasks_lite;
 use crate::store::{Store, Tx};
 use crate::task::{self, Task};
@@ -110,6 +110,20 @@ fn holds((role, when): (troupe_plan::Role, When), task: &Task, tasks: &[Task]) -
     }
 }
 
+/// Opens the transaction an answer runs in, with the session locked: a session that ended
+/// takes no more answers.
+async fn lock_unended(store: &Store, session_id: &str) -> Result<(Tx, SessionRow), Error> {
+    let mut tx = store.begin().await?;
+    let session = lock_and_load_session(&mut tx, session_id, store.for_update()).await?;
+    if task::is_session_terminal(session.state) {
+        return Err(Error::FailedPrecondition(format!(
+            "session {session_id} already ended ({})",
+            task::session_state_name(session.state)
+        )));
+    }
+    Ok((tx, session))
+}
+
 /// Answers a role's checkpoint (`ROLE:WHEN`) and returns the tasks it held, as they then stand:
 /// approved, each becomes ready unless another gate still holds it; rejected, they fail as
 /// `REJECTED` (for `before`, every unfinished task of the role, since none may start now).
@@ -125,14 +139,7 @@ pub(crate) async fn answer_checkpoint(
             "checkpoint must be ROLE:before or ROLE:after (ROLE executor, validator or test-runner), not {id:?}"
         )));
     };
-    let mut tx = store.begin().await?;
-    let mut session = lock_and_load_session(&mut tx, session_id, store.for_update()).await?;
-    if task::is_session_terminal(session.state) {
-        return Err(Error::FailedPrecondition(format!(
-            "session {session_id} already ended ({})",
-            task::session_state_name(session.state)
-        )));
-    }
+    let (mut tx, mut session) = lock_unended(store, session_id).await?;
     let waiting = gates::waiting_gates(&mut tx, session_id).await?;
     if !waiting.contains_key(&checkpoint_gate(id)) {
         return Err(
@@ -290,14 +297,7 @@ pub(crate) async fn answer(
     answer: Answer<'_>,
     now: i64,
 ) -> Result<Task, Error> {
-    let mut tx = store.begin().await?;
-    let mut session = lock_and_load_session(&mut tx, session_id, store.for_update()).await?;
-    if task::is_session_terminal(session.state) {
-        return Err(Error::FailedPrecondition(format!(
-            "session {session_id} already ended ({})",
-            task::session_state_name(session.state)
-        )));
-    }
+    let (mut tx, mut session) = lock_unended(store, session_id).await?;
     let before = load_tasks_lite(&mut tx, session_id).await?;
     let mut tasks = before.clone();
     let Some(position) = tasks.iter().position(|t| t.id == task_id) else {
