@@ -131,13 +131,14 @@ impl Store {
             .collect()
     }
 
-    /// The ready and running tasks of active sessions, whole (what the provider quotas are
-    /// rebuilt from, see [`crate::quota`]). Sessions paused keep their running tasks out.
+    /// The ready and running tasks of active sessions, without their plan objects (what the
+    /// provider quotas are rebuilt from, twice a second, see [`crate::quota`]: a task's backend
+    /// is its stored routes). Sessions paused keep their running tasks out.
     pub(crate) async fn live_tasks(&self) -> Result<Vec<Task>, Error> {
         let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
             "SELECT {} FROM tasks t JOIN sessions s ON s.id = t.session_id \
              WHERE t.state IN ($1, $2) AND s.state = $3",
-            *QUALIFIED_COLUMNS
+            QUALIFIED_COLUMNS.replace("t.spec,", "'{}' AS spec,")
         )))
         .bind(TaskState::Ready as i32)
         .bind(TaskState::Running as i32)
