@@ -24,7 +24,7 @@ use crate::task::{Task, claim_order};
 /// (through indexes: what a batch reads does not grow with the session). With the bound on
 /// all copies together (`CACHED_TASKS` in [`crate::group_commit`]) the copies' memory is
 /// bounded however large and many the sessions.
-const MAX_TASKS: i64 = 20_000;
+const MAX_TASKS: i64 = 50_000;
 
 /// A ready task's place in claim order, with its id.
 type ClaimKey = ((i32, Reverse<u64>, i64, i64), String);

@@ -42,6 +42,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
     (10, "gates", include_str!("migrations/0010_gates.sql")),
     (11, "routing", include_str!("migrations/0011_routing.sql")),
     (
+        12,
+        "session plans",
+        include_str!("migrations/0012_session_plans.sql"),
+    ),
+    (
         14,
         "dependents due",
         include_str!("migrations/0014_dependents_due.sql"),

@@ -246,8 +246,8 @@ impl Store {
 pub(crate) async fn insert_session(tx: &mut Tx, new: &NewSession, now: i64) -> Result<(), Error> {
     let session = &new.session;
     sqlx::query(
-        "INSERT INTO sessions (id, name, description, state, mode, on_failure, plan_json, plan_dir, last_seq, msg_counter, created_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 0, 0, $9, $9)",
+        "INSERT INTO sessions (id, name, description, state, mode, on_failure, plan_dir, last_seq, msg_counter, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, 0, 0, $8, $8)",
     )
     .bind(&session.id)
     .bind(&session.name)
@@ -255,11 +255,16 @@ pub(crate) async fn insert_session(tx: &mut Tx, new: &NewSession, now: i64) -> R
     .bind(SessionState::Active as i32)
     .bind(session.mode.as_str())
     .bind(session.on_failure.as_str())
-    .bind(&new.plan_json)
     .bind(&session.plan_dir)
     .bind(now)
     .execute(&mut **tx)
     .await?;
+    // Apart from the row every batch reads and writes (see migration 12).
+    sqlx::query("INSERT INTO session_plans (session_id, plan_json) VALUES ($1, $2)")
+        .bind(&session.id)
+        .bind(&new.plan_json)
+        .execute(&mut **tx)
+        .await?;
     if let Some((digest, bundle)) = &new.assets {
         use base64::Engine;
         sqlx::query(
