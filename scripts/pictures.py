@@ -23,6 +23,7 @@ and writes, from what tmux and headless Chromium show:
                               its Markdown drawn by rich's renderer (`python -m rich.markdown`)
   docs/img/quickstart-graph.svg  `troupe graph --format svg` of examples/quickstart, run on the
                               same server
+  docs/img/web-view.png       the quickstart's page in the web view once it has finished
 
 Terminal screens are read with `tmux capture-pane -e` and turned into SVG by rich
 (`Text.from_ansi`, `Console.save_svg`). Every child is an argv vector; everything started here
@@ -310,13 +311,19 @@ def main():
                             " | python -m rich.markdown -")
         save_svg(tmux.screen("report", colours=True), IMG / "report.svg", "troupe report")
 
-        # 4. The quickstart's DAG, as `troupe graph --format svg` draws it.
+        # 4. The quickstart: its DAG as `troupe graph --format svg` draws it, and its page in
+        # the web view once it has finished.
         quickstart = run([str(TROUPE), "run", str(ROOT / "examples/quickstart"), "--plain"],
                          cwd=WORK, env=env, timeout=600).stdout
         session = re.match(r"session (\S+) ", quickstart).group(1)
         graph = IMG / "quickstart-graph.svg"
         graph.write_text(run([str(TROUPE), "graph", session, "--format", "svg"], env=env).stdout)
         print(f"wrote {graph.relative_to(ROOT)} ({graph.stat().st_size} bytes)")
+        page.call("Page.navigate", url=f"http://{web}/sessions/{session}")
+        page.wait_event("Page.loadEventFired")
+        eventually("the quickstart's page", 30, lambda: page.evaluate(
+            "document.querySelector('#session-state').dataset.state === 'completed'"))
+        shoot(page, IMG / "web-view.png", 1000, "#tasks")
     finally:
         if page is not None:
             page.close()

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Regenerates the README's pictures of a live session (docs/img: live-view.svg, gate-web.png,
-# gate-terminal.svg, report.svg, quickstart-graph.svg) from real runs of the real binaries;
-# scripts/pictures.py says how. Needs tmux and chromium (scripts/setup/25-system-tools.sh) and
-# PyPI (the test venvs, and rich, pillow and websocket-client for the pictures). Takes about
-# four minutes; not part of scripts/test.
+# Regenerates the pictures of README.md and docs/watching.md (docs/img: live-view.svg,
+# gate-web.png, gate-terminal.svg, report.svg, quickstart-graph.svg, web-view.png) from real runs
+# of the real binaries; scripts/pictures.py says how. Needs tmux and chromium
+# (scripts/setup/25-system-tools.sh) and PyPI (the test venvs, and rich, pillow and
+# websocket-client for the pictures). Takes two to four minutes; not part of scripts/test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for tool in tmux chromium git python3; do
