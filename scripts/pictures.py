@@ -327,6 +327,7 @@ def main():
     finally:
         if page is not None:
             page.close()
+            shutil.rmtree(page.profile, ignore_errors=True)
         if tmux is not None:
             tmux.stop()
         for child in reversed(children):
