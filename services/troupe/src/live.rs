@@ -262,8 +262,10 @@ fn running_line(task: &TaskView) -> String {
     line
 }
 
-/// `tests: first run 4/6 passing (66.7%), coverage 81.0%, 2 failing` or `tests: fix
-/// iteration 1/3 ...`.
+/// `tests: first run: 6 tests, 2 failing, pass rate 66.7%, coverage 81.0%` or `tests: fix
+/// iteration 1/3: ...`. No "passed" count: the figures do not say how many were skipped
+/// (the total counts them, the pass rate does not), so `total - failing` would count a skipped
+/// test as passing.
 fn test_line(test: &TestIterationProgress) -> String {
     let which = if test.iteration == 0 {
         "first run".to_owned()
@@ -271,15 +273,14 @@ fn test_line(test: &TestIterationProgress) -> String {
         format!("fix iteration {}/{}", test.iteration, test.max_iterations)
     };
     let mut line = format!(
-        "tests: {which} {}/{} passing ({:.1}%)",
-        test.total.saturating_sub(test.failing),
+        "tests: {which}: {} tests, {} failing, pass rate {:.1}%",
         test.total,
+        test.failing,
         test.pass_rate * 100.0
     );
     if let Some(coverage) = test.coverage {
         line.push_str(&format!(", coverage {coverage:.1}%"));
     }
-    line.push_str(&format!(", {} failing", test.failing));
     line
 }
 
@@ -464,14 +465,15 @@ mod tests {
                     pass_rate: 0.8,
                     coverage: Some(91.25),
                     failing: 1,
-                    total: 5,
+                    // 4 passed, 1 failed, 1 skipped: not "5/6 passing".
+                    total: 6,
                 }),
                 ..WorkProgress::default()
             },
         ));
         assert_eq!(
             live.tests["TEST-1"].message(),
-            "tests: fix iteration 1/3 4/5 passing (80.0%), coverage 91.2%, 1 failing"
+            "tests: fix iteration 1/3: 6 tests, 1 failing, pass rate 80.0%, coverage 91.2%"
         );
         // A new attempt forgets the last one's figures; a finished task loses its lines.
         live.event(&moved("TEST-1", TaskState::Completed));

@@ -278,9 +278,116 @@ fn svg(nodes: &[Node]) -> String {
     for (from, to) in edges(nodes) {
         graph.add_edge(Arrow::simple(""), handles[from], handles[to]);
     }
-    let mut writer = SVGWriter::new();
+    let mut writer = Bounded {
+        svg: SVGWriter::new(),
+        extent: (0.0, 0.0),
+    };
     graph.do_it(false, false, false, &mut writer);
-    writer.finalize()
+    writer.finish()
+}
+
+/// layout-rs's SVG writer with the picture's size taken from what is drawn: the writer's own
+/// size counts each label as ten pixels high per character (layout-rs 0.1.3), so a few tasks
+/// gave a picture three times taller than its drawing, a blank gap under it in the web view.
+struct Bounded {
+    svg: layout::backends::svg::SVGWriter,
+    /// The largest x and y drawn to.
+    extent: (f64, f64),
+}
+
+impl Bounded {
+    fn grow(&mut self, x: f64, y: f64) {
+        self.extent = (self.extent.0.max(x), self.extent.1.max(y));
+    }
+
+    /// The SVG with its size set to the drawing and the writer's margin of 5.
+    fn finish(&self) -> String {
+        let text = self.svg.finalize();
+        let (width, height) = (self.extent.0 + 5.0, self.extent.1 + 5.0);
+        let Some(start) = text.find("<svg width=") else {
+            return text;
+        };
+        let Some(end) = text[start..].find(" xmlns=").map(|end| start + end) else {
+            return text;
+        };
+        format!(
+            "{}<svg width=\"{width}\" height=\"{height}\" viewBox=\"0 0 {width} {height}\"{}",
+            &text[..start],
+            &text[end..]
+        )
+    }
+}
+
+impl layout::core::format::RenderBackend for Bounded {
+    fn draw_rect(
+        &mut self,
+        xy: layout::core::geometry::Point,
+        size: layout::core::geometry::Point,
+        look: &layout::core::style::StyleAttr,
+        properties: Option<String>,
+        clip: Option<layout::core::format::ClipHandle>,
+    ) {
+        self.grow(xy.x + size.x, xy.y + size.y);
+        self.svg.draw_rect(xy, size, look, properties, clip);
+    }
+
+    fn draw_line(
+        &mut self,
+        start: layout::core::geometry::Point,
+        stop: layout::core::geometry::Point,
+        look: &layout::core::style::StyleAttr,
+        properties: Option<String>,
+    ) {
+        self.grow(start.x.max(stop.x), start.y.max(stop.y));
+        self.svg.draw_line(start, stop, look, properties);
+    }
+
+    fn draw_circle(
+        &mut self,
+        xy: layout::core::geometry::Point,
+        size: layout::core::geometry::Point,
+        look: &layout::core::style::StyleAttr,
+        properties: Option<String>,
+    ) {
+        self.grow(xy.x + size.x / 2.0, xy.y + size.y / 2.0);
+        self.svg.draw_circle(xy, size, look, properties);
+    }
+
+    /// A label sits inside its node's box, which is drawn too.
+    fn draw_text(
+        &mut self,
+        xy: layout::core::geometry::Point,
+        text: &str,
+        look: &layout::core::style::StyleAttr,
+    ) {
+        self.grow(xy.x, xy.y);
+        self.svg.draw_text(xy, text, look);
+    }
+
+    fn draw_arrow(
+        &mut self,
+        path: &[(layout::core::geometry::Point, layout::core::geometry::Point)],
+        dashed: bool,
+        head: (bool, bool),
+        look: &layout::core::style::StyleAttr,
+        properties: Option<String>,
+        text: &str,
+    ) {
+        for (a, b) in path {
+            self.grow(a.x.max(b.x), a.y.max(b.y));
+        }
+        self.svg
+            .draw_arrow(path, dashed, head, look, properties, text);
+    }
+
+    fn create_clip(
+        &mut self,
+        xy: layout::core::geometry::Point,
+        size: layout::core::geometry::Point,
+        rounded_px: usize,
+    ) -> layout::core::format::ClipHandle {
+        self.svg.create_clip(xy, size, rounded_px)
+    }
 }
 
 /// `850ms`, `12s`, `3m04s`, `1h02m`.
@@ -351,6 +458,39 @@ mod tests {
             assert!(text.contains(id), "{id} missing");
         }
         assert!(svg(&[]).contains("<svg"));
+    }
+
+    /// The picture is as big as its drawing: no blank band under the last row of tasks.
+    #[test]
+    fn svg_is_as_tall_as_its_drawing() {
+        let text = svg(&sample());
+        let number = |attribute: &str| -> f64 {
+            let at = text.find(&format!("{attribute}=\"")).unwrap() + attribute.len() + 2;
+            text[at..text[at..].find('"').unwrap() + at]
+                .parse()
+                .unwrap()
+        };
+        // The lowest box's bottom edge.
+        let bottom = text
+            .match_indices("<rect ")
+            .map(|(at, _)| {
+                let rect = &text[at..at + text[at..].find("/>").unwrap()];
+                let field = |name: &str| -> f64 {
+                    let from = rect.find(&format!(" {name}=\"")).unwrap() + name.len() + 3;
+                    rect[from..from + rect[from..].find('"').unwrap()]
+                        .parse()
+                        .unwrap()
+                };
+                field("y") + field("height")
+            })
+            .fold(0.0, f64::max);
+        let height = number("height");
+        assert!(bottom > 0.0, "{text}");
+        assert!(
+            height >= bottom && height <= bottom + 10.0,
+            "height {height}, drawing ends at {bottom}"
+        );
+        assert!(text.contains(&format!("viewBox=\"0 0 {} {height}\"", number("width"))));
     }
 
     #[test]
