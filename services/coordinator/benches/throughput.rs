@@ -90,7 +90,7 @@ struct Args {
     coordinator_bin: Option<std::path::PathBuf>,
     /// `--only memory`: tasks claimed and completed (by `--workers`, `--batch` a claim) while
     /// the rest of the session stays ready.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 1000)]
     burn: usize,
     // `cargo bench` passes `--bench`; accept and ignore it.
     #[arg(long, hide = true)]
