@@ -630,7 +630,7 @@ fn task_rows(mut tasks: Vec<troupe_plan::PlanTask>, session_id: &str, now: i64) 
     // mapping of its own, which the allocator shortens); the rows are reversed at the end.
     while let Some(task) = tasks.pop() {
         rows.push(task_row(task, tasks.len(), session_id, now));
-        if tasks.len() % ROWS_BETWEEN_SHRINKS == 0 {
+        if tasks.len().is_multiple_of(ROWS_BETWEEN_SHRINKS) {
             tasks.shrink_to_fit();
         }
     }
