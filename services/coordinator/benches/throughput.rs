@@ -331,7 +331,6 @@ async fn watch(client: &Client, session: &str) -> anyhow::Result<(u64, Duration)
         .get_session(pb::GetSessionRequest {
             session_id: session.to_owned(),
             max_tasks: 1,
-            ..Default::default()
         })
         .await?
         .into_inner()
@@ -610,7 +609,6 @@ async fn reads(client: &Client, session: &str) -> anyhow::Result<String> {
         .get_session(pb::GetSessionRequest {
             session_id: session.to_owned(),
             max_tasks: 1,
-            ..Default::default()
         })
         .await?
         .into_inner()

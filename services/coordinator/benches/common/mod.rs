@@ -30,6 +30,7 @@ enum Server {
         runtime: Option<tokio::runtime::Runtime>,
     },
     /// The `troupe-coordinator` binary as a child process (killed if the bench fails).
+    #[allow(dead_code)] // Not every benchmark spawns it.
     Child(tokio::process::Child),
 }
 
@@ -98,6 +99,7 @@ impl Bench {
     /// Starts the coordinator binary `bin` as a process of its own on `db`, listening on a
     /// loopback port that was free a moment ago, with its default tuning; returns once it
     /// answers.
+    #[allow(dead_code)] // Not every benchmark spawns it.
     pub(crate) async fn spawn(db: &str, bin: &Path) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let (database_url, schema) = database(db).await?;
