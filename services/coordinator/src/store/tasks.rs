@@ -740,7 +740,8 @@ pub(crate) struct TaskFilter {
 }
 
 /// Up to `limit` tasks of a session matching `filter`, in plan order, after position `after`
-/// (an index range of `tasks_position`), and whether more match.
+/// (an index range of `tasks_position`, or of `tasks_state_position` for one state), and
+/// whether more match.
 pub(crate) async fn list_tasks(
     tx: &mut Tx,
     session_id: &str,
