@@ -16,6 +16,15 @@
 //! that became ready (it includes the CompleteTask round trip). `--s2-shape pairs` (the
 //! default): each ready task has one dependency; `--s2-shape chain`: one chain, whose n-th
 //! claim also carries the n-1 upstream results (so it grows with `--samples`).
+//!
+//! `--coordinator-bin target/release/troupe-coordinator` runs the coordinator as a process of
+//! its own instead of in this one, so `--only memory` reads its memory alone:
+//!
+//! ```text
+//! cargo build --release -p troupe-coordinator --bin troupe-coordinator
+//! cargo bench -p troupe-coordinator --bench throughput -- --db sqlite --only memory \
+//!   --tasks 100000 --coordinator-bin target/release/troupe-coordinator
+//! ```
 
 mod common;
 
@@ -67,11 +76,22 @@ struct Args {
     /// the n-th claim also carries the n-1 completed tasks upstream of it).
     #[arg(long, default_value = "pairs")]
     s2_shape: String,
-    /// Run only `s1`, `s2` or `intake` (S1's sessions created, then read: intake time,
+    /// Run only `s1`, `s2`, `intake` (S1's sessions created, then read: intake time,
     /// `CheckSession`, `GetSession`, a `ListTasks` page and the process's peak RSS; no
-    /// burn-down).
+    /// burn-down) or `memory` (one session of `--tasks` uploaded over `UploadPlan`, read,
+    /// watched, `--burn` of its tasks done; the coordinator's VmHWM and VmRSS after intake and
+    /// at the end).
     #[arg(long)]
     only: Option<String>,
+    /// Run this `troupe-coordinator` binary as a process of its own (a free loopback port, its
+    /// data directory in a temporary directory, `--database-url` for PostgreSQL) instead of the
+    /// coordinator in this process.
+    #[arg(long)]
+    coordinator_bin: Option<std::path::PathBuf>,
+    /// `--only memory`: tasks claimed and completed (by `--workers`, `--batch` a claim) while
+    /// the rest of the session stays ready.
+    #[arg(long, default_value_t = 1000)]
+    burn: usize,
     // `cargo bench` passes `--bench`; accept and ignore it.
     #[arg(long, hide = true)]
     bench: bool,
@@ -82,16 +102,20 @@ type Client = troupe_grpc::CoordinatorClient;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let bench = common::Bench::start(&args.db, troupe_coordinator::Tuning::default()).await?;
+    let bench = match &args.coordinator_bin {
+        Some(bin) => common::Bench::spawn(&args.db, bin).await?,
+        None => common::Bench::start(&args.db, troupe_coordinator::Tuning::default()).await?,
+    };
     let (client, base_dir) = (bench.client.clone(), bench.base_dir.clone());
     // Stopped either way: dropping a running bench would hide the error behind a panic.
     let result = async {
         match args.only.as_deref() {
             Some("intake") => intake(&client, &base_dir, &args).await?,
-            Some("s1") => s1(&client, &base_dir, &args).await?,
+            Some("memory") => memory(&bench, &args).await?,
+            Some("s1") => s1(&client, &base_dir, &args, bench.pid()).await?,
             Some("s2") => s2(&client, &base_dir, &args).await?,
             None => {
-                s1(&client, &base_dir, &args).await?;
+                s1(&client, &base_dir, &args, bench.pid()).await?;
                 s2(&client, &base_dir, &args).await?;
             }
             Some(other) => bail!("unknown --only {other}"),
@@ -229,7 +253,151 @@ async fn intake(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<
     Ok(())
 }
 
-async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> {
+/// `--only memory`: the coordinator's memory with one session of `--tasks` active. The plan
+/// goes in over `UploadPlan` in pieces of 1 MiB (as `troupe run` sends a plan over 1 MiB);
+/// then the reads, one `WatchSession` of the whole event log, `--burn` tasks claimed and
+/// completed by `--workers`, and the reads again. The coordinator's VmHWM and VmRSS are read
+/// at the start, after intake and at the end (its own with `--coordinator-bin`; else this
+/// process's, client included).
+async fn memory(bench: &common::Bench, args: &Args) -> anyhow::Result<()> {
+    let client = &bench.client;
+    let started = bench.memory();
+    let plan = json!({"name": "memory", "repos": {"app": {"path": "repo"}},
+                      "tasks": s1_tasks(&args.shape, args.tasks)?});
+    let plan_json = plan.to_string();
+    drop(plan);
+    let bytes = plan_json.len();
+    let start = Instant::now();
+    let session = upload(client, &bench.base_dir, plan_json).await?;
+    let intake = start.elapsed();
+    let after_intake = bench.memory();
+    let reads_active = reads(client, &session).await?;
+    let (events, watched) = watch(client, &session).await?;
+    let start = Instant::now();
+    burn(client, args).await?;
+    let burned = start.elapsed();
+    let reads_after = reads(client, &session).await?;
+    println!(
+        "memory db={} shape={} tasks={} plan {:.1} MB{}: start {started}; intake {:.2}s, after \
+         intake {after_intake}{reads_active}; WatchSession {events} events {:.2}s; {} done by {} \
+         workers {:.2}s{reads_after}; end {}",
+        args.db,
+        args.shape,
+        args.tasks,
+        bytes as f64 / 1e6,
+        if bench.pid().is_some() {
+            " (coordinator alone)"
+        } else {
+            " (coordinator in the bench process)"
+        },
+        intake.as_secs_f64(),
+        watched.as_secs_f64(),
+        args.burn,
+        args.workers,
+        burned.as_secs_f64(),
+        bench.memory(),
+    );
+    Ok(())
+}
+
+/// Creates a session over `UploadPlan`: the request, then the plan in pieces of 1 MiB, each
+/// copied out as the stream is sent. Returns the session's id.
+async fn upload(client: &Client, base_dir: &str, plan_json: String) -> anyhow::Result<String> {
+    const PIECE: usize = 1024 * 1024;
+    let head = pb::PlanChunk {
+        request: Some(pb::CreateSessionRequest {
+            base_dir: base_dir.to_owned(),
+            ..Default::default()
+        }),
+        plan_json: Vec::new(),
+    };
+    let plan = Arc::new(plan_json.into_bytes());
+    let pieces = (0..plan.len().div_ceil(PIECE)).map(move |i| pb::PlanChunk {
+        request: None,
+        plan_json: plan[i * PIECE..plan.len().min((i + 1) * PIECE)].to_vec(),
+    });
+    let stream = tokio_stream::iter(std::iter::once(head).chain(pieces));
+    let created = client.clone().upload_plan(stream).await?.into_inner();
+    Ok(created.session.context("no session")?.id)
+}
+
+/// Reads the session's whole event log with `WatchSession` (up to its last sequence when the
+/// watch began: the session stays active, so the stream would not end). Returns the events
+/// read and the time taken.
+async fn watch(client: &Client, session: &str) -> anyhow::Result<(u64, Duration)> {
+    let start = Instant::now();
+    let last = client
+        .clone()
+        .get_session(pb::GetSessionRequest {
+            session_id: session.to_owned(),
+            max_tasks: 1,
+        })
+        .await?
+        .into_inner()
+        .session
+        .context("session")?
+        .last_sequence;
+    let mut events = client
+        .clone()
+        .watch_session(pb::WatchSessionRequest {
+            session_id: session.to_owned(),
+            after_sequence: 0,
+            follow: false,
+        })
+        .await?
+        .into_inner();
+    let mut read = 0;
+    while let Some(event) = events.message().await? {
+        read += 1;
+        if event.sequence >= last {
+            break;
+        }
+    }
+    if read < last {
+        bail!("WatchSession ended after {read} of {last} events");
+    }
+    Ok((read, start.elapsed()))
+}
+
+/// `--burn` tasks claimed (`--batch` a claim) and completed by `--workers` concurrent workers;
+/// the rest of the session stays ready.
+async fn burn(client: &Client, args: &Args) -> anyhow::Result<()> {
+    let budget = args.burn;
+    let taken = Arc::new(AtomicUsize::new(0));
+    let mut workers = tokio::task::JoinSet::new();
+    for w in 0..args.workers {
+        let mut client = client.clone();
+        let taken = Arc::clone(&taken);
+        let batch = args.batch as usize;
+        workers.spawn(async move {
+            let worker = format!("memory-{w}");
+            loop {
+                let before = taken.fetch_add(batch, Ordering::Relaxed);
+                if before >= budget {
+                    return anyhow::Ok(());
+                }
+                let max = u32::try_from(batch.min(budget - before))?;
+                let claimed = client
+                    .claim_tasks(claim_request(&worker, max, Duration::from_secs(5)))
+                    .await?
+                    .into_inner()
+                    .tasks;
+                if claimed.is_empty() {
+                    bail!("{worker} claimed nothing from a session with ready tasks");
+                }
+                for task in &claimed {
+                    complete(&mut client, task).await?;
+                }
+            }
+        });
+    }
+    while let Some(result) = workers.join_next().await {
+        result??;
+    }
+    Ok(())
+}
+
+async fn s1(client: &Client, base_dir: &str, args: &Args, pid: Option<u32>) -> anyhow::Result<()> {
     let per_session = args.tasks / args.sessions.max(1);
     if per_session == 0 || per_session * args.sessions != args.tasks {
         bail!("--tasks must be a multiple of --sessions");
@@ -247,7 +415,7 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
     // The rate runs to the last completion, as graphile-worker's burn-down does (its queue
     // is empty): by then the other workers wait in a long poll that nothing will answer.
     let finished = Arc::new(OnceLock::new());
-    let cpu_before = coordinator_cpu();
+    let cpu_before = coordinator_cpu(pid);
     let start = Instant::now();
     let mut workers = tokio::task::JoinSet::new();
     for w in 0..args.workers {
@@ -320,7 +488,7 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
     let elapsed = *finished
         .get()
         .ok_or_else(|| anyhow::anyhow!("the workers stopped before the last completion"))?;
-    let cpu = coordinator_cpu().saturating_sub(cpu_before);
+    let cpu = coordinator_cpu(pid).saturating_sub(cpu_before);
     let messages = match logger {
         Some(logger) => format!(" messages={}", logger.await??),
         None => String::new(),
@@ -364,11 +532,19 @@ async fn s1(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// CPU time (user and system) of the coordinator's threads so far: its runtime's
-/// (`coordinator`) and SQLite's connection threads (`sqlx-sqlite-*`), from /proc. Less
-/// sensitive to a loaded machine than the rate (PostgreSQL's server processes are not
-/// counted). Zero where /proc is missing.
-fn coordinator_cpu() -> Duration {
+/// CPU time (user and system) of the coordinator so far, from /proc: the whole process `pid`
+/// when it runs alone, else this process's coordinator threads, its runtime's
+/// (`coordinator`) and SQLite's connection threads (`sqlx-sqlite-*`). Less sensitive to a
+/// loaded machine than the rate (PostgreSQL's server processes are not counted). Zero where
+/// /proc is missing.
+fn coordinator_cpu(pid: Option<u32>) -> Duration {
+    if let Some(pid) = pid {
+        let ticks = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|stat| stat_ticks(&stat).map(|(_, ticks)| ticks))
+            .unwrap_or(0);
+        return Duration::from_millis(ticks * 10);
+    }
     let Ok(threads) = std::fs::read_dir("/proc/self/task") else {
         return Duration::ZERO;
     };
@@ -377,21 +553,26 @@ fn coordinator_cpu() -> Duration {
         let Ok(stat) = std::fs::read_to_string(thread.path().join("stat")) else {
             continue;
         };
-        // `pid (comm) state ...`: the name may hold spaces, so split at the last ')'.
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+        let Some((name, used)) = stat_ticks(&stat) else {
             continue;
         };
-        let name = &stat[open + 1..close];
-        if !(name.starts_with("coordinator") || name.starts_with("sqlx-sqlite")) {
-            continue;
+        if name.starts_with("coordinator") || name.starts_with("sqlx-sqlite") {
+            ticks += used;
         }
-        // After the name: state is field 3, utime 14 and stime 15.
-        let fields: Vec<&str> = stat[close + 2..].split(' ').collect();
-        let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
-        ticks += field(14).unwrap_or(0) + field(15).unwrap_or(0);
     }
     // USER_HZ, 100 on Linux.
     Duration::from_millis(ticks * 10)
+}
+
+/// The name and the user and system clock ticks of a /proc `stat` line.
+fn stat_ticks(stat: &str) -> Option<(&str, u64)> {
+    // `pid (comm) state ...`: the name may hold spaces, so split at the last ')'.
+    let (open, close) = (stat.find('(')?, stat.rfind(')')?);
+    let name = &stat[open + 1..close];
+    // After the name: state is field 3, utime 14 and stime 15.
+    let fields: Vec<&str> = stat.get(close + 2..)?.split(' ').collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    Some((name, field(14).unwrap_or(0) + field(15).unwrap_or(0)))
 }
 
 /// The median of 5 timed calls of `call`, in milliseconds.
@@ -411,7 +592,8 @@ where
 }
 
 /// How long the reads of a large session take (median of 5): `GetSession` (counts and the
-/// first page), a `ListTasks` page of 500 from the middle, `CheckSession`.
+/// first page), a `ListTasks` page of the default size (500) from the middle of the plan,
+/// the same with a filter (ready tasks only), `CheckSession`.
 async fn reads(client: &Client, session: &str) -> anyhow::Result<String> {
     let get = median_ms(|| {
         let mut client = client.clone();
@@ -422,25 +604,42 @@ async fn reads(client: &Client, session: &str) -> anyhow::Result<String> {
         async move { client.get_session(request).await }
     })
     .await?;
-    let middle = client
+    let total = client
         .clone()
         .get_session(pb::GetSessionRequest {
             session_id: session.to_owned(),
-            ..Default::default()
+            max_tasks: 1,
         })
         .await?
         .into_inner()
-        .next_page_token;
-    let page = median_ms(|| {
-        let mut client = client.clone();
-        let request = pb::ListTasksRequest {
-            session_id: session.to_owned(),
-            page_token: middle.clone(),
-            ..Default::default()
-        };
-        async move { client.list_tasks(request).await }
-    })
-    .await?;
+        .session
+        .and_then(|session| session.counts)
+        .map_or(0, |counts| counts.total);
+    // A page token is `after:<position>`, a task's place in plan order.
+    let middle = format!("after:{}", total / 2);
+    let list = |states: Vec<i32>| {
+        let middle = middle.clone();
+        median_ms(move || {
+            let mut client = client.clone();
+            let request_unfiltered = states.is_empty();
+            let request = pb::ListTasksRequest {
+                session_id: session.to_owned(),
+                page_token: middle.clone(),
+                states: states.clone(),
+                ..Default::default()
+            };
+            async move {
+                let page = client.list_tasks(request).await?.into_inner();
+                // A page from the middle of the session, unless the filter leaves none there.
+                if page.tasks.is_empty() && request_unfiltered {
+                    return Err(tonic::Status::internal("an empty ListTasks page"));
+                }
+                Ok(page)
+            }
+        })
+    };
+    let page = list(Vec::new()).await?;
+    let ready = list(vec![pb::TaskState::Ready as i32]).await?;
     let check = median_ms(|| {
         let mut client = client.clone();
         let request = pb::CheckSessionRequest {
@@ -451,7 +650,8 @@ async fn reads(client: &Client, session: &str) -> anyhow::Result<String> {
     })
     .await?;
     Ok(format!(
-        "; GetSession {get:.1} ms, ListTasks page {page:.1} ms, CheckSession {check:.1} ms"
+        "; GetSession {get:.1} ms, ListTasks page {page:.1} ms, ready only {ready:.1} ms, \
+         CheckSession {check:.1} ms"
     ))
 }
 

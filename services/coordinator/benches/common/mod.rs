@@ -1,6 +1,10 @@
-//! What every coordinator benchmark starts from: a coordinator on a port-0 listener, on SQLite
-//! or a fresh schema of the PostgreSQL named by TROUPE_BENCH_DATABASE_URL (or
+//! What every coordinator benchmark starts from: a coordinator on a port-0 listener (or, with
+//! [`Bench::spawn`], the `troupe-coordinator` binary as a process of its own), on SQLite or a
+//! fresh schema of the PostgreSQL named by TROUPE_BENCH_DATABASE_URL (or
 //! TROUPE_TEST_DATABASE_URL), next to a one-commit git repository under `<dir>/plan/repo`.
+
+use std::path::Path;
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use tokio::task::JoinHandle;
@@ -11,12 +15,41 @@ pub(crate) struct Bench {
     pub(crate) client: troupe_grpc::CoordinatorClient,
     /// The plans' base directory: holds `repo/`.
     pub(crate) base_dir: String,
-    shutdown: CancellationToken,
-    server: JoinHandle<Result<(), troupe_coordinator::Error>>,
-    runtime: Option<tokio::runtime::Runtime>,
+    server: Server,
     /// PostgreSQL: the server's URL and the run's schema, dropped by [`Bench::stop`].
     schema: Option<(String, String)>,
     _dir: tempfile::TempDir,
+}
+
+/// Where the coordinator runs.
+enum Server {
+    /// In this process, on a runtime of its own.
+    InProcess {
+        shutdown: CancellationToken,
+        server: JoinHandle<Result<(), troupe_coordinator::Error>>,
+        runtime: Option<tokio::runtime::Runtime>,
+    },
+    /// The `troupe-coordinator` binary as a child process (killed if the bench fails).
+    #[allow(dead_code)] // Not every benchmark spawns it.
+    Child(tokio::process::Child),
+}
+
+/// The database of one run: the coordinator's URL for it (`None`: SQLite in the data
+/// directory), and for PostgreSQL the server's URL and the run's schema.
+async fn database(db: &str) -> anyhow::Result<(Option<String>, Option<(String, String)>)> {
+    match db {
+        "sqlite" => Ok((None, None)),
+        "postgres" => {
+            let url = std::env::var("TROUPE_BENCH_DATABASE_URL")
+                .or_else(|_| std::env::var("TROUPE_TEST_DATABASE_URL"))
+                .context(
+                    "set TROUPE_BENCH_DATABASE_URL (or source scripts/setup/20-postgres.sh)",
+                )?;
+            let schema = fresh_schema(&url).await?;
+            Ok((Some(in_schema(&url, &schema)), Some((url, schema))))
+        }
+        other => bail!("unknown --db {other}"),
+    }
 }
 
 impl Bench {
@@ -27,20 +60,8 @@ impl Bench {
     ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let mut config = troupe_coordinator::Config::new(dir.path().join("data"));
-        let schema = match db {
-            "sqlite" => None,
-            "postgres" => {
-                let url = std::env::var("TROUPE_BENCH_DATABASE_URL")
-                    .or_else(|_| std::env::var("TROUPE_TEST_DATABASE_URL"))
-                    .context(
-                        "set TROUPE_BENCH_DATABASE_URL (or source scripts/setup/20-postgres.sh)",
-                    )?;
-                let schema = fresh_schema(&url).await?;
-                config.database_url = Some(in_schema(&url, &schema));
-                Some((url, schema))
-            }
-            other => bail!("unknown --db {other}"),
-        };
+        let (database_url, schema) = database(db).await?;
+        config.database_url = database_url;
         let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
         listener.set_nonblocking(true)?;
         let url = format!("http://{}", listener.local_addr()?);
@@ -61,40 +82,130 @@ impl Bench {
             listener,
             shutdown.clone(),
         ));
-        let repo = dir.path().join("plan/repo");
-        std::fs::create_dir_all(&repo)?;
-        git(&repo, &["init", "-q"])?;
-        std::fs::write(repo.join("README.md"), "bench\n")?;
-        git(&repo, &["add", "."])?;
-        git(
-            &repo,
-            &[
-                "-c",
-                "user.name=b",
-                "-c",
-                "user.email=b@b",
-                "commit",
-                "-qm",
-                "init",
-            ],
-        )?;
+        let base_dir = plan_repo(dir.path())?;
         Ok(Self {
             client: troupe_grpc::coordinator_client(&url)?,
-            base_dir: dir.path().join("plan").display().to_string(),
-            shutdown,
-            server,
-            runtime: Some(runtime),
+            base_dir,
+            server: Server::InProcess {
+                shutdown,
+                server,
+                runtime: Some(runtime),
+            },
             schema,
             _dir: dir,
         })
     }
 
+    /// Starts the coordinator binary `bin` as a process of its own on `db`, listening on a
+    /// loopback port that was free a moment ago, with its default tuning; returns once it
+    /// answers.
+    #[allow(dead_code)] // Not every benchmark spawns it.
+    pub(crate) async fn spawn(db: &str, bin: &Path) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let (database_url, schema) = database(db).await?;
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?;
+        let mut command = tokio::process::Command::new(bin);
+        command
+            .arg("--listen")
+            .arg(addr.to_string())
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .env_remove("TROUPE_DATABASE_URL")
+            .env("RUST_LOG", "warn")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .kill_on_drop(true);
+        if let Some(url) = &database_url {
+            command.arg("--database-url").arg(url);
+        }
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let client = troupe_grpc::coordinator_client(&format!("http://{addr}"))?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = child.try_wait()? {
+                bail!("{} exited before it served: {status}", bin.display());
+            }
+            let probe = client
+                .clone()
+                .list_sessions(troupe_proto::v1::ListSessionsRequest::default())
+                .await;
+            match probe {
+                Ok(_) => break,
+                // Not listening yet.
+                Err(_) if tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(status) => bail!("{} did not serve within 60 s: {status}", bin.display()),
+            }
+        }
+        let base_dir = plan_repo(dir.path())?;
+        Ok(Self {
+            client,
+            base_dir,
+            server: Server::Child(child),
+            schema,
+            _dir: dir,
+        })
+    }
+
+    /// The coordinator's resident set, peak (`VmHWM`) and current (`VmRSS`), from
+    /// /proc/<pid>/status: the child's, or this process's when the coordinator runs in it.
+    #[allow(dead_code)] // Not every benchmark reports it.
+    pub(crate) fn memory(&self) -> String {
+        let path = match &self.server {
+            Server::Child(child) => child.id().map(|pid| format!("/proc/{pid}/status")),
+            Server::InProcess { .. } => Some("/proc/self/status".to_owned()),
+        };
+        let status = path
+            .and_then(|path| std::fs::read_to_string(path).ok())
+            .unwrap_or_default();
+        let field = |name: &str| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix(name).map(|kb| kb_to_mb(kb.trim())))
+                .unwrap_or_else(|| "unknown".to_owned())
+        };
+        format!("VmHWM {}, VmRSS {}", field("VmHWM:"), field("VmRSS:"))
+    }
+
+    /// The coordinator's process id when it runs as a process of its own.
+    #[allow(dead_code)] // Not every benchmark spawns it.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        match &self.server {
+            Server::Child(child) => child.id(),
+            Server::InProcess { .. } => None,
+        }
+    }
+
     /// Shuts the coordinator down and waits for it.
     pub(crate) async fn stop(mut self) -> anyhow::Result<()> {
-        self.shutdown.cancel();
-        (&mut self.server).await??;
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_background();
+        match &mut self.server {
+            Server::InProcess {
+                shutdown,
+                server,
+                runtime,
+            } => {
+                shutdown.cancel();
+                server.await??;
+                if let Some(runtime) = runtime.take() {
+                    runtime.shutdown_background();
+                }
+            }
+            Server::Child(child) => {
+                let pid = child.id().context("the coordinator was already reaped")?;
+                nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(i32::try_from(pid)?),
+                    nix::sys::signal::Signal::SIGTERM,
+                )?;
+                let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+                    .await
+                    .context("the coordinator did not stop within 60 s of SIGTERM")??;
+                if !status.success() {
+                    bail!("the coordinator exited {status}");
+                }
+            }
         }
         // Each run's tables would otherwise pile up in the benchmark database.
         if let Some((url, schema)) = self.schema.take() {
@@ -106,6 +217,37 @@ impl Bench {
         }
         Ok(())
     }
+}
+
+/// `1234 kB` as `1.2 MB`.
+fn kb_to_mb(kb: &str) -> String {
+    kb.strip_suffix(" kB")
+        .and_then(|n| n.trim().parse::<f64>().ok())
+        .map(|n| format!("{:.0} MB", n / 1000.0))
+        .unwrap_or_else(|| kb.to_owned())
+}
+
+/// Makes the one-commit repository the plans name (`repo`, relative to the returned base
+/// directory) under `dir`.
+fn plan_repo(dir: &Path) -> anyhow::Result<String> {
+    let repo = dir.join("plan/repo");
+    std::fs::create_dir_all(&repo)?;
+    git(&repo, &["init", "-q"])?;
+    std::fs::write(repo.join("README.md"), "bench\n")?;
+    git(&repo, &["add", "."])?;
+    git(
+        &repo,
+        &[
+            "-c",
+            "user.name=b",
+            "-c",
+            "user.email=b@b",
+            "commit",
+            "-qm",
+            "init",
+        ],
+    )?;
+    Ok(dir.join("plan").display().to_string())
 }
 
 fn git(dir: &std::path::Path, args: &[&str]) -> anyhow::Result<()> {

@@ -158,7 +158,8 @@ impl Coordinator {
                 created_at: now,
                 updated_at: now,
             };
-            let mut tasks = task_rows(&plan, "", now);
+            let waves = waves(&plan);
+            let mut tasks = task_rows(std::mem::take(&mut plan.tasks), "", now);
             task::settle(&mut tasks, plan.mode, plan.on_failure, now);
             return Ok(Created::DryRun {
                 view: SessionView {
@@ -167,7 +168,7 @@ impl Coordinator {
                     tasks,
                 },
                 max,
-                waves: waves(&plan),
+                waves,
             });
         }
 
@@ -180,6 +181,7 @@ impl Coordinator {
         let branch = format!("troupe/{session_id}");
         let created = crate::repos::create_local_branches(&repos, &branch).await?;
         let session_repos = repos.iter().map(|repo| repo.to_proto(&branch)).collect();
+        let (waves, task_count) = (waves(&plan), plan.tasks.len());
         let new = NewSession {
             session: SessionRow {
                 id: session_id.clone(),
@@ -196,21 +198,21 @@ impl Coordinator {
             plan_json: request.plan_json,
             repos: session_repos,
             assets,
-            tasks: task_rows(&plan, &session_id, now),
+            tasks: task_rows(std::mem::take(&mut plan.tasks), &session_id, now),
         };
         if let Err(err) = lifecycle::create::create_session(&self.store, new, now).await {
             crate::repos::delete_branches(&created, &branch).await;
             return Err(err);
         }
         self.notify();
-        tracing::info!(session_id = %session_id, tasks = plan.tasks.len(), "session created");
+        tracing::info!(session_id = %session_id, tasks = task_count, "session created");
         troupe_telemetry::spans::record_session(
             &session_id,
             vec![
                 troupe_telemetry::spans::KeyValue::new("troupe.plan.name", plan.name.clone()),
                 troupe_telemetry::spans::KeyValue::new(
                     "troupe.plan.tasks",
-                    i64::try_from(plan.tasks.len()).unwrap_or(i64::MAX),
+                    i64::try_from(task_count).unwrap_or(i64::MAX),
                 ),
             ],
         );
@@ -218,7 +220,7 @@ impl Coordinator {
         // plan, and as long to read back.
         Ok(Created::Stored {
             page: self.store.session_page(&session_id, max).await?,
-            waves: waves(&plan),
+            waves,
         })
     }
 
@@ -615,51 +617,71 @@ fn waves(plan: &Plan) -> u32 {
     plan.tasks.iter().map(|task| task.wave).max().unwrap_or(0)
 }
 
-fn task_rows(plan: &Plan, session_id: &str, now: i64) -> Vec<Task> {
-    plan.tasks
+/// How many plan tasks [`task_rows`] turns into rows between giving back the plan's memory.
+const ROWS_BETWEEN_SHRINKS: usize = 4_096;
+
+/// The stored rows of a plan's tasks, in plan order. The plan's tasks are consumed, their
+/// strings and objects moved rather than copied, and the plan's buffer is shrunk as it
+/// empties: a 100,000-task plan's tasks and their rows are each over 150 MB (a task is large
+/// inline), so holding both whole would double intake's peak memory.
+fn task_rows(mut tasks: Vec<troupe_plan::PlanTask>, session_id: &str, now: i64) -> Vec<Task> {
+    let mut rows = Vec::with_capacity(tasks.len());
+    // From the back, so the plan's buffer can shrink in place (a buffer this large is a
+    // mapping of its own, which the allocator shortens); the rows are reversed at the end.
+    while let Some(task) = tasks.pop() {
+        rows.push(task_row(task, tasks.len(), session_id, now));
+        if tasks.len().is_multiple_of(ROWS_BETWEEN_SHRINKS) {
+            tasks.shrink_to_fit();
+        }
+    }
+    rows.reverse();
+    rows
+}
+
+/// The row of the plan's task at `position`.
+fn task_row(task: troupe_plan::PlanTask, position: usize, session_id: &str, now: i64) -> Task {
+    let imported = imported_result(&task.spec);
+    let backends = troupe_plan::backend::plan_routes(&task);
+    let files = task
+        .files
         .iter()
-        .enumerate()
-        .map(|(position, task)| (position, task, imported_result(&task.spec)))
-        .map(|(position, task, imported)| Task {
-            session_id: session_id.to_owned(),
-            id: task.id.clone(),
-            position: i64::try_from(position).unwrap_or(i64::MAX),
-            title: task.title.clone(),
-            description: task.description.clone(),
-            role: task.role.to_proto(),
-            priority: task.priority.to_proto(),
-            repo: task.repo.clone(),
-            wave: task.wave,
-            critical_path: task.critical_path,
-            path_ms: task.path_ms,
-            depends_on: task.depends_on.clone(),
-            files: task
-                .files
-                .iter()
-                .map(troupe_plan::FileSpec::to_proto)
-                .collect(),
-            spec: task.spec.clone(),
-            state: if imported.is_some() {
-                TaskState::Completed
-            } else {
-                TaskState::Pending
-            },
-            attempt: 0,
-            max_attempts: task.max_attempts,
-            fencing_token: 0,
-            worker_id: String::new(),
-            lease_ms: 0,
-            lease_expires_at: None,
-            not_before: None,
-            created_at: now,
-            started_at: None,
-            finished_at: imported.is_some().then_some(now),
-            progress: String::new(),
-            result: imported,
-            last_error: None,
-            superseded_by: String::new(),
-            convergence: None,
-            backends: troupe_plan::backend::plan_routes(task),
-        })
-        .collect()
+        .map(troupe_plan::FileSpec::to_proto)
+        .collect();
+    Task {
+        session_id: session_id.to_owned(),
+        id: task.id,
+        position: i64::try_from(position).unwrap_or(i64::MAX),
+        title: task.title,
+        description: task.description,
+        role: task.role.to_proto(),
+        priority: task.priority.to_proto(),
+        repo: task.repo,
+        wave: task.wave,
+        critical_path: task.critical_path,
+        path_ms: task.path_ms,
+        depends_on: task.depends_on,
+        files,
+        spec: task.spec,
+        state: if imported.is_some() {
+            TaskState::Completed
+        } else {
+            TaskState::Pending
+        },
+        attempt: 0,
+        max_attempts: task.max_attempts,
+        fencing_token: 0,
+        worker_id: String::new(),
+        lease_ms: 0,
+        lease_expires_at: None,
+        not_before: None,
+        created_at: now,
+        started_at: None,
+        finished_at: imported.is_some().then_some(now),
+        progress: String::new(),
+        result: imported,
+        last_error: None,
+        superseded_by: String::new(),
+        convergence: None,
+        backends,
+    }
 }

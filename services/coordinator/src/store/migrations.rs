@@ -51,6 +51,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "dependents due",
         include_str!("migrations/0014_dependents_due.sql"),
     ),
+    (
+        15,
+        "state position",
+        include_str!("migrations/0015_state_position.sql"),
+    ),
 ];
 
 /// The second step of migration 9: the dependency rows of tasks stored before it, read out of

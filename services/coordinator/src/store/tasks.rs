@@ -740,7 +740,8 @@ pub(crate) struct TaskFilter {
 }
 
 /// Up to `limit` tasks of a session matching `filter`, in plan order, after position `after`
-/// (an index range of `tasks_position`), and whether more match.
+/// (an index range of `tasks_position`, or of `tasks_state_position` for one state), and
+/// whether more match.
 pub(crate) async fn list_tasks(
     tx: &mut Tx,
     session_id: &str,
@@ -753,10 +754,12 @@ pub(crate) async fn list_tasks(
         next += 1;
         format!("${next}")
     };
-    let mut sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1");
-    if after.is_some() {
-        sql.push_str(&format!(" AND position > {}", param()));
-    }
+    // Always bounded below (-1: the first page), so the page is a range of an index that
+    // ends in `position` (`tasks_state_position` when filtered by state).
+    let mut sql = format!(
+        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND position > {}",
+        param()
+    );
     if !filter.states.is_empty() {
         // States and roles are enum numbers, written into the statement.
         let states: Vec<String> = filter
@@ -786,10 +789,9 @@ pub(crate) async fn list_tasks(
         ));
     }
     sql.push_str(&format!(" ORDER BY position LIMIT {}", param()));
-    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(session_id);
-    if let Some(after) = after {
-        query = query.bind(after);
-    }
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(session_id)
+        .bind(after.unwrap_or(-1));
     if let Some(repo) = &filter.repo {
         query = query.bind(repo.clone());
     }

@@ -134,6 +134,83 @@ async fn a_100000_task_plan_goes_in_pieces_and_its_replies_stay_bounded(db: Db) 
     harness.stop().await;
 }
 
+/// Intake turns a plan's tasks into rows without copying them (it consumes them from the
+/// back, giving the plan's memory back as it goes): every task of a plan larger than the
+/// steps it shrinks by is stored whole, in topological order (by wave, then plan order), with
+/// its own fields.
+async fn a_large_plan_s_tasks_are_stored_whole_in_order(db: Db) {
+    let harness = Harness::start(db).await;
+    let count = 9_001;
+    let mut plan = chains(count);
+    for (i, task) in plan["tasks"]
+        .as_array_mut()
+        .expect("tasks")
+        .iter_mut()
+        .enumerate()
+    {
+        task["description"] = json!(format!("about {i}"));
+        task["note"] = json!(i);
+    }
+    let plan = plan.to_string().into_bytes();
+    let created = upload(&harness, pieces(&harness, &plan, 256 * 1024))
+        .await
+        .expect("upload");
+    let session = session_id(&created);
+    let mut tasks = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = harness
+            .client()
+            .list_tasks(pb::ListTasksRequest {
+                session_id: session.clone(),
+                page_size: 2_500,
+                page_token: token,
+                ..Default::default()
+            })
+            .await
+            .expect("list")
+            .into_inner();
+        tasks.extend(page.tasks);
+        token = page.next_page_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(tasks.len(), count);
+    // Chains of 100: the wave of `IMPL-i` is `i % 100 + 1`.
+    let mut order: Vec<usize> = (0..count).collect();
+    order.sort_by_key(|i| (i % 100, *i));
+    for (&i, task) in order.iter().zip(&tasks) {
+        assert_eq!(task.id, format!("IMPL-{i}"));
+        assert_eq!(task.title, format!("step {i}"));
+        assert_eq!(task.description, format!("about {i}"));
+        let deps: Vec<String> = match i % 100 {
+            0 => Vec::new(),
+            _ => vec![format!("IMPL-{}", i - 1)],
+        };
+        assert_eq!(task.depends_on, deps);
+        assert_eq!(task.wave as usize, i % 100 + 1, "{}", task.id);
+        let note = task
+            .spec
+            .as_ref()
+            .and_then(|spec| spec.fields.get("note"))
+            .and_then(|value| value.kind.clone());
+        assert_eq!(
+            note,
+            Some(prost_types::value::Kind::NumberValue(i as f64)),
+            "{}",
+            task.id
+        );
+        let expected = if i % 100 == 0 {
+            pb::TaskState::Ready
+        } else {
+            pb::TaskState::Pending
+        };
+        assert_eq!(task.state(), expected, "{}", task.id);
+    }
+    harness.stop().await;
+}
+
 /// A refused upload stores nothing, whether the plan is invalid (all or nothing: its last task
 /// names a dependency no task has), not UTF-8, or the stream breaks the protocol.
 async fn a_refused_upload_stores_nothing(db: Db) {
@@ -194,5 +271,6 @@ async fn a_refused_upload_stores_nothing(db: Db) {
 
 db_tests!(
     a_100000_task_plan_goes_in_pieces_and_its_replies_stay_bounded,
+    a_large_plan_s_tasks_are_stored_whole_in_order,
     a_refused_upload_stores_nothing,
 );
