@@ -89,6 +89,11 @@ const MIGRATION_LOCK: i64 = 0x7472_6f75_7065;
 
 impl Store {
     pub(super) async fn migrate(&self) -> Result<(), Error> {
+        self.migrate_through(i64::MAX).await
+    }
+
+    /// Applies the migrations up to version `last` that are not applied yet.
+    pub(super) async fn migrate_through(&self, last: i64) -> Result<(), Error> {
         let mut tx = self.begin().await?;
         if self.dialect == Dialect::Postgres {
             sqlx::query("SELECT pg_advisory_xact_lock($1)")
@@ -101,7 +106,7 @@ impl Store {
         )
         .execute(&mut *tx)
         .await?;
-        for (version, name, sql) in MIGRATIONS {
+        for (version, name, sql) in MIGRATIONS.iter().filter(|(version, ..)| *version <= last) {
             let applied = sqlx::query("SELECT version FROM schema_migrations WHERE version = $1")
                 .bind(version)
                 .fetch_optional(&mut *tx)
@@ -130,5 +135,51 @@ impl Store {
         }
         tx.commit().await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::Row as _;
+    use sqlx::sqlite::SqliteConnectOptions;
+
+    use super::Store;
+
+    /// Migration 12 moves the plans of sessions stored before it out of `sessions`, whole.
+    #[tokio::test]
+    async fn migration_12_keeps_the_plans_of_existing_sessions() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("troupe.db");
+        let old = Store::open_sqlite_through(SqliteConnectOptions::new().filename(&path), 11)
+            .await
+            .unwrap();
+        let plan = format!("{{\"tasks\": [{}]}}", "{\"id\": \"T\"},".repeat(20_000));
+        sqlx::query(
+            "INSERT INTO sessions (id, name, description, state, mode, on_failure, plan_json, plan_dir, created_at, updated_at) \
+             VALUES ('S', 'old', '', 1, 'eager', 'stop', $1, '', 1, 1)",
+        )
+        .bind(&plan)
+        .execute(&old.writer)
+        .await
+        .unwrap();
+        old.writer.close().await;
+        old.reader.close().await;
+
+        let store = Store::open_file(&path).await.unwrap();
+        let moved: String =
+            sqlx::query_scalar("SELECT plan_json FROM session_plans WHERE session_id = 'S'")
+                .fetch_one(&store.writer)
+                .await
+                .unwrap();
+        assert_eq!(moved, plan);
+        let row = sqlx::query("SELECT * FROM sessions WHERE id = 'S'")
+            .fetch_one(&store.writer)
+            .await
+            .unwrap();
+        assert_eq!(row.try_get::<String, _>("name").unwrap(), "old");
+        assert!(
+            row.try_get::<String, _>("plan_json").is_err(),
+            "the column is gone"
+        );
     }
 }

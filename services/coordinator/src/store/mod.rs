@@ -89,6 +89,12 @@ impl Store {
     }
 
     async fn open_sqlite(options: SqliteConnectOptions) -> Result<Self, Error> {
+        Self::open_sqlite_through(options, i64::MAX).await
+    }
+
+    /// [`Self::open_sqlite`] with the migrations up to version `last` only (tests open a
+    /// store as an older coordinator left it).
+    async fn open_sqlite_through(options: SqliteConnectOptions, last: i64) -> Result<Self, Error> {
         sqlx::any::install_default_drivers();
         // `Any` connects by URL; the SQLite URL keeps the file name percent-encoded.
         let url = options.create_if_missing(true).to_url_lossy().to_string();
@@ -120,7 +126,7 @@ impl Store {
             url: None,
             repos: Default::default(),
         };
-        store.migrate().await?;
+        store.migrate_through(last).await?;
         let reader = pragmas(AnyPoolOptions::new().test_before_acquire(false))
             .max_connections(4)
             .acquire_timeout(Duration::from_secs(30))

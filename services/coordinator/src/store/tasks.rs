@@ -268,13 +268,18 @@ pub(super) fn bind_task<'q>(query: AnyQuery<'q>, task: &'q Task) -> Result<AnyQu
 /// Loads a session's tasks in topological order. Writers call [`super::sessions::lock_session`] first: the
 /// session row lock serialises every writer of a session, so what they read stays current.
 pub(super) async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
-    let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 ORDER BY position"
-    )))
-    .bind(session_id)
-    .fetch_all(&mut **tx)
-    .await?;
-    rows.iter().map(task_from_row).collect()
+    use futures::TryStreamExt as _;
+    let sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 ORDER BY position");
+    // Row by row: a session's rows and its tasks are never in memory together (the task
+    // cache loads sessions of up to 50,000 tasks this way).
+    let mut rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(session_id)
+        .fetch(&mut **tx);
+    let mut tasks = Vec::new();
+    while let Some(row) = rows.try_next().await? {
+        tasks.push(task_from_row(&row)?);
+    }
+    Ok(tasks)
 }
 
 /// A session's tasks in topological order, unless it has more than `max`.
