@@ -978,7 +978,8 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
             {
                 let _ = write!(line, " (waits on {})", node.waiting_on.join(", "));
             }
-            if !node.progress.is_empty() {
+            // A done task's last heartbeat note ("running backend …") no longer says anything.
+            if !node.progress.is_empty() && node.status() != troupe_proto::v1::GraphStatus::Done {
                 let _ = write!(line, " - {}", node.progress);
             }
             let _ = writeln!(out, "{line}");
@@ -1033,6 +1034,34 @@ fn status_report(status: &troupe_proto::v1::CheckSessionResponse) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn check_shows_heartbeat_notes_of_unfinished_tasks_only() {
+        use troupe_proto::v1::{CheckSessionResponse, GraphStatus, StatusNode, Wave};
+        let node = |id: &str, status: GraphStatus| StatusNode {
+            task_id: id.to_owned(),
+            wave: 1,
+            status: status as i32,
+            progress: format!("note of {id}"),
+            ..StatusNode::default()
+        };
+        let status = CheckSessionResponse {
+            graph: vec![
+                node("A", GraphStatus::Done),
+                node("B", GraphStatus::Running),
+            ],
+            waves: vec![Wave {
+                number: 1,
+                task_ids: vec!["A".to_owned(), "B".to_owned()],
+                task_count: 2,
+                ..Wave::default()
+            }],
+            ..CheckSessionResponse::default()
+        };
+        let report = status_report(&status);
+        assert!(report.contains("note of B"), "{report}");
+        assert!(!report.contains("note of A"), "{report}");
+    }
 
     #[test]
     fn repo_args_name_the_default_or_a_named_repo() {
