@@ -14,6 +14,43 @@ use crate::support::{ChildService, binary};
 const CLIENT: &str = "gate-client-token-0123456789";
 const WORKER: &str = "gate-worker-token-0123456789";
 
+/// Creates a session of `plan` with its repositories under `base_dir`; returns its id.
+async fn create(
+    connector: &troupe_grpc::Connector,
+    url: &str,
+    plan: &serde_json::Value,
+    base_dir: &std::path::Path,
+) -> anyhow::Result<String> {
+    Ok(connector
+        .coordinator_client(url)?
+        .create_session(CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: base_dir.display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .session
+        .context("session")?
+        .id)
+}
+
+/// The session's view; owned arguments, so `eventually` closures can call it.
+async fn get(
+    connector: troupe_grpc::Connector,
+    url: String,
+    session: String,
+) -> anyhow::Result<GetSessionResponse> {
+    Ok(connector
+        .coordinator_client(&url)?
+        .get_session(GetSessionRequest {
+            session_id: session,
+            ..Default::default()
+        })
+        .await?
+        .into_inner())
+}
+
 fn state_of(view: &GetSessionResponse, id: &str) -> TaskState {
     view.tasks
         .iter()
@@ -52,29 +89,7 @@ async fn gates_wait_through_a_restart_and_take_answers_from_grpcurl_and_the_cli(
         {"id": "IMPL-3", "title": "drop the old API", "depends_on": ["IMPL-1"], "agent": agent,
          "approval": true},
         {"id": "IMPL-4", "title": "after the drop", "depends_on": ["IMPL-3"], "agent": agent}]});
-    let session = connector
-        .coordinator_client(&url)?
-        .create_session(CreateSessionRequest {
-            plan_json: plan.to_string(),
-            base_dir: data.path().display().to_string(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .session
-        .context("session")?
-        .id;
-    let get = |connector: troupe_grpc::Connector, url: String, session: String| async move {
-        connector
-            .coordinator_client(&url)?
-            .get_session(GetSessionRequest {
-                session_id: session,
-                ..Default::default()
-            })
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(anyhow::Error::from)
-    };
+    let session = create(&connector, &url, &plan, data.path()).await?;
     troupe_testkit::eventually_within("both gates waiting", Duration::from_secs(60), || {
         let (connector, url, session) = (connector.clone(), url.clone(), session.clone());
         async move {
@@ -304,29 +319,7 @@ async fn checkpoints_hold_a_roles_stage_through_a_restart_and_take_answers() -> 
             {"id": "IMPL-2", "title": "build more", "agent": agent},
             {"id": "TEST-1", "title": "test the build", "depends_on": ["IMPL-1", "IMPL-2"],
              "test": {"framework": "pytest", "coverage_target": 0}}]});
-    let session = connector
-        .coordinator_client(&url)?
-        .create_session(CreateSessionRequest {
-            plan_json: plan.to_string(),
-            base_dir: data.path().display().to_string(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .session
-        .context("session")?
-        .id;
-    let get = |connector: troupe_grpc::Connector, url: String, session: String| async move {
-        connector
-            .coordinator_client(&url)?
-            .get_session(GetSessionRequest {
-                session_id: session,
-                ..Default::default()
-            })
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(anyhow::Error::from)
-    };
+    let session = create(&connector, &url, &plan, data.path()).await?;
     let view = get(connector.clone(), url.clone(), session.clone()).await?;
     assert_eq!(state_of(&view, "IMPL-1"), TaskState::WaitingApproval);
     assert_eq!(state_of(&view, "IMPL-2"), TaskState::WaitingApproval);

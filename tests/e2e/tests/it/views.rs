@@ -352,6 +352,36 @@ impl Tmux {
         Ok(String::from_utf8_lossy(&output.stdout).into_owned())
     }
 
+    /// Starts `troupe watch SESSION` in a detached window `width` columns wide (40 rows) that
+    /// stays on screen after it exits.
+    fn watch(&self, session: &str, url: &str, width: u16) -> anyhow::Result<()> {
+        let troupe_bin = binary("troupe").display().to_string();
+        let width = width.to_string();
+        self.command(&[
+            "new-session",
+            "-d",
+            "-s",
+            "watch",
+            "-x",
+            &width,
+            "-y",
+            "40",
+            "--",
+            &troupe_bin,
+            "watch",
+            session,
+            "--connect",
+            url,
+            ";",
+            "set-option",
+            "-t",
+            "watch",
+            "remain-on-exit",
+            "on",
+        ])?;
+        Ok(())
+    }
+
     fn screen(&self) -> anyhow::Result<String> {
         self.command(&["capture-pane", "-p", "-t", "watch"])
     }
@@ -383,29 +413,7 @@ async fn troupe_watch_on_a_terminal_draws_bars_and_running_tasks() -> anyhow::Re
     let tmux = Tmux {
         socket: format!("troupe-test-{}", std::process::id()),
     };
-    let troupe_bin = binary("troupe").display().to_string();
-    tmux.command(&[
-        "new-session",
-        "-d",
-        "-s",
-        "watch",
-        "-x",
-        "160",
-        "-y",
-        "40",
-        "--",
-        &troupe_bin,
-        "watch",
-        &session,
-        "--connect",
-        &url,
-        ";",
-        "set-option",
-        "-t",
-        "watch",
-        "remain-on-exit",
-        "on",
-    ])?;
+    tmux.watch(&session, &url, 160)?;
     // While the first wave runs: the bars, and a line per running task with its attempt.
     let running = troupe_testkit::eventually_within(
         "the live view showing a running task",
@@ -560,29 +568,7 @@ async fn troupe_watch_shows_tokens_so_far_and_test_iterations() -> anyhow::Resul
     let tmux = Tmux {
         socket: format!("troupe-figures-{}", std::process::id()),
     };
-    let troupe_bin = binary("troupe").display().to_string();
-    tmux.command(&[
-        "new-session",
-        "-d",
-        "-s",
-        "watch",
-        "-x",
-        "200",
-        "-y",
-        "40",
-        "--",
-        &troupe_bin,
-        "watch",
-        &session,
-        "--connect",
-        &url,
-        ";",
-        "set-option",
-        "-t",
-        "watch",
-        "remain-on-exit",
-        "on",
-    ])?;
+    tmux.watch(&session, &url, 200)?;
     // One look at the screen every 200 ms until the session is done: the agent task's tokens
     // so far while its tool sleeps, and the test task's line after its first run (two failing)
     // and after fix iteration 1 (one left), each shown while the next fixing agent sleeps.
