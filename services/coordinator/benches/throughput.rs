@@ -17,13 +17,14 @@
 //! default): each ready task has one dependency; `--s2-shape chain`: one chain, whose n-th
 //! claim also carries the n-1 upstream results (so it grows with `--samples`).
 //!
-//! `--coordinator-bin target/release/troupe-coordinator` runs the coordinator as a process of
-//! its own instead of in this one, so `--only memory` reads its memory alone:
+//! `--coordinator-bin PATH` (absolute: `cargo bench` runs in the package's directory) runs the
+//! coordinator as a process of its own instead of in this one, so `--only memory` reads its
+//! memory alone:
 //!
 //! ```text
 //! cargo build --release -p troupe-coordinator --bin troupe-coordinator
 //! cargo bench -p troupe-coordinator --bench throughput -- --db sqlite --only memory \
-//!   --tasks 100000 --coordinator-bin target/release/troupe-coordinator
+//!   --tasks 100000 --coordinator-bin "$PWD/target/release/troupe-coordinator"
 //! ```
 
 mod common;
@@ -321,12 +322,9 @@ async fn upload(client: &Client, base_dir: &str, plan_json: String) -> anyhow::R
     Ok(created.session.context("no session")?.id)
 }
 
-/// Reads the session's whole event log with `WatchSession` (up to its last sequence when the
-/// watch began: the session stays active, so the stream would not end). Returns the events
-/// read and the time taken.
-async fn watch(client: &Client, session: &str) -> anyhow::Result<(u64, Duration)> {
-    let start = Instant::now();
-    let last = client
+/// The session's row (its counts and last sequence), without its tasks.
+async fn session_of(client: &Client, session: &str) -> anyhow::Result<pb::Session> {
+    client
         .clone()
         .get_session(pb::GetSessionRequest {
             session_id: session.to_owned(),
@@ -335,8 +333,15 @@ async fn watch(client: &Client, session: &str) -> anyhow::Result<(u64, Duration)
         .await?
         .into_inner()
         .session
-        .context("session")?
-        .last_sequence;
+        .context("session")
+}
+
+/// Reads the session's whole event log with `WatchSession` (up to its last sequence when the
+/// watch began: the session stays active, so the stream would not end). Returns the events
+/// read and the time taken.
+async fn watch(client: &Client, session: &str) -> anyhow::Result<(u64, Duration)> {
+    let start = Instant::now();
+    let last = session_of(client, session).await?.last_sequence;
     let mut events = client
         .clone()
         .watch_session(pb::WatchSessionRequest {
@@ -604,16 +609,9 @@ async fn reads(client: &Client, session: &str) -> anyhow::Result<String> {
         async move { client.get_session(request).await }
     })
     .await?;
-    let total = client
-        .clone()
-        .get_session(pb::GetSessionRequest {
-            session_id: session.to_owned(),
-            max_tasks: 1,
-        })
+    let total = session_of(client, session)
         .await?
-        .into_inner()
-        .session
-        .and_then(|session| session.counts)
+        .counts
         .map_or(0, |counts| counts.total);
     // A page token is `after:<position>`, a task's place in plan order.
     let middle = format!("after:{}", total / 2);
