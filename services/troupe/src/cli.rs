@@ -1054,7 +1054,6 @@ mod tests {
                 number: 1,
                 task_ids: vec!["A".to_owned(), "B".to_owned()],
                 task_count: 2,
-                ..Wave::default()
             }],
             ..CheckSessionResponse::default()
         };
