@@ -487,7 +487,7 @@ mod tests {
                 .as_str()
                 .map(|name| vec![name.to_ascii_lowercase()])
                 .unwrap_or_default(),
-            spec: spec.as_object().cloned().unwrap_or_default(),
+            spec: spec.as_object().cloned().unwrap_or_default().into(),
             state: pb::TaskState::Ready,
             ..Task::default()
         }

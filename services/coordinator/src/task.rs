@@ -31,7 +31,9 @@ pub(crate) struct Task {
     pub(crate) path_ms: u64,
     pub(crate) depends_on: Vec<String>,
     pub(crate) files: Vec<pb::FileChange>,
-    pub(crate) spec: serde_json::Map<String, serde_json::Value>,
+    /// The task's object from the plan. Shared: tasks are copied on every batch (the
+    /// session's in-memory copy, the batch's before and after), the spec never changes.
+    pub(crate) spec: std::sync::Arc<serde_json::Map<String, serde_json::Value>>,
     pub(crate) state: TaskState,
     pub(crate) attempt: u32,
     pub(crate) max_attempts: u32,
@@ -307,7 +309,7 @@ mod tests {
             path_ms: 60_000,
             depends_on: deps.iter().map(|d| (*d).to_owned()).collect(),
             files: Vec::new(),
-            spec: serde_json::Map::new(),
+            spec: std::sync::Arc::default(),
             state: TaskState::Pending,
             attempt: 0,
             max_attempts: 2,

@@ -261,7 +261,7 @@ fn decide(
     fix_spec.insert("gc_origin".to_owned(), json!(chain));
     fix_spec.insert("gc_round".to_owned(), json!(round));
 
-    let mut rerun_spec = failed.spec.clone();
+    let mut rerun_spec = (*failed.spec).clone();
     rerun_spec.insert("id".to_owned(), json!(rerun_id));
     rerun_spec.insert("depends_on".to_owned(), json!([fix_id]));
     rerun_spec.insert("gc_origin".to_owned(), json!(chain));
@@ -282,14 +282,14 @@ fn decide(
         role: pb::Role::Executor,
         depends_on: Vec::new(),
         files: Vec::new(),
-        spec: fix_spec,
+        spec: fix_spec.into(),
         ..fresh(failed, now_ms)
     };
     let rerun = Task {
         id: rerun_id,
         position: failed.position + 2,
         depends_on: vec![fix_id],
-        spec: rerun_spec,
+        spec: rerun_spec.into(),
         ..fresh(failed, now_ms)
     };
     Decision::Round(Box::new(Round {
@@ -482,7 +482,7 @@ mod tests {
             path_ms: 60_000,
             depends_on: Vec::new(),
             files: Vec::new(),
-            spec: spec.as_object().cloned().unwrap_or_default(),
+            spec: spec.as_object().cloned().unwrap_or_default().into(),
             state: TaskState::Failed,
             attempt: 1,
             max_attempts: 1,

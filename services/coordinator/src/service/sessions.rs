@@ -661,7 +661,7 @@ fn task_row(task: troupe_plan::PlanTask, position: usize, session_id: &str, now:
         path_ms: task.path_ms,
         depends_on: task.depends_on,
         files,
-        spec: task.spec,
+        spec: task.spec.into(),
         state: if imported.is_some() {
             TaskState::Completed
         } else {

@@ -76,7 +76,7 @@ pub(super) fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
                 change: file.change,
             })
             .collect(),
-        spec: parse_object(&spec)?,
+        spec: parse_object(&spec)?.into(),
         state: TaskState::try_from(row.try_get::<i32, _>("state")?).map_err(corrupt)?,
         attempt: to_u32(row.try_get("attempt")?),
         max_attempts: to_u32(row.try_get("max_attempts")?),
