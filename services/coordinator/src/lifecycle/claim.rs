@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use troupe_proto::v1::{self as pb, SessionState, TaskState};
 
+use super::task_cache::TaskCache;
 use super::write_changes;
 use crate::Error;
 use crate::quota::Quotas;
@@ -144,7 +145,7 @@ pub(crate) async fn claim_in(
         .unwrap_or_default();
     // A claim changes nothing else in the graph: no settling needed.
     write_changes(tx, session_id, &before, &tasks, transitions, now).await?;
-    hand_out(store, tx, session, claims.len(), taken).await
+    hand_out(store, tx, session, claims.len(), taken, None).await
 }
 
 /// What the claims get: each claimed task (`(claim, task)`, already written) with its
@@ -155,13 +156,22 @@ pub(super) async fn hand_out(
     session: &SessionRow,
     claims: usize,
     taken: Vec<(usize, Task)>,
+    cache: Option<&TaskCache>,
 ) -> Result<Vec<Vec<Claimed>>, Error> {
     let mut out: Vec<Vec<Claimed>> = (0..claims).map(|_| Vec::new()).collect();
     if taken.is_empty() {
         return Ok(out);
     }
     let tasks: Vec<Task> = taken.iter().map(|(_, task)| task.clone()).collect();
-    let mut upstream_of = load_upstream(tx, &session.id, &tasks).await?;
+    let mut upstream_of = match cache {
+        // The session's copy holds every result (a validator also reads its ancestors' specs,
+        // which the copy does not keep): no read, so a dependent costs no more round trips
+        // than a task without dependencies.
+        Some(cache) if tasks.iter().all(|task| task.role != pb::Role::Validator) => {
+            cache.upstream(&tasks)
+        }
+        _ => load_upstream(tx, &session.id, &tasks).await?,
+    };
     let fixed = store.fixed(tx, &session.id).await?;
     for (i, task) in taken {
         let upstream = upstream_of.remove(&task.id).unwrap_or_default();

@@ -161,7 +161,9 @@ pub(crate) async fn complete_eager(
         session.on_failure,
         now,
     ));
-    super::gate::hold(tx, session_id, &mut work, &mut transitions[settled..]).await?;
+    if store.fixed(tx, session_id).await?.gated {
+        super::gate::hold(tx, session_id, &mut work, &mut transitions[settled..]).await?;
+    }
 
     // The claims take the best ready tasks, those just readied included, in claim order.
     let mut candidates: Vec<usize> = (0..work.len())
@@ -195,17 +197,20 @@ pub(crate) async fn complete_eager(
         }
     }
     let count = write_changes(tx, session_id, &before, &work, transitions, now).await?;
-    if let Some(cache) = cache {
+    let cache = cache.map(|cache| {
         // Written (an optimistic write commits on its own): the cache follows.
-        for task in &work {
-            cache.put(task.clone());
+        for (old, task) in before.iter().zip(&work) {
+            if old != task {
+                cache.put(task.clone());
+            }
         }
-    }
+        &*cache
+    });
     let taken = taken
         .into_iter()
         .map(|(c, i)| (c, work[i].clone()))
         .collect();
-    let claimed = hand_out(store, tx, session, claims.len(), taken).await?;
+    let claimed = hand_out(store, tx, session, claims.len(), taken, cache).await?;
     // Only a completion can end the session; a task ready or running keeps it going.
     let open = completed == 0
         || busy

@@ -96,6 +96,25 @@ impl TaskCache {
             .collect()
     }
 
+    /// Each task's completed direct dependencies, in plan order: what
+    /// [`crate::store::tasks::load_upstream`] reads for a task that is not a validator.
+    pub(super) fn upstream(&self, tasks: &[Task]) -> HashMap<String, Vec<Task>> {
+        tasks
+            .iter()
+            .map(|task| {
+                let mut upstream: Vec<Task> = task
+                    .depends_on
+                    .iter()
+                    .filter_map(|id| self.tasks.get(id))
+                    .filter(|dep| dep.state == TaskState::Completed)
+                    .cloned()
+                    .collect();
+                upstream.sort_by_key(|dep| dep.position);
+                (task.id.clone(), upstream)
+            })
+            .collect()
+    }
+
     /// What the database read of a batch ([`crate::store::tasks::read_batch`]) would return.
     pub(super) fn gather(
         &self,

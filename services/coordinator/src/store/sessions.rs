@@ -50,6 +50,9 @@ pub(crate) struct NewSession {
 pub(crate) struct Fixed {
     pub(crate) repos: Vec<pb::SessionRepo>,
     pub(crate) assets_digest: String,
+    /// Whether the plan asked for any approval gate (they are stored at intake only): a
+    /// session without one skips looking them up whenever a task becomes ready.
+    pub(crate) gated: bool,
 }
 
 /// A session with its repositories and tasks (topological order).
@@ -81,8 +84,8 @@ pub(crate) struct SessionSummary {
 }
 
 impl Store {
-    /// A session's repositories and assets digest, from the cache once read (they never
-    /// change).
+    /// A session's repositories, assets digest and whether it has gates, from the cache once
+    /// read (they never change).
     pub(crate) async fn fixed(&self, tx: &mut Tx, session_id: &str) -> Result<Fixed, Error> {
         if let Some(fixed) = self.cached_repos().get(session_id) {
             return Ok(fixed.clone());
@@ -93,9 +96,14 @@ impl Store {
                 .bind(session_id)
                 .fetch_one(&mut **tx)
                 .await?;
+        let gates: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM gates WHERE session_id = $1")
+            .bind(session_id)
+            .fetch_one(&mut **tx)
+            .await?;
         let fixed = Fixed {
             repos,
             assets_digest,
+            gated: gates > 0,
         };
         let mut cache = self.cached_repos();
         // Bounded: finished sessions' entries are dropped wholesale now and then.
