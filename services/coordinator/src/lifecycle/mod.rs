@@ -139,12 +139,32 @@ pub(crate) async fn check_end(
     count: usize,
     now: i64,
 ) -> Result<(), Error> {
-    if !any_task_in(tx, &session.id, &[TaskState::Ready, TaskState::Running]).await? {
-        let tasks = load_tasks_lite(tx, &session.id).await?;
-        finish(tx, session, &tasks, count, now).await?;
+    if any_task_in(tx, &session.id, &[TaskState::Ready, TaskState::Running]).await? {
+        return Ok(());
     }
-    Ok(())
+    // The usual end, every task completed, is known from the index alone.
+    if session.state == SessionState::Active
+        && !any_task_in(tx, &session.id, &NOT_COMPLETED).await?
+    {
+        let reason = "every task completed";
+        return set_session_state(tx, session, SessionState::Completed, reason, now).await;
+    }
+    let tasks = load_tasks_lite(tx, &session.id).await?;
+    finish(tx, session, &tasks, count, now).await
 }
+
+/// Every task state but completed.
+const NOT_COMPLETED: [TaskState; 9] = [
+    TaskState::Pending,
+    TaskState::Ready,
+    TaskState::Running,
+    TaskState::Failed,
+    TaskState::Skipped,
+    TaskState::Cancelled,
+    TaskState::TimedOut,
+    TaskState::Blocked,
+    TaskState::WaitingApproval,
+];
 
 /// Returns the bus message reporting a stall.
 fn stall_message(stuck: &[task::Stuck]) -> NewMessage {
