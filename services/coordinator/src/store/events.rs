@@ -6,7 +6,7 @@ use sqlx::Row;
 use troupe_proto::v1::{self as pb, session_event::Kind};
 
 use super::tasks::{
-    MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V, UPDATE_FROM_V_BUMP, bind_task, task_values,
+    MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V_BUMP, UPDATE_OR_FAIL_FROM_V, bind_task, task_values,
     update_tasks,
 };
 use super::transactions::Conn;
@@ -164,10 +164,10 @@ pub(super) async fn write_events(
                      updated_at = $3 WHERE id = $1; ",
                 );
                 if !tasks.is_empty() {
-                    sql.push_str(&format!("WITH {} {}; ", v(), *UPDATE_FROM_V));
+                    sql.push_str(&format!("WITH {} {}; ", v(), *UPDATE_OR_FAIL_FROM_V));
                 }
                 sql.push_str(&format!(
-                    "INSERT INTO events (session_id, seq, ts, payload) VALUES {values}"
+                    "INSERT OR FAIL INTO events (session_id, seq, ts, payload) VALUES {values}"
                 ));
                 if auto {
                     sql.push_str("; COMMIT");

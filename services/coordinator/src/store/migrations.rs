@@ -56,6 +56,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "state position",
         include_str!("migrations/0015_state_position.sql"),
     ),
+    (
+        16,
+        "partial reaper indexes",
+        include_str!("migrations/0016_partial_reaper_indexes.sql"),
+    ),
 ];
 
 /// The second step of migration 9: the dependency rows of tasks stored before it, read out of

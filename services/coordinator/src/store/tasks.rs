@@ -211,6 +211,12 @@ type AnyQuery<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>;
 pub(super) static UPDATE_FROM_V: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| update_from_v(""));
 
+/// [`UPDATE_FROM_V`] on SQLite inside a group's write, whose every failure rolls the whole
+/// transaction back: `OR FAIL` spares SQLite the statement journal that a multi-row statement
+/// which may abort keeps (a copy of every page it changes, to undo just that statement).
+pub(super) static UPDATE_OR_FAIL_FROM_V: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| UPDATE_FROM_V.replacen("UPDATE tasks", "UPDATE OR FAIL tasks", 1));
+
 /// [`UPDATE_FROM_V`] joined with an optimistic write's `bump`, which vetoes every row when the
 /// session's sequence moved (see `write_events`).
 pub(super) static UPDATE_FROM_V_BUMP: std::sync::LazyLock<String> =
@@ -717,14 +723,18 @@ impl Store {
     /// reaper).
     pub(crate) async fn sessions_due(&self, now: i64) -> Result<Vec<String>, Error> {
         let mut conn = self.reader.acquire().await?;
-        let due = sqlx::query(
-            "SELECT DISTINCT session_id FROM tasks WHERE (state = $1 AND lease_expires_at < $2) \
-             OR (state = $3 AND not_before IS NOT NULL AND not_before <= $2)",
-        )
-        .bind(TaskState::Running as i32)
-        .bind(now)
-        .bind(TaskState::Pending as i32)
-        .fetch_all(&mut *conn)
+        // The states are constants in the statement: each half is a range of its partial
+        // index (`tasks_lease`, `tasks_due`), whose condition a parameter would not match.
+        let sql = format!(
+            "SELECT session_id FROM tasks WHERE state = {} AND lease_expires_at < $1 \
+             UNION SELECT session_id FROM tasks WHERE state = {} AND not_before IS NOT NULL \
+             AND not_before <= $1",
+            TaskState::Running as i32,
+            TaskState::Pending as i32,
+        );
+        let due = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(now)
+            .fetch_all(&mut *conn)
         .await?;
         drop(conn);
         due.iter()
