@@ -47,6 +47,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         include_str!("migrations/0012_session_plans.sql"),
     ),
     (
+        13,
+        "intake foreign keys",
+        include_str!("migrations/0013_intake_foreign_keys.sql"),
+    ),
+    (
         14,
         "dependents due",
         include_str!("migrations/0014_dependents_due.sql"),
@@ -77,6 +82,18 @@ fn backfill_task_deps(dialect: Dialect) -> &'static str {
              SELECT t.session_id, t.id, j FROM tasks t, json_array_elements_text(t.depends_on::json) j WHERE true \
              ON CONFLICT DO NOTHING"
         }
+    }
+}
+
+/// The second step of migration 13: PostgreSQL drops the foreign keys of `tasks` and `events`
+/// on `sessions` (see the migration's file); SQLite keeps them.
+fn drop_intake_foreign_keys(dialect: Dialect) -> Option<&'static str> {
+    match dialect {
+        Dialect::Sqlite => None,
+        Dialect::Postgres => Some(
+            "ALTER TABLE tasks DROP CONSTRAINT IF EXISTS tasks_session_id_fkey; \
+             ALTER TABLE events DROP CONSTRAINT IF EXISTS events_session_id_fkey",
+        ),
     }
 }
 
@@ -127,6 +144,11 @@ impl Store {
                 sqlx::query(backfill_task_deps(self.dialect))
                     .execute(&mut *tx)
                     .await?;
+            }
+            if *version == 13
+                && let Some(sql) = drop_intake_foreign_keys(self.dialect)
+            {
+                sqlx::raw_sql(sql).execute(&mut *tx).await?;
             }
             sqlx::query(
                 "INSERT INTO schema_migrations (version, name, applied_at) VALUES ($1, $2, $3)",

@@ -269,8 +269,50 @@ async fn a_refused_upload_stores_nothing(db: Db) {
     harness.stop().await;
 }
 
+/// Text that array and SQL syntax give meaning to (quotes, backslashes, braces, commas, `NULL`,
+/// newlines, surrounding blanks, non-ASCII, nothing at all) is stored as written: PostgreSQL
+/// intake sends each column as the text form of an array.
+async fn awkward_text_is_stored_as_written(db: Db) {
+    let harness = Harness::start(db).await;
+    let texts = [
+        "say \"hi\"",
+        "back\\slash \\\\ and \\\" and \\x00ff",
+        "line one\nline two\r\n\ttabbed",
+        "{braces}, commas, {\"nested\": [1, 2]}",
+        "NULL",
+        "",
+        "  blanks around  ",
+        "ünïcödé — 日本語 🎭",
+        "'single'; DROP TABLE tasks; --",
+    ];
+    let tasks: Vec<Value> = texts
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let deps: Vec<String> = (0..i).take(2).map(|d| format!("IMPL-{d}")).collect();
+            json!({"id": format!("IMPL-{i}"), "title": format!("title {text}"), "description": text,
+                   "note": text, "depends_on": deps})
+        })
+        .collect();
+    let created = harness
+        .create(json!({"name": "awkward", "tasks": tasks}))
+        .await;
+    let session = harness.session(&session_id(&created)).await;
+    assert_eq!(session.tasks.len(), texts.len());
+    for (i, text) in texts.iter().enumerate() {
+        let task = crate::support::task(&session.tasks, &format!("IMPL-{i}"));
+        assert_eq!(task.title, format!("title {text}"));
+        assert_eq!(task.description, *text);
+        assert_eq!(crate::support::spec_json(task)["note"], json!(text));
+        let deps: Vec<String> = (0..i).take(2).map(|d| format!("IMPL-{d}")).collect();
+        assert_eq!(task.depends_on, deps);
+    }
+    harness.stop().await;
+}
+
 db_tests!(
     a_100000_task_plan_goes_in_pieces_and_its_replies_stay_bounded,
+    awkward_text_is_stored_as_written,
     a_large_plan_s_tasks_are_stored_whole_in_order,
     a_refused_upload_stores_nothing,
 );

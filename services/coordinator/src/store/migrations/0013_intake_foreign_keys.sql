@@ -1,0 +1,6 @@
+-- Intake writes a session's tasks and first events (100,000 rows for a 50,000-task plan)
+-- just after the session's row, in the same transaction, and sessions are never deleted.
+-- PostgreSQL checked `tasks` and `events` against `sessions` with a trigger and a lookup per
+-- row, about a quarter of intake's time; the second step of this migration (see
+-- `migrations.rs`) drops those two foreign keys there. SQLite checks them in process, cheaply,
+-- and cannot drop a constraint without copying the table: it keeps them.
