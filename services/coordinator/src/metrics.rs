@@ -24,19 +24,6 @@ const ROLES: [pb::Role; 3] = [
     pb::Role::TestRunner,
 ];
 
-/// Every state a task can be in.
-const STATES: [TaskState; 10] = [
-    TaskState::Pending,
-    TaskState::Ready,
-    TaskState::Running,
-    TaskState::Completed,
-    TaskState::Failed,
-    TaskState::Skipped,
-    TaskState::Cancelled,
-    TaskState::TimedOut,
-    TaskState::Blocked,
-    TaskState::WaitingApproval,
-];
 
 pub(crate) struct Metrics {
     tasks: Family<Labels, Gauge>,
@@ -116,7 +103,7 @@ pub(crate) fn refresh(store: Store) -> Refresh {
             let metrics = metrics();
             for role in ROLES {
                 let mut ready = 0;
-                for state in STATES {
+                for state in crate::task::STATES {
                     let (mut all, mut active_ready) = (0, 0);
                     for (r, s, active, n) in &counts {
                         if *r == role && *s == state {

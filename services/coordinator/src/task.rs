@@ -59,6 +59,20 @@ pub(crate) struct Task {
 }
 
 /// Returns true for states a task never leaves on its own.
+/// Every state a task can be in.
+pub(crate) const STATES: [TaskState; 10] = [
+    TaskState::Pending,
+    TaskState::Ready,
+    TaskState::Running,
+    TaskState::Completed,
+    TaskState::Failed,
+    TaskState::Skipped,
+    TaskState::Cancelled,
+    TaskState::TimedOut,
+    TaskState::Blocked,
+    TaskState::WaitingApproval,
+];
+
 pub(crate) fn is_terminal(state: TaskState) -> bool {
     matches!(
         state,

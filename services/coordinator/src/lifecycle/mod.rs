@@ -143,8 +143,12 @@ pub(crate) async fn check_end(
         return Ok(());
     }
     // The usual end, every task completed, is known from the index alone.
+    let not_completed: Vec<TaskState> = task::STATES
+        .into_iter()
+        .filter(|state| *state != TaskState::Completed)
+        .collect();
     if session.state == SessionState::Active
-        && !any_task_in(tx, &session.id, &NOT_COMPLETED).await?
+        && !any_task_in(tx, &session.id, &not_completed).await?
     {
         let reason = "every task completed";
         return set_session_state(tx, session, SessionState::Completed, reason, now).await;
@@ -152,19 +156,6 @@ pub(crate) async fn check_end(
     let tasks = load_tasks_lite(tx, &session.id).await?;
     finish(tx, session, &tasks, count, now).await
 }
-
-/// Every task state but completed.
-const NOT_COMPLETED: [TaskState; 9] = [
-    TaskState::Pending,
-    TaskState::Ready,
-    TaskState::Running,
-    TaskState::Failed,
-    TaskState::Skipped,
-    TaskState::Cancelled,
-    TaskState::TimedOut,
-    TaskState::Blocked,
-    TaskState::WaitingApproval,
-];
 
 /// Returns the bus message reporting a stall.
 fn stall_message(stuck: &[task::Stuck]) -> NewMessage {
