@@ -80,5 +80,6 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
     active.state = SessionState::Active;
     finish(&mut tx, &mut active, &tasks, count, now).await?;
     tx.commit().await?;
+    store.refresh_statistics(tasks.len());
     Ok(())
 }
