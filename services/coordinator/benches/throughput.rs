@@ -52,8 +52,9 @@ struct Args {
     /// 100, each task waiting for 1 to 3 random tasks of the layer before).
     #[arg(long, default_value = "flat")]
     shape: String,
-    /// S1: spread `--tasks` over this many sessions (each of `--shape`), all active at once;
-    /// the report adds each session's time to its last completion (mean and slowest).
+    /// S1, intake and memory: spread `--tasks` over this many sessions (each of `--shape`),
+    /// all active at once; S1's report adds each session's time to its last completion (mean
+    /// and slowest).
     #[arg(long, default_value_t = 1)]
     sessions: usize,
     /// S1: concurrent workers.
@@ -79,7 +80,7 @@ struct Args {
     s2_shape: String,
     /// Run only `s1`, `s2`, `intake` (S1's sessions created, then read: intake time,
     /// `CheckSession`, `GetSession`, a `ListTasks` page and the process's peak RSS; no
-    /// burn-down) or `memory` (one session of `--tasks` uploaded over `UploadPlan`, read,
+    /// burn-down) or `memory` (`--tasks` in `--sessions` uploaded over `UploadPlan`, one read,
     /// watched, `--burn` of its tasks done; the coordinator's VmHWM and VmRSS after intake and
     /// at the end).
     #[arg(long)]
@@ -254,8 +255,8 @@ async fn intake(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<
     Ok(())
 }
 
-/// `--only memory`: the coordinator's memory with one session of `--tasks` active. The plan
-/// goes in over `UploadPlan` in pieces of 1 MiB (as `troupe run` sends a plan over 1 MiB);
+/// `--only memory`: the coordinator's memory with `--tasks` active, in `--sessions` sessions
+/// (one by default). Each plan goes in over `UploadPlan` in pieces of 1 MiB (as `troupe run` sends a plan over 1 MiB);
 /// then the reads, one `WatchSession` of the whole event log, `--burn` tasks claimed and
 /// completed by `--workers`, and the reads again. The coordinator's VmHWM and VmRSS are read
 /// at the start, after intake and at the end (its own with `--coordinator-bin`; else this
@@ -263,14 +264,24 @@ async fn intake(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<
 async fn memory(bench: &common::Bench, args: &Args) -> anyhow::Result<()> {
     let client = &bench.client;
     let started = bench.memory();
-    let plan = json!({"name": "memory", "repos": {"app": {"path": "repo"}},
-                      "tasks": s1_tasks(&args.shape, args.tasks)?});
-    let plan_json = plan.to_string();
-    drop(plan);
-    let bytes = plan_json.len();
+    let per_session = args.tasks / args.sessions.max(1);
+    if per_session == 0 || per_session * args.sessions != args.tasks {
+        bail!("--tasks must be a multiple of --sessions");
+    }
+    let mut bytes = 0;
+    let mut sessions = Vec::with_capacity(args.sessions);
     let start = Instant::now();
-    let session = upload(client, &bench.base_dir, plan_json).await?;
+    for n in 0..args.sessions {
+        let plan = json!({"name": format!("memory-{n}"), "repos": {"app": {"path": "repo"}},
+                          "tasks": s1_tasks(&args.shape, per_session)?});
+        let plan_json = plan.to_string();
+        drop(plan);
+        bytes += plan_json.len();
+        sessions.push(upload(client, &bench.base_dir, plan_json).await?);
+    }
     let intake = start.elapsed();
+    // The reads and the watch look at the first session; the workers claim from all.
+    let session = sessions.swap_remove(0);
     let after_intake = bench.memory();
     let reads_active = reads(client, &session).await?;
     let (events, watched) = watch(client, &session).await?;
@@ -279,12 +290,13 @@ async fn memory(bench: &common::Bench, args: &Args) -> anyhow::Result<()> {
     let burned = start.elapsed();
     let reads_after = reads(client, &session).await?;
     println!(
-        "memory db={} shape={} tasks={} plan {:.1} MB{}: start {started}; intake {:.2}s, after \
+        "memory db={} shape={} tasks={} sessions={} plan {:.1} MB{}: start {started}; intake {:.2}s, after \
          intake {after_intake}{reads_active}; WatchSession {events} events {:.2}s; {} done by {} \
          workers {:.2}s{reads_after}; end {}",
         args.db,
         args.shape,
         args.tasks,
+        args.sessions,
         bytes as f64 / 1e6,
         if bench.pid().is_some() {
             " (coordinator alone)"

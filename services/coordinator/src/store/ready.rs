@@ -27,10 +27,16 @@ impl Store {
         let role_filter = role_filter("t.role", roles, 1);
         let (routing, patterns) = routing::sql_filter("t.backends", offer, 1 + roles.len());
         // The states are constants written into the statement, not parameters: PostgreSQL's
-        // generic plans (see `open_postgres`) then still know how few rows they select.
+        // generic plans (see `open_postgres`) then still know how few rows they select. A
+        // scalar subquery, not `EXISTS`: PostgreSQL turns an `EXISTS` (dropping its `LIMIT`)
+        // into a join over every ready task once its statistics know how many there are (20 ms
+        // a pick at 50,000 ready tasks: 0.8k tasks/s instead of 3k). The order of
+        // `tasks_session_state` keeps it off reading the table until a ready task turns up: it
+        // probes that index session by session, in turn order, and stops at the first hit.
         let sql = format!(
-            "SELECT s.id FROM sessions s WHERE s.state = {} AND EXISTS (SELECT 1 FROM tasks t \
-             WHERE t.session_id = s.id AND t.state = {}{role_filter}{routing}) \
+            "SELECT s.id FROM sessions s WHERE s.state = {} AND (SELECT 1 FROM tasks t \
+             WHERE t.session_id = s.id AND t.state = {}{role_filter}{routing} \
+             ORDER BY t.role, t.priority, t.path_ms DESC, t.created_at, t.position LIMIT 1) = 1 \
              ORDER BY s.updated_at, s.id LIMIT 1",
             SessionState::Active as i32,
             TaskState::Ready as i32,
