@@ -24,7 +24,6 @@ const ROLES: [pb::Role; 3] = [
     pb::Role::TestRunner,
 ];
 
-
 pub(crate) struct Metrics {
     tasks: Family<Labels, Gauge>,
     ready: Family<Labels, Gauge>,

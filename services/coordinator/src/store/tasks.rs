@@ -735,7 +735,7 @@ impl Store {
         let due = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(now)
             .fetch_all(&mut *conn)
-        .await?;
+            .await?;
         drop(conn);
         due.iter()
             .map(|row| Ok(row.try_get("session_id")?))
