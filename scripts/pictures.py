@@ -60,20 +60,9 @@ IMG = ROOT / "docs/img"
 WORK = ROOT / "target/pictures"
 COLUMNS = 100
 
-# The fixer: takes its time (so the screen can show the iteration before it), then applies the
-# first of its `path old new` edits still to do, one per iteration (as the views test's).
-FIXER = r"""import sys, time
-worktree, edits = sys.argv[1], sys.argv[2:]
-sys.stdin.read()
-time.sleep(20)
-for i in range(0, len(edits), 3):
-    path, old, new = edits[i:i + 3]
-    full = f"{worktree}/{path}"
-    text = open(full).read()
-    if old in text:
-        open(full, "w").write(text.replace(old, new))
-        break
-"""
+# The fixer (the views test's): takes its time, so the screen can show the iteration before
+# it, then applies one of its `path old new` edits per iteration.
+FIXER = ROOT / "tests/e2e/fixtures/slow_fix.py"
 
 CHANGELOG = "# Changelog\n\n## 1.0.1\n\n- divide() returns a float.\n"
 
@@ -102,7 +91,7 @@ def git_repo(path):
 
 
 def plan():
-    fix = ["python3", "{plan_dir}/fixer.py", "{worktree}",
+    fix = ["python3", "{plan_dir}/fixer.py", "20", "{worktree}",
            "tests/test_mathops.py", "divide(10, 4) == 2\n", "divide(10, 4) == 2.5\n",
            "tests/test_strings.py",
            "    user = parse_user('{\"age\": 3}')\n    assert user[\"age\"] == 3",
@@ -231,7 +220,7 @@ def main():
     WORK.mkdir(parents=True)
     IMG.mkdir(exist_ok=True)
     git_repo(WORK / "calc")
-    (WORK / "fixer.py").write_text(FIXER)
+    shutil.copy(FIXER, WORK / "fixer.py")
     (WORK / "plan.json").write_text(json.dumps(plan(), indent=2))
     (WORK / "prices.toml").write_text(PRICES)
 

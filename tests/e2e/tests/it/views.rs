@@ -468,21 +468,9 @@ async fn troupe_watch_on_a_terminal_draws_bars_and_running_tasks() -> anyhow::Re
     Ok(())
 }
 
-/// A fixing agent for the `command` backend that takes its time (so a terminal can show the
-/// iteration before it) and then applies the first of its `path old new` edits still to do:
-/// one fix per iteration.
-const SLOW_FIX_AGENT: &str = r#"import sys, time
-worktree, edits = sys.argv[1], sys.argv[2:]
-assert "PURPOSE: Fix failing tests" in sys.stdin.read()
-time.sleep(15)
-for i in range(0, len(edits), 3):
-    path, old, new = edits[i:i + 3]
-    full = f"{worktree}/{path}"
-    text = open(full).read()
-    if old in text:
-        open(full, "w").write(text.replace(old, new))
-        break
-"#;
+/// A fixing agent for the `command` backend that takes its time, then applies one of its
+/// edits per iteration (shared with `scripts/pictures.py`).
+const SLOW_FIX_AGENT: &str = include_str!("../../fixtures/slow_fix.py");
 
 /// `troupe watch` on a terminal while an `agent` task spends tokens on the scripted model
 /// server and a Pytest run goes through its fix loop: the running task's line shows its backend
@@ -523,6 +511,7 @@ async fn troupe_watch_shows_tokens_so_far_and_test_iterations() -> anyhow::Resul
     let fix = [
         "python3",
         &agent.display().to_string(),
+        "15",
         "{worktree}",
         "tests/test_mathops.py",
         "divide(10, 4) == 2\n",
