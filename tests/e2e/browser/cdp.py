@@ -14,6 +14,7 @@ import base64
 import ctypes
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,26 +32,47 @@ def die_with_parent():
 
 class Page:
     def __init__(self, chromium):
-        self.profile = tempfile.mkdtemp(prefix="troupe-cdp-")
-        self.browser = subprocess.Popen(
-            [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-             "--remote-debugging-port=0", "--remote-allow-origins=*",
-             "--window-size=1280,1600", f"--user-data-dir={self.profile}", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=die_with_parent)
-        port_file = os.path.join(self.profile, "DevToolsActivePort")
-        deadline = time.time() + 30
-        while not os.path.exists(port_file) or os.path.getsize(port_file) == 0:
-            if time.time() > deadline or self.browser.poll() is not None:
-                raise RuntimeError("chromium did not open its DevTools port")
-            time.sleep(0.1)
-        port = open(port_file).read().split()[0]
+        # A loaded CI machine has been seen to leave a first Chromium without its DevTools port
+        # for over 30 s; a fresh profile (three tries fit in the test's 180 s wait for an answer) and a second or third try get past it.
+        errors = []
+        for attempt in range(3):
+            try:
+                port = self.launch(chromium, deadline=45)
+                break
+            except RuntimeError as err:
+                errors.append(f"try {attempt + 1}: {err}")
+                self.close()
+        else:
+            raise RuntimeError("chromium did not open its DevTools port:\n" + "\n".join(errors))
         targets = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list"))
         page = next(t for t in targets if t["type"] == "page")
         self.ws = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60)
         self.next_id = 0
         self.call("Page.enable")
         self.call("Runtime.enable")
+
+    def launch(self, chromium, deadline):
+        """Starts Chromium with a fresh profile; its DevTools port, or why there is none."""
+        self.profile = tempfile.mkdtemp(prefix="troupe-cdp-")
+        stderr_path = os.path.join(self.profile, "chromium.stderr")
+        with open(stderr_path, "wb") as stderr:
+            self.browser = subprocess.Popen(
+                [chromium, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                 "--remote-debugging-port=0", "--remote-allow-origins=*",
+                 "--window-size=1280,1600", f"--user-data-dir={self.profile}", "about:blank"],
+                stdout=subprocess.DEVNULL, stderr=stderr,
+                start_new_session=True, preexec_fn=die_with_parent)
+        port_file = os.path.join(self.profile, "DevToolsActivePort")
+        started = time.time()
+        while not os.path.exists(port_file) or os.path.getsize(port_file) == 0:
+            code = self.browser.poll()
+            if code is not None or time.time() > started + deadline:
+                with open(stderr_path, errors="replace") as stderr:
+                    tail = stderr.read()[-2000:]
+                how = f"exited with {code}" if code is not None else f"no port after {deadline} s"
+                raise RuntimeError(f"{how}; its stderr ends:\n{tail}")
+            time.sleep(0.1)
+        return open(port_file).read().split()[0]
 
     def call(self, method, **params):
         self.next_id += 1
@@ -110,6 +132,7 @@ class Page:
         except ProcessLookupError:
             pass
         self.browser.wait()
+        shutil.rmtree(self.profile, ignore_errors=True)
 
 
 def main():
