@@ -21,7 +21,7 @@ use crate::store::Tx;
 use crate::store::events::append_events;
 use crate::store::messages::{NewMessage, insert_message};
 use crate::store::sessions::{SessionRow, set_session_state};
-use crate::store::tasks::{any_task_in, load_tasks_lite, replace_deps};
+use crate::store::tasks::{any_task_in, load_tasks_lite, replace_deps, reshaped};
 use crate::task::{self, Task};
 
 pub(crate) mod cancel;
@@ -75,14 +75,16 @@ async fn write_changes(
         transitions.into_iter().map(Kind::Task).collect(),
     )
     .await?;
-    let changed: Vec<&Task> = before
-        .iter()
-        .zip(tasks.iter())
-        .filter(|(old, new)| old != new)
-        .map(|(_, new)| new)
-        .collect();
+    let changes = || {
+        before
+            .iter()
+            .zip(tasks.iter())
+            .filter(|(old, new)| old != new)
+    };
+    let changed: Vec<&Task> = changes().map(|(_, new)| new).collect();
     // With the session's events so far: one statement on PostgreSQL (see `write_events`).
-    tx.write_with_events(session_id, &changed).await?;
+    tx.write_with_events(session_id, &changed, reshaped(changes()))
+        .await?;
     // Only a fix round re-points dependencies (under the lock).
     let repointed: Vec<&Task> = before
         .iter()

@@ -6,8 +6,8 @@ use sqlx::Row;
 use troupe_proto::v1::{self as pb, session_event::Kind};
 
 use super::tasks::{
-    MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V_BUMP, UPDATE_OR_FAIL_FROM_V, bind_task, task_values,
-    update_tasks,
+    MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V_BUMP, UPDATE_OR_FAIL_FROM_V,
+    UPDATE_OR_FAIL_FROM_V_LEAN, bind_task, task_values, update_tasks,
 };
 use super::transactions::Conn;
 use super::{Dialect, Store, Tx, corrupt, to_i64};
@@ -76,6 +76,7 @@ pub(super) async fn write_events(
     session_id: &str,
     events: Vec<(i64, Kind)>,
     tasks: &[&Task],
+    reshaped: bool,
 ) -> Result<(), Error> {
     let Some(last_ts) = events.iter().map(|(ts, _)| *ts).max() else {
         return update_tasks(tx, tasks).await;
@@ -164,7 +165,12 @@ pub(super) async fn write_events(
                      updated_at = $3 WHERE id = $1; ",
                 );
                 if !tasks.is_empty() {
-                    sql.push_str(&format!("WITH {} {}; ", v(), *UPDATE_OR_FAIL_FROM_V));
+                    let update = if reshaped {
+                        &*UPDATE_OR_FAIL_FROM_V
+                    } else {
+                        &*UPDATE_OR_FAIL_FROM_V_LEAN
+                    };
+                    sql.push_str(&format!("WITH {} {update}; ", v()));
                 }
                 sql.push_str(&format!(
                     "INSERT OR FAIL INTO events (session_id, seq, ts, payload) VALUES {values}"

@@ -209,7 +209,11 @@ type AnyQuery<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>;
 
 /// `UPDATE tasks ... FROM v`, for a `v` of the session id, the id and [`MUTABLE_COLUMNS`].
 pub(super) static UPDATE_FROM_V: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| update_from_v(""));
+    std::sync::LazyLock::new(|| update_from_v("", &[]));
+
+/// The [`MUTABLE_COLUMNS`] that only a fix round or a resume changes (the graph's shape and
+/// the retry budget): a worker's transitions leave them as they were.
+const SHAPE_COLUMNS: [&str; 4] = ["max_attempts", "position", "depends_on", "superseded_by"];
 
 /// [`UPDATE_FROM_V`] on SQLite inside a group's write, whose every failure rolls the whole
 /// transaction back: `OR FAIL` spares SQLite the statement journal that a multi-row statement
@@ -217,21 +221,42 @@ pub(super) static UPDATE_FROM_V: std::sync::LazyLock<String> =
 pub(super) static UPDATE_OR_FAIL_FROM_V: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| UPDATE_FROM_V.replacen("UPDATE tasks", "UPDATE OR FAIL tasks", 1));
 
+/// [`UPDATE_OR_FAIL_FROM_V`] without [`SHAPE_COLUMNS`], for writes that change none of them:
+/// SQLite rewrites the entries of every index on a column it sets, changed or not, and
+/// `position` is in `tasks_position`.
+pub(super) static UPDATE_OR_FAIL_FROM_V_LEAN: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| {
+        update_from_v("", &SHAPE_COLUMNS).replacen("UPDATE tasks", "UPDATE OR FAIL tasks", 1)
+    });
+
 /// [`UPDATE_FROM_V`] joined with an optimistic write's `bump`, which vetoes every row when the
 /// session's sequence moved (see `write_events`).
 pub(super) static UPDATE_FROM_V_BUMP: std::sync::LazyLock<String> =
-    std::sync::LazyLock::new(|| update_from_v(", bump"));
+    std::sync::LazyLock::new(|| update_from_v(", bump", &[]));
 
-/// `UPDATE tasks ... FROM v{also}` (`also`: more from-items), built once per form above.
-fn update_from_v(also: &str) -> String {
+/// `UPDATE tasks ... FROM v{also}` (`also`: more from-items) of the [`MUTABLE_COLUMNS`] not
+/// in `except`, built once per form above.
+fn update_from_v(also: &str, except: &[&str]) -> String {
     format!(
         "UPDATE tasks SET {} FROM v{also} WHERE tasks.session_id = v.session_id AND tasks.id = v.id",
         MUTABLE_COLUMNS
             .iter()
+            .filter(|column| !except.contains(column))
             .map(|column| format!("{column} = v.{column}"))
             .collect::<Vec<_>>()
             .join(", ")
     )
+}
+
+/// Whether any of `tasks` (each beside its stored form in `before`) changed one of the
+/// [`SHAPE_COLUMNS`].
+pub(crate) fn reshaped<'a>(changes: impl IntoIterator<Item = (&'a Task, &'a Task)>) -> bool {
+    changes.into_iter().any(|(old, new)| {
+        old.max_attempts != new.max_attempts
+            || old.position != new.position
+            || old.depends_on != new.depends_on
+            || old.superseded_by != new.superseded_by
+    })
 }
 
 /// The `VALUES` rows of `rows` tasks for [`bind_task`], numbering parameters from `$first`.

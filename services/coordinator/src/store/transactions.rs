@@ -110,17 +110,19 @@ impl Tx {
     }
 
     /// Writes `tasks` (changed tasks of `session_id`) with the session's held-back events: on
-    /// PostgreSQL, with the session held, in one statement.
+    /// PostgreSQL, with the session held, in one statement. `reshaped`: whether any of them
+    /// changed its place in the graph or its retry budget (see `tasks::reshaped`).
     pub(crate) async fn write_with_events(
         &mut self,
         session_id: &str,
         tasks: &[&Task],
+        reshaped: bool,
     ) -> Result<(), Error> {
         let events = match self.events.iter().position(|(id, _)| id == session_id) {
             Some(at) => self.events.remove(at).1,
             None => Vec::new(),
         };
-        write_events(self, session_id, events, tasks).await
+        write_events(self, session_id, events, tasks, reshaped).await
     }
 
     /// Rolls back, held-back events included.
@@ -136,7 +138,7 @@ impl Tx {
         let pending = std::mem::take(&mut self.events);
         for (session, events) in pending {
             if session_id.is_none_or(|id| id == session) {
-                write_events(self, &session, events, &[]).await?;
+                write_events(self, &session, events, &[], false).await?;
             } else {
                 self.events.push((session, events));
             }
