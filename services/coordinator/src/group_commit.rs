@@ -670,7 +670,7 @@ impl GroupCommit {
         let mut tx = self.store.begin().await.map_err(|_| GroupError::Op)?;
         // Dropping `tx` on an error rolls the whole group back.
         let (outcomes, copies) = self
-            .run_in(&mut tx, ops)
+            .run_in(&mut tx, ops, true)
             .await
             .map_err(|_| GroupError::Op)?;
         tx.commit().await.map_err(GroupError::Commit)?;
@@ -680,7 +680,10 @@ impl GroupCommit {
 
     async fn run_alone(&self, op: &Op) -> Result<Outcome, Error> {
         let mut tx = self.store.begin().await?;
-        let (mut outcomes, copies) = self.run_in(&mut tx, std::slice::from_ref(op)).await?;
+        // Reads its session: a copy it trusted and found stale would be its caller's error.
+        let (mut outcomes, copies) = self
+            .run_in(&mut tx, std::slice::from_ref(op), false)
+            .await?;
         let outcome = outcomes.pop().ok_or_else(mismatch)?;
         tx.commit().await?;
         self.keep(copies);
@@ -721,11 +724,13 @@ impl GroupCommit {
     /// ([`TaskCache`]) instead of reading, when the copy is as of the sequence just locked
     /// (every change to a session moves it); SQLite loads one when it has none (PostgreSQL
     /// loads its copies outside the lock, in `run_optimistic`). Groups of heartbeats, and
-    /// SQLite's groups of several sessions, keep their sessions' copies this way.
+    /// SQLite's groups of several sessions, keep their sessions' copies this way. With
+    /// `trust`, SQLite takes a copy without reading the session's row (see `trusts`).
     async fn run_in(
         &self,
         tx: &mut Tx,
         ops: &[Op],
+        trust: bool,
     ) -> Result<(Vec<Outcome>, Vec<(String, Cached)>), Error> {
         let mut sessions: Vec<&str> = Vec::new();
         for op in ops {
@@ -736,16 +741,28 @@ impl GroupCommit {
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
         let mut copies = Vec::new();
         for session_id in sessions {
-            let mut session =
-                sessions::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
             let copy = self.sessions().remove(session_id);
-            let mut tasks = match copy {
-                _ if !copyable(&session, ops) => None,
-                Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
-                // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
-                _ if self.store.dialect() == Dialect::Postgres => None,
-                _ => Some(task_cache::load_cache_in(tx, session_id).await?),
+            let (mut session, mut tasks, trusted) = match copy {
+                Some(copy) if trust && self.trusts(&copy, session_id, ops) => {
+                    // The write checks the sequence (see `trusts`).
+                    sessions::hold_at(tx, session_id, copy.session.last_seq);
+                    (copy.session, Some(copy.tasks), true)
+                }
+                copy => {
+                    let session =
+                        sessions::lock_and_load_session(tx, session_id, self.store.for_update())
+                            .await?;
+                    let tasks = match copy {
+                        _ if !copyable(&session, ops) => None,
+                        Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
+                        // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
+                        _ if self.store.dialect() == Dialect::Postgres => None,
+                        _ => Some(task_cache::load_cache_in(tx, session_id).await?),
+                    };
+                    (session, tasks, false)
+                }
             };
+            let from = session.last_seq;
             match self
                 .run_session(
                     tx,
@@ -757,6 +774,8 @@ impl GroupCommit {
                 .await?
             {
                 Some((count, now)) => check_end(tx, &mut session, count, now).await?,
+                // A trusted copy that wrote nothing was never checked: the next group reads.
+                None if trusted && tx.last_seq(session_id) == Some(from) => {}
                 None => {
                     if let Some(tasks) = tasks {
                         let copy = Cached::after(session, tasks, tx.last_seq(session_id));
@@ -770,6 +789,24 @@ impl GroupCommit {
             .map(|outcome| outcome.ok_or_else(mismatch))
             .collect::<Result<_, _>>()?;
         Ok((outcomes, copies))
+    }
+
+    /// Whether a group under SQLite's lock may take `copy` of `session_id` as it is, without
+    /// reading the session's row: when its operations there are one batch of completions and
+    /// claims on a copy of its tasks. Their write moves the sequence only from the copy's
+    /// (`CASE last_seq WHEN …`, see `write_events`), so a copy that went stale (another
+    /// coordinator, a message, a failure) fails the group, whose operations then run alone
+    /// and read afresh. SQLite's one lane carries several sessions' groups at once, each of
+    /// which would read its session's row; PostgreSQL's lanes hold one session each and run
+    /// such a group optimistically instead (`run_optimistic`). A heartbeat, which writes no
+    /// event, would not check the copy.
+    fn trusts(&self, copy: &Cached, session_id: &str, ops: &[Op]) -> bool {
+        self.store.dialect() == Dialect::Sqlite
+            && copy.tasks.is_some()
+            && copyable(&copy.session, ops)
+            && !ops
+                .iter()
+                .any(|op| matches!(op, Op::Heartbeat { .. }) && op.session_id() == session_id)
     }
 
     /// Runs the operations of `ops` on `session` (loaded; locked unless `tx` is optimistic):

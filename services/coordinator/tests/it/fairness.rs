@@ -1,9 +1,12 @@
 //! Claims across several active sessions: sessions take turns (the one served least recently
 //! goes first), so a large or older session does not starve the others.
 
-use troupe_proto::v1::{Role, SessionState};
+use std::time::Duration;
 
-use crate::support::{Db, Harness, db_tests, session_id};
+use serde_json::json;
+use troupe_proto::v1::{self as pb, Role, SessionState, TaskState};
+
+use crate::support::{Db, Harness, db_tests, id_of, session_id, token};
 
 /// Four sessions, the oldest with 40 tasks and three later ones with 4 each, drained by one
 /// worker claiming one task at a time: the claims go round the sessions, so each later session
@@ -112,7 +115,103 @@ async fn claim_next_moves_on_after_a_turn(db: Db) {
     harness.stop().await;
 }
 
+/// Six workers (`claimNext`) burn down five sessions at once, so SQLite's one lane runs
+/// groups that hold several sessions, each on its copy of the session without reading its row.
+/// A failure outside the group commit (every task `IMPL-3` fails once, retryably) makes a copy
+/// stale: the next group's write finds the sequence moved, nothing of it lands, and its
+/// operations run again alone. Every task completes once, the failed ones on their second
+/// attempt, and every session's events are gap-free.
+async fn groups_of_several_sessions_see_what_was_written_outside_them(db: Db) {
+    const SESSIONS: usize = 5;
+    const TASKS: usize = 12;
+    let harness = Harness::start(db).await;
+    let mut sessions = Vec::new();
+    for s in 0..SESSIONS {
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|i| json!({"id": format!("IMPL-{i}"), "title": format!("s{s} {i}"), "max_attempts": 2}))
+            .collect();
+        let plan = json!({"name": format!("s{s}"), "tasks": tasks});
+        sessions.push(session_id(&harness.create(plan).await));
+    }
+    let worker = |n: usize| {
+        let harness = &harness;
+        async move {
+            let (mut done, mut failed) = (0, 0);
+            let wait = || {
+                harness.claim_with(
+                    &[Role::Executor],
+                    1,
+                    Duration::from_millis(1500),
+                    Duration::from_secs(30),
+                )
+            };
+            let mut next = wait().await;
+            while let Some(claimed) = next.pop() {
+                let attempt = claimed.lease.as_ref().expect("lease").attempt;
+                if id_of(&claimed) == "IMPL-3" && attempt == 1 {
+                    harness.fail(&claimed, true).await;
+                    failed += 1;
+                    next = wait().await;
+                    continue;
+                }
+                let task = claimed.task.as_ref().expect("task");
+                let response = harness
+                    .client()
+                    .complete_task(pb::CompleteTaskRequest {
+                        session_id: task.session_id.clone(),
+                        task_id: task.id.clone(),
+                        fencing_token: token(&claimed),
+                        result: Some(pb::TaskResult {
+                            summary: format!("{} by worker {n}", task.id),
+                            ..Default::default()
+                        }),
+                        claim_next: Some(pb::ClaimTasksRequest {
+                            worker_id: format!("worker-{n}"),
+                            roles: vec![Role::Executor as i32],
+                            max_tasks: 1,
+                            ..Default::default()
+                        }),
+                    })
+                    .await
+                    .expect("complete")
+                    .into_inner();
+                done += 1;
+                next = response.next;
+                if next.is_empty() {
+                    next = wait().await;
+                }
+            }
+            (done, failed)
+        }
+    };
+    let counts = futures::future::join_all((0..6).map(worker)).await;
+    let done: usize = counts.iter().map(|(done, _)| done).sum();
+    let failed: usize = counts.iter().map(|(_, failed)| failed).sum();
+    assert_eq!((done, failed), (SESSIONS * TASKS, SESSIONS), "{counts:?}");
+    for session in &sessions {
+        let view = harness.session(session).await;
+        let summary = view.session.expect("session");
+        assert_eq!(summary.state(), SessionState::Completed);
+        for task in &view.tasks {
+            let attempts = if task.id == "IMPL-3" { 2 } else { 1 };
+            assert_eq!(task.attempt, attempts, "{}", task.id);
+            assert_eq!(task.state(), TaskState::Completed, "{}", task.id);
+        }
+        let events = harness.gap_free_events(&summary).await;
+        let completions = events
+            .iter()
+            .filter(|event| {
+                matches!(&event.kind, Some(pb::session_event::Kind::Task(moved))
+                    if moved.to() == TaskState::Completed)
+            })
+            .count();
+        assert_eq!(completions, TASKS, "each task completes once in {session}");
+    }
+    harness.stop().await;
+}
+
 db_tests!(
     sessions_take_turns_and_none_starves,
-    claim_next_moves_on_after_a_turn
+    claim_next_moves_on_after_a_turn,
+    groups_of_several_sessions_see_what_was_written_outside_them
 );
