@@ -540,7 +540,15 @@ async fn submit_and_follow(
     let session = created.session.context("coordinator returned no session")?;
     out(&report::session_header(&session, created.waves));
 
-    let mut view = crate::live::for_stdout(plain, &created.tasks);
+    // The live view sizes its bars by every task, not the first page's.
+    let tasks = if crate::live::is_live(plain) {
+        follower
+            .with_the_rest(&session.id, created.tasks, created.next_page_token)
+            .await?
+    } else {
+        Vec::new()
+    };
+    let mut view = crate::live::for_stdout(plain, &tasks);
     let followed = follower.follow_events(&session.id, 0, view.as_mut()).await;
     view.finish();
     followed?;
@@ -617,10 +625,10 @@ async fn watch(args: WatchArgs) -> anyhow::Result<ExitCode> {
     let connector = Connector::new(&args.session.credentials).await?;
     let mut follower = Follower::new(&connector, &args.session.connect, args.reconnect.budget()?)?;
     let session = &args.session.session;
-    let tasks = if args.view.plain || !std::io::IsTerminal::is_terminal(&std::io::stdout()) {
-        Vec::new()
+    let tasks = if crate::live::is_live(args.view.plain) {
+        follower.all_tasks(session).await?
     } else {
-        follower.get_session(session).await?.tasks
+        Vec::new()
     };
     let mut view = crate::live::for_stdout(args.view.plain, &tasks);
     let followed = follower

@@ -184,6 +184,45 @@ impl Follower {
         .with_context(|| format!("reading session {session_id}"))
     }
 
+    /// `tasks`, a session's first page (of `GetSession` or `CreateSession`), with every task
+    /// after `page_token` (`ListTasks`, each page retried through outages): the live view
+    /// needs them all to size its bars.
+    pub async fn with_the_rest(
+        &mut self,
+        session_id: &str,
+        mut tasks: Vec<troupe_proto::v1::Task>,
+        mut page_token: String,
+    ) -> anyhow::Result<Vec<troupe_proto::v1::Task>> {
+        while !page_token.is_empty() {
+            let request = troupe_proto::v1::ListTasksRequest {
+                session_id: session_id.to_owned(),
+                page_size: WHOLE_PAGE,
+                page_token,
+                ..Default::default()
+            };
+            let page = self
+                .call(is_transient, |mut client| {
+                    let request = request.clone();
+                    async move { client.list_tasks(request).await }
+                })
+                .await
+                .with_context(|| format!("listing the tasks of session {session_id}"))?;
+            tasks.extend(page.tasks);
+            page_token = page.next_page_token;
+        }
+        Ok(tasks)
+    }
+
+    /// Every task of a session, for the live view.
+    pub async fn all_tasks(
+        &mut self,
+        session_id: &str,
+    ) -> anyhow::Result<Vec<troupe_proto::v1::Task>> {
+        let first = self.get_session(session_id).await?;
+        self.with_the_rest(session_id, first.tasks, first.next_page_token)
+            .await
+    }
+
     /// Shows the session's events after `after` in `view` until the session ends, each exactly
     /// once across reconnects. Returns the last sequence shown (or `after`).
     pub async fn follow_events(
@@ -338,6 +377,9 @@ pub fn plan_pieces(
     tokio_stream::iter(std::iter::once(head).chain(pieces))
 }
 
+/// Tasks per page when a command reads a whole session (the coordinator's largest page).
+const WHOLE_PAGE: u32 = 10_000;
+
 /// Reads a session with every one of its tasks: `GetSession`'s first page, then `ListTasks`
 /// pages until none is left (for the commands that need them all: `graph`, `report`, the CCW
 /// export).
@@ -345,7 +387,7 @@ pub async fn whole_session(
     client: &mut troupe_grpc::CoordinatorClient,
     session_id: &str,
 ) -> Result<GetSessionResponse, tonic::Status> {
-    const PAGE: u32 = 10_000;
+    const PAGE: u32 = WHOLE_PAGE;
     let mut response = client
         .get_session(GetSessionRequest {
             session_id: session_id.to_owned(),

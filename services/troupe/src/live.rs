@@ -23,12 +23,18 @@ pub trait View {
     fn finish(&mut self) {}
 }
 
-/// The view for this process's stdout: live on a terminal unless `plain`, lines otherwise.
+/// Whether [`for_stdout`] draws the live view: on a terminal, unless `plain`.
+pub fn is_live(plain: bool) -> bool {
+    !plain && std::io::stdout().is_terminal()
+}
+
+/// The view for this process's stdout: live on a terminal unless `plain` (drawn for `tasks`,
+/// every task of the session), lines otherwise.
 pub fn for_stdout(plain: bool, tasks: &[Task]) -> Box<dyn View> {
-    if plain || !std::io::stdout().is_terminal() {
-        Box::new(Lines)
-    } else {
+    if is_live(plain) {
         Box::new(Live::new(tasks, ProgressDrawTarget::stdout()))
+    } else {
+        Box::new(Lines)
     }
 }
 

@@ -393,6 +393,76 @@ impl Drop for Tmux {
     }
 }
 
+/// A session larger than `GetSession`'s first page (1,000 tasks): `troupe watch` sizes its
+/// bars by every task, which it pages in with `ListTasks`. No worker runs, so nothing moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn troupe_watch_sizes_its_bars_by_every_task_of_a_large_session() -> anyhow::Result<()> {
+    const TASKS: usize = 2_500;
+    let data = tempfile::tempdir()?;
+    troupe_testkit::git_repo(&data.path().join("repo"), &[("README.md", "hello\n")])?;
+    let coordinator = ChildService::start(
+        "troupe-coordinator",
+        &["--data-dir", &data.path().display().to_string()],
+        &[],
+    )
+    .await?;
+    let tasks: Vec<serde_json::Value> = (0..TASKS)
+        .map(|i| {
+            // Two roles, so each role's bar is sized too: every tenth task validates the one before.
+            if i % 10 == 9 {
+                serde_json::json!({"id": format!("CHK-{i}"), "title": format!("check {i}"),
+                    "role": "validator", "depends_on": [format!("IMPL-{}", i - 1)]})
+            } else {
+                serde_json::json!({"id": format!("IMPL-{i}"), "title": format!("task {i}")})
+            }
+        })
+        .collect();
+    let plan =
+        serde_json::json!({"name": "large", "repos": {"app": {"path": "repo"}}, "tasks": tasks});
+    let mut client = troupe_grpc::coordinator_client(&coordinator.url())?;
+    let created = client
+        .create_session(CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: data.path().display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    anyhow::ensure!(
+        created.tasks.len() < TASKS,
+        "the first page holds {} tasks: the test needs a larger session",
+        created.tasks.len()
+    );
+    let session = created.session.context("session")?.id;
+
+    let tmux = Tmux {
+        socket: format!("troupe-test-large-{}", std::process::id()),
+    };
+    tmux.watch(&session, &coordinator.url(), 160)?;
+    let screen = troupe_testkit::eventually_within(
+        "the live view's bars",
+        Duration::from_secs(60),
+        || async {
+            let screen = tmux.screen().unwrap_or_default();
+            screen.contains("validator [").then_some(screen)
+        },
+    )
+    .await;
+    let bar = |prefix: &str| {
+        screen
+            .lines()
+            .find(|line| line.trim_start().starts_with(&format!("{prefix} [")))
+            .and_then(|line| line.split(']').nth(1)?.split_whitespace().next())
+            .map(str::to_owned)
+    };
+    assert_eq!(bar("all").as_deref(), Some("0/2500"), "{screen}");
+    assert_eq!(bar("executor").as_deref(), Some("0/2250"), "{screen}");
+    assert_eq!(bar("validator").as_deref(), Some("0/250"), "{screen}");
+    drop(tmux);
+    coordinator.terminate(Duration::from_secs(10)).await?;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn troupe_watch_on_a_terminal_draws_bars_and_running_tasks() -> anyhow::Result<()> {
     let data = tempfile::tempdir()?;
