@@ -564,9 +564,10 @@ impl GroupCommit {
         } = match cached {
             Some(cached) => cached,
             None => {
-                let (session, tasks) = task_cache::load_cached(&self.store, session_id)
-                    .await
-                    .map_err(|_| GroupError::Contended)?;
+                let (session, tasks) =
+                    task_cache::load_cached(&self.store, session_id, self.room())
+                        .await
+                        .map_err(|_| GroupError::Contended)?;
                 Cached { session, tasks }
             }
         };
@@ -690,6 +691,18 @@ impl GroupCommit {
         Ok(outcome)
     }
 
+    /// Tasks a new copy may hold within [`CACHED_TASKS`] beside the copies kept. A session
+    /// larger than that is not copied (`keep` would drop the copy): its groups read their
+    /// batches instead of loading the whole session each time only to drop it.
+    fn room(&self) -> usize {
+        let held: usize = self
+            .sessions()
+            .values()
+            .filter_map(|copy| copy.tasks.as_ref().map(TaskCache::len))
+            .sum();
+        CACHED_TASKS.saturating_sub(held)
+    }
+
     /// Keeps sessions' copies as a committed group left them.
     fn keep(&self, mut copies: Vec<(String, Cached)>) {
         if copies.is_empty() {
@@ -757,7 +770,7 @@ impl GroupCommit {
                         Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
                         // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
                         _ if self.store.dialect() == Dialect::Postgres => None,
-                        _ => Some(task_cache::load_cache_in(tx, session_id).await?),
+                        _ => Some(task_cache::load_cache_in(tx, session_id, self.room()).await?),
                     };
                     (session, tasks, false)
                 }

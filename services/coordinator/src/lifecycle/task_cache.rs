@@ -96,6 +96,13 @@ impl TaskCache {
             .collect()
     }
 
+    /// The states of the tasks of `ids` that exist.
+    pub(super) fn states(&self, ids: &[String]) -> HashMap<String, TaskState> {
+        ids.iter()
+            .filter_map(|id| self.tasks.get(id).map(|task| (id.clone(), task.state)))
+            .collect()
+    }
+
     /// Each task's completed direct dependencies, in plan order: what
     /// [`crate::store::tasks::load_upstream`] reads for a task that is not a validator.
     pub(super) fn upstream(&self, tasks: &[Task]) -> HashMap<String, Vec<Task>> {
@@ -155,11 +162,13 @@ impl TaskCache {
     }
 }
 
-/// A session's row and, when it is small enough to keep, its tasks: consistent with the
-/// row's `last_seq` (read on both sides of the tasks; `None` when it moved meanwhile).
+/// A session's row and, when it is small enough to keep (at most [`MAX_TASKS`] and `room`
+/// tasks), its tasks: consistent with the row's `last_seq` (read on both sides of the tasks;
+/// `None` when it moved meanwhile).
 pub(crate) async fn load_cached(
     store: &Store,
     session_id: &str,
+    room: usize,
 ) -> Result<(SessionRow, Option<TaskCache>), Error> {
     // Each statement sees the latest commits (PostgreSQL's default isolation), so the two
     // reads of the session bracket the tasks' (under one snapshot they agree anyway).
@@ -168,7 +177,7 @@ pub(crate) async fn load_cached(
     if session.state != pb::SessionState::Active {
         return Ok((session, None));
     }
-    let Some(rows) = load_tasks_up_to(&mut tx, session_id, MAX_TASKS).await? else {
+    let Some(rows) = load_tasks_up_to(&mut tx, session_id, most(room)).await? else {
         return Ok((session, None));
     };
     let again = load_session(&mut tx, session_id).await?;
@@ -177,12 +186,18 @@ pub(crate) async fn load_cached(
 }
 
 /// The tasks of a session held locked in `tx` (so they are as of its `last_seq`), when it is
-/// small enough to keep in memory.
+/// small enough to keep in memory (at most [`MAX_TASKS`] and `room` tasks).
 pub(crate) async fn load_cache_in(
     tx: &mut Tx,
     session_id: &str,
+    room: usize,
 ) -> Result<Option<TaskCache>, Error> {
-    Ok(load_tasks_up_to(tx, session_id, MAX_TASKS)
+    Ok(load_tasks_up_to(tx, session_id, most(room))
         .await?
         .map(TaskCache::new))
+}
+
+/// The most tasks a copy may have with `room` left among all copies.
+fn most(room: usize) -> i64 {
+    MAX_TASKS.min(i64::try_from(room).unwrap_or(i64::MAX))
 }
