@@ -129,12 +129,31 @@ pub(crate) fn settle(
     on_failure: OnFailure,
     now_ms: i64,
 ) -> Vec<pb::TaskTransition> {
+    settle_beside(tasks, &HashMap::new(), mode, on_failure, now_ms)
+}
+
+/// [`settle`] of some of a session's tasks, whose dependencies outside `tasks` are in
+/// `beside` with their states (which it does not change). In `waves` mode `tasks` must be the
+/// whole graph: the barrier looks at every task.
+pub(crate) fn settle_beside(
+    tasks: &mut [Task],
+    beside: &HashMap<String, TaskState>,
+    mode: Mode,
+    on_failure: OnFailure,
+    now_ms: i64,
+) -> Vec<pb::TaskTransition> {
     let mut transitions = Vec::new();
     let index: HashMap<String, usize> = tasks
         .iter()
         .enumerate()
         .map(|(position, task)| (task.id.clone(), position))
         .collect();
+    let state_of = |tasks: &[Task], dep: &str| {
+        index
+            .get(dep)
+            .map(|&at| tasks[at].state)
+            .or_else(|| beside.get(dep).copied())
+    };
 
     // Topological order makes one pass enough for transitive propagation.
     for position in 0..tasks.len() {
@@ -142,9 +161,9 @@ pub(crate) fn settle(
             continue;
         }
         let failed_dep = tasks[position].depends_on.iter().find_map(|dep| {
-            let dep_task = &tasks[*index.get(dep)?];
-            let failed = is_terminal(dep_task.state) && dep_task.state != TaskState::Completed;
-            failed.then(|| (dep.clone(), dep_task.state))
+            let state = state_of(tasks, dep)?;
+            let failed = is_terminal(state) && state != TaskState::Completed;
+            failed.then(|| (dep.clone(), state))
         });
         if let Some((dep, dep_state)) = failed_dep {
             let to = match on_failure {
@@ -167,11 +186,10 @@ pub(crate) fn settle(
         if task.state != TaskState::Pending {
             continue;
         }
-        let deps_done = task.depends_on.iter().all(|dep| {
-            index
-                .get(dep)
-                .is_some_and(|&dep_index| tasks[dep_index].state == TaskState::Completed)
-        });
+        let deps_done = task
+            .depends_on
+            .iter()
+            .all(|dep| state_of(tasks, dep) == Some(TaskState::Completed));
         let due = task.not_before.is_none_or(|at| at <= now_ms);
         let barrier_open = mode == Mode::Eager || task.wave <= min_open_wave;
         if deps_done && due && barrier_open {

@@ -1,6 +1,8 @@
 //! Completing: a running task's result recorded under its fencing token, and what that
 //! readies.
 
+use std::collections::HashMap;
+
 use troupe_proto::v1::{self as pb, TaskState};
 
 use super::claim::{ClaimRequest, Claimed, hand_out, lease};
@@ -135,7 +137,8 @@ pub(crate) async fn complete_eager(
         before.push(task.clone());
         work.push(task);
     }
-    // The dependents' other dependencies (their states decide the settling).
+    // The dependents' other dependencies: only their states decide the settling, so they
+    // stay out of the working set (which is copied, compared and written).
     let mut others: Vec<String> = Vec::new();
     for dependent in &work[completed..] {
         for dep in &dependent.depends_on {
@@ -144,19 +147,19 @@ pub(crate) async fn complete_eager(
             }
         }
     }
-    let mut loaded = match cache.as_deref() {
-        Some(cache) => cache.get_all(&others),
-        None => load_tasks_by_id(tx, session_id, &others, &lite_columns()).await?,
+    let beside: HashMap<String, TaskState> = match cache.as_deref() {
+        Some(cache) => cache.states(&others),
+        None => load_tasks_by_id(tx, session_id, &others, &lite_columns())
+            .await?
+            .into_iter()
+            .map(|(id, task)| (id, task.state))
+            .collect(),
     };
-    for id in &others {
-        if let Some(task) = loaded.remove(id) {
-            before.push(task.clone());
-            work.push(task);
-        }
-    }
     let settled = transitions.len();
-    transitions.extend(task::settle(
+    // Only eager sessions come here (see `one_batch` in the group commit).
+    transitions.extend(task::settle_beside(
         &mut work,
+        &beside,
         session.mode,
         session.on_failure,
         now,
