@@ -5,6 +5,7 @@ use prost::Message as _;
 use sqlx::Row;
 use troupe_proto::v1::{self as pb, session_event::Kind};
 
+use super::intake::values;
 use super::tasks::{
     MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V_BUMP, UPDATE_OR_FAIL_FROM_V,
     UPDATE_OR_FAIL_FROM_V_LEAN, bind_task, task_values, update_tasks,
@@ -115,92 +116,57 @@ pub(super) async fn write_events(
     while events.peek().is_some() {
         let chunk: Vec<(usize, (i64, Kind))> = events.by_ref().take(CHUNK).collect();
         let rows = chunk.len();
-        // After `$1` (and `$2` to `$4` for the bump), three parameters per event, then the
-        // tasks.
-        let base = if bump { 5 } else { 2 };
-        let values: Vec<String> = (0..rows)
-            .map(|i| {
-                let at = base + 3 * i;
-                format!("($1, ${at}, ${}, ${})", at + 1, at + 2)
-            })
-            .collect();
-        let values = values.join(", ");
-        let v = || {
-            format!(
-                "v (session_id, id, {}) AS (VALUES {})",
-                MUTABLE_COLUMNS.join(", "),
-                task_values(base + 3 * rows, tasks.len())
-            )
-        };
-        let sql = match tx.dialect {
-            Dialect::Postgres if bump => {
-                // The counter moves only from the value the events were numbered from, and
-                // the tasks and events go in only if it moved: under the lock that always
-                // holds; an optimistic write learns from the row count that someone else
-                // wrote first.
-                let mut ctes = vec![
-                    "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 \
-                     WHERE id = $1 AND last_seq = $4 RETURNING id)"
-                        .to_owned(),
-                ];
-                if !tasks.is_empty() {
-                    ctes.push(v());
-                    ctes.push(format!("upd AS ({})", *UPDATE_FROM_V_BUMP));
-                }
-                format!(
-                    "WITH {} INSERT INTO events (session_id, seq, ts, payload) \
-                     SELECT e.* FROM (VALUES {values}) e (session_id, seq, ts, payload), bump",
-                    ctes.join(", ")
-                )
-            }
-            Dialect::Sqlite if bump => {
-                // An optimistic write (no transaction open) brings its own, so the call is
-                // all or nothing. The counter moves only from the value the events were
-                // numbered from: else its NOT NULL constraint fails the call (see
-                // `Tx::failed`), before anything else is written.
-                let auto = matches!(tx.inner, Conn::Auto(_));
-                let mut sql = String::from(if auto { "BEGIN IMMEDIATE; " } else { "" });
-                sql.push_str(
-                    "UPDATE sessions SET last_seq = CASE last_seq WHEN $4 THEN $2 END, \
-                     updated_at = $3 WHERE id = $1; ",
-                );
-                if !tasks.is_empty() {
-                    let update = if reshaped {
-                        &*UPDATE_OR_FAIL_FROM_V
-                    } else {
-                        &*UPDATE_OR_FAIL_FROM_V_LEAN
-                    };
-                    sql.push_str(&format!("WITH {} {update}; ", v()));
-                }
-                sql.push_str(&format!(
-                    "INSERT OR FAIL INTO events (session_id, seq, ts, payload) VALUES {values}"
-                ));
-                if auto {
-                    sql.push_str("; COMMIT");
-                }
-                sql
-            }
-            _ => format!("INSERT INTO events (session_id, seq, ts, payload) VALUES {values}"),
-        };
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(session_id);
         let bumped = bump;
-        if bump {
-            query = query
-                .bind(to_i64(last))
-                .bind(last_ts)
-                .bind(to_i64(first - 1));
-        }
         bump = false;
-        for (i, (ts, kind)) in chunk {
-            let sequence = first + i as u64;
-            query = query
-                .bind(to_i64(sequence))
-                .bind(ts)
-                .bind(event_payload(session_id, sequence, ts, kind));
-        }
-        for task in std::mem::take(&mut tasks) {
-            query = bind_task(query, task)?;
-        }
+        let query = match tx.dialect {
+            // Anonymous parameters, bound in the order they appear: SQLite looks a named one
+            // up by a linear scan, which grew with the rows of a write.
+            Dialect::Sqlite => {
+                let auto = matches!(tx.inner, Conn::Auto(_));
+                let sql = sqlite_write(auto, bumped, rows, tasks.len(), reshaped);
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+                if bumped {
+                    query = query
+                        .bind(to_i64(first - 1))
+                        .bind(to_i64(last))
+                        .bind(last_ts)
+                        .bind(session_id);
+                }
+                for task in std::mem::take(&mut tasks) {
+                    query = bind_task(query, task)?;
+                }
+                for (i, (ts, kind)) in chunk {
+                    let sequence = first + i as u64;
+                    query = query
+                        .bind(session_id)
+                        .bind(to_i64(sequence))
+                        .bind(ts)
+                        .bind(event_payload(session_id, sequence, ts, kind));
+                }
+                query
+            }
+            Dialect::Postgres => {
+                let sql = postgres_write(bumped, rows, tasks.len());
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(session_id);
+                if bumped {
+                    query = query
+                        .bind(to_i64(last))
+                        .bind(last_ts)
+                        .bind(to_i64(first - 1));
+                }
+                for (i, (ts, kind)) in chunk {
+                    let sequence = first + i as u64;
+                    query = query
+                        .bind(to_i64(sequence))
+                        .bind(ts)
+                        .bind(event_payload(session_id, sequence, ts, kind));
+                }
+                for task in std::mem::take(&mut tasks) {
+                    query = bind_task(query, task)?;
+                }
+                query
+            }
+        };
         let written = match query.execute(&mut **tx).await {
             Ok(done) => done.rows_affected(),
             Err(err) => return Err(tx.failed(session_id, first - 1, err).await),
@@ -214,6 +180,80 @@ pub(super) async fn write_events(
         tx.sequences.insert(session_id.to_owned(), last);
     }
     Ok(())
+}
+
+/// One chunk of a write on SQLite (see `write_events`), its parameters anonymous, in the order
+/// bound: with `bump`, the session's sequence moves from `?` to `?` (else its NOT NULL
+/// constraint fails the call, see `Tx::failed`) with `updated_at = ?` and the session id, then
+/// the `tasks` rows' parameters (see [`bind_task`]), then four per event. An optimistic write
+/// (`auto`: no transaction open) brings its own, so the call is all or nothing.
+fn sqlite_write(auto: bool, bump: bool, rows: usize, tasks: usize, reshaped: bool) -> String {
+    let events = values(Dialect::Sqlite, rows, 4);
+    if !bump {
+        return format!("INSERT INTO events (session_id, seq, ts, payload) VALUES {events}");
+    }
+    let mut sql = String::from(if auto { "BEGIN IMMEDIATE; " } else { "" });
+    sql.push_str(
+        "UPDATE sessions SET last_seq = CASE last_seq WHEN ? THEN ? END, updated_at = ? \
+         WHERE id = ?; ",
+    );
+    if tasks > 0 {
+        let update = if reshaped {
+            &*UPDATE_OR_FAIL_FROM_V
+        } else {
+            &*UPDATE_OR_FAIL_FROM_V_LEAN
+        };
+        sql.push_str(&format!(
+            "WITH v (session_id, id, {}) AS (VALUES {}) {update}; ",
+            MUTABLE_COLUMNS.join(", "),
+            values(Dialect::Sqlite, tasks, MUTABLE_COLUMNS.len() + 2),
+        ));
+    }
+    sql.push_str(&format!(
+        "INSERT OR FAIL INTO events (session_id, seq, ts, payload) VALUES {events}"
+    ));
+    if auto {
+        sql.push_str("; COMMIT");
+    }
+    sql
+}
+
+/// One chunk of a write on PostgreSQL (see `write_events`): `$1` the session id; with `bump`,
+/// `$2` to `$4` the sequence's new and old values and `updated_at`; three parameters per event,
+/// then the `tasks` rows'.
+fn postgres_write(bump: bool, rows: usize, tasks: usize) -> String {
+    let base = if bump { 5 } else { 2 };
+    let values: Vec<String> = (0..rows)
+        .map(|i| {
+            let at = base + 3 * i;
+            format!("($1, ${at}, ${}, ${})", at + 1, at + 2)
+        })
+        .collect();
+    let values = values.join(", ");
+    if !bump {
+        return format!("INSERT INTO events (session_id, seq, ts, payload) VALUES {values}");
+    }
+    // The counter moves only from the value the events were numbered from, and the tasks and
+    // events go in only if it moved: under the lock that always holds; an optimistic write
+    // learns from the row count that someone else wrote first.
+    let mut ctes = vec![
+        "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 \
+         WHERE id = $1 AND last_seq = $4 RETURNING id)"
+            .to_owned(),
+    ];
+    if tasks > 0 {
+        ctes.push(format!(
+            "v (session_id, id, {}) AS (VALUES {})",
+            MUTABLE_COLUMNS.join(", "),
+            task_values(base + 3 * rows, tasks)
+        ));
+        ctes.push(format!("upd AS ({})", *UPDATE_FROM_V_BUMP));
+    }
+    format!(
+        "WITH {} INSERT INTO events (session_id, seq, ts, payload) \
+         SELECT e.* FROM (VALUES {values}) e (session_id, seq, ts, payload), bump",
+        ctes.join(", ")
+    )
 }
 
 pub(super) fn moved(session_id: &str, from: u64) -> Error {
