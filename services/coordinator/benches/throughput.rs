@@ -259,7 +259,7 @@ async fn intake(client: &Client, base_dir: &str, args: &Args) -> anyhow::Result<
 /// (one by default). Each plan goes in over `UploadPlan` in pieces of 1 MiB (as `troupe run` sends a plan over 1 MiB);
 /// then the reads, one `WatchSession` of the whole event log, `--burn` tasks claimed and
 /// completed by `--workers`, and the reads again. The coordinator's VmHWM and VmRSS are read
-/// at the start, after intake and at the end (its own with `--coordinator-bin`; else this
+/// at the start, after intake, after the reads and the watch, after the burn and at the end (its own with `--coordinator-bin`; else this
 /// process's, client included).
 async fn memory(bench: &common::Bench, args: &Args) -> anyhow::Result<()> {
     let client = &bench.client;
@@ -285,14 +285,16 @@ async fn memory(bench: &common::Bench, args: &Args) -> anyhow::Result<()> {
     let after_intake = bench.memory();
     let reads_active = reads(client, &session).await?;
     let (events, watched) = watch(client, &session).await?;
+    let after_watch = bench.memory();
     let start = Instant::now();
     burn(client, args).await?;
     let burned = start.elapsed();
+    let after_burn = bench.memory();
     let reads_after = reads(client, &session).await?;
     println!(
         "memory db={} shape={} tasks={} sessions={} plan {:.1} MB{}: start {started}; intake {:.2}s, after \
-         intake {after_intake}{reads_active}; WatchSession {events} events {:.2}s; {} done by {} \
-         workers {:.2}s{reads_after}; end {}",
+         intake {after_intake}{reads_active}; WatchSession {events} events {:.2}s, after the reads \
+         and the watch {after_watch}; {} done by {} workers {:.2}s, after {after_burn}{reads_after}; end {}",
         args.db,
         args.shape,
         args.tasks,
