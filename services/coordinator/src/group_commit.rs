@@ -53,7 +53,7 @@ use crate::lifecycle::claim::{self, ClaimRequest, Claimed};
 use crate::lifecycle::complete::{self, Completion};
 use crate::lifecycle::heartbeat::heartbeat_in;
 use crate::lifecycle::routing::Filter;
-use crate::lifecycle::task_cache::{self, TaskCache};
+use crate::lifecycle::task_cache::{self, Budget, TaskCache};
 use crate::store::sessions::{self, SessionRow};
 use crate::store::{Dialect, Store, Tx};
 use crate::task::Task;
@@ -146,6 +146,8 @@ pub(crate) struct GroupCommit {
     next_parked: Arc<std::sync::atomic::AtomicU64>,
     /// How long each worker's `claim_next` has stayed in one session (see [`crate::turns`]).
     turns: Arc<Turns>,
+    /// The bound on the tasks of all copies, [`CACHED_TASKS`].
+    budget: Budget,
 }
 
 /// A parked claim: its request and where its answer goes once a group took it.
@@ -245,6 +247,7 @@ impl GroupCommit {
             parked: Arc::default(),
             next_parked: Arc::default(),
             turns: Arc::default(),
+            budget: Budget::new(CACHED_TASKS),
         }
     }
 
@@ -565,7 +568,7 @@ impl GroupCommit {
             Some(cached) => cached,
             None => {
                 let (session, tasks) =
-                    task_cache::load_cached(&self.store, session_id, self.room())
+                    task_cache::load_cached(&self.store, session_id, &self.budget)
                         .await
                         .map_err(|_| GroupError::Contended)?;
                 Cached { session, tasks }
@@ -691,20 +694,8 @@ impl GroupCommit {
         Ok(outcome)
     }
 
-    /// Tasks a new copy may hold within [`CACHED_TASKS`] beside the copies kept. A session
-    /// larger than that is not copied (`keep` would drop the copy): its groups read their
-    /// batches instead of loading the whole session each time only to drop it.
-    fn room(&self) -> usize {
-        let held: usize = self
-            .sessions()
-            .values()
-            .filter_map(|copy| copy.tasks.as_ref().map(TaskCache::len))
-            .sum();
-        CACHED_TASKS.saturating_sub(held)
-    }
-
     /// Keeps sessions' copies as a committed group left them.
-    fn keep(&self, mut copies: Vec<(String, Cached)>) {
+    fn keep(&self, copies: Vec<(String, Cached)>) {
         if copies.is_empty() {
             return;
         }
@@ -712,20 +703,9 @@ impl GroupCommit {
         if sessions.len() + copies.len() > CACHED_SESSIONS {
             sessions.clear();
         }
-        // Over the bound a copy is not kept (its session reads, through indexes); the copies
-        // kept stay, so sessions do not take turns reloading theirs.
-        let mut held: usize = sessions
-            .values()
-            .filter_map(|copy| copy.tasks.as_ref().map(TaskCache::len))
-            .sum();
-        for (_, copy) in &mut copies {
-            let size = copy.tasks.as_ref().map_or(0, TaskCache::len);
-            if held + size > CACHED_TASKS {
-                copy.tasks = None;
-            } else {
-                held += size;
-            }
-        }
+        // Every copy took its share of `budget` when it was loaded: the copies kept stay, and
+        // a session that did not fit reads its batches (through indexes) instead of sessions
+        // taking turns reloading theirs.
         sessions.extend(copies);
     }
 
@@ -770,7 +750,7 @@ impl GroupCommit {
                         Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
                         // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
                         _ if self.store.dialect() == Dialect::Postgres => None,
-                        _ => Some(task_cache::load_cache_in(tx, session_id, self.room()).await?),
+                        _ => Some(task_cache::load_cache_in(tx, session_id, &self.budget).await?),
                     };
                     (session, tasks, false)
                 }

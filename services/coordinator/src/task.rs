@@ -393,6 +393,41 @@ mod tests {
     }
 
     #[test]
+    fn a_part_of_the_graph_settles_against_the_states_beside_it() {
+        // B waits for A and X, D for X alone, E for Y; X and Y are not among the tasks.
+        let mut tasks = vec![
+            row("A", &[], 1, 0),
+            row("B", &["A", "X"], 2, 1),
+            row("D", &["X"], 2, 2),
+            row("E", &["Y"], 2, 3),
+        ];
+        tasks[0].state = TaskState::Completed;
+        let pending = |state| HashMap::from([("X".to_owned(), state), ("Y".to_owned(), state)]);
+        settle_beside(
+            &mut tasks,
+            &pending(TaskState::Running),
+            Mode::Eager,
+            OnFailure::Skip,
+            0,
+        );
+        assert_eq!(&states(&tasks)[1..], [TaskState::Pending; 3]);
+        let beside = HashMap::from([
+            ("X".to_owned(), TaskState::Completed),
+            ("Y".to_owned(), TaskState::Failed),
+        ]);
+        let transitions = settle_beside(&mut tasks, &beside, Mode::Eager, OnFailure::Skip, 0);
+        assert_eq!(
+            &states(&tasks)[1..],
+            [TaskState::Ready, TaskState::Ready, TaskState::Skipped]
+        );
+        assert_eq!(transitions.len(), 3);
+        // A dependency neither among the tasks nor beside them is not done.
+        let mut alone = vec![row("F", &["Z"], 2, 0)];
+        settle_beside(&mut alone, &beside, Mode::Eager, OnFailure::Skip, 0);
+        assert_eq!(alone[0].state, TaskState::Pending);
+    }
+
+    #[test]
     fn waves_wait_for_the_whole_earlier_wave() {
         let mut tasks = vec![
             row("A", &[], 1, 0),

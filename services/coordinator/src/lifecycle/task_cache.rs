@@ -11,20 +11,22 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use troupe_proto::v1::{self as pb, TaskState};
 
 use crate::Error;
 use crate::store::sessions::{SessionRow, load_session};
-use crate::store::tasks::{Gathered, load_tasks_up_to};
+use crate::store::tasks::{Gathered, count_tasks, load_tasks};
 use crate::store::{Store, Tx};
 use crate::task::{Task, claim_order};
 
 /// Sessions with more tasks than this are not kept in memory; their batches read instead
 /// (through indexes: what a batch reads does not grow with the session). With the bound on
-/// all copies together (`CACHED_TASKS` in [`crate::group_commit`]) the copies' memory is
+/// all copies together ([`Budget`]: `CACHED_TASKS` in [`crate::group_commit`]) the copies' memory is
 /// bounded however large and many the sessions.
-const MAX_TASKS: i64 = 50_000;
+const MAX_TASKS: usize = 50_000;
 
 /// A ready task's place in claim order, with its id.
 type ClaimKey = ((i32, Reverse<u64>, i64, i64), String);
@@ -43,15 +45,18 @@ pub(crate) struct TaskCache {
     ready: BTreeSet<ClaimKey>,
     /// Ready or running.
     live: HashSet<String>,
+    /// Its place in the bound on all copies.
+    _share: Share,
 }
 
 impl TaskCache {
-    fn new(rows: Vec<Task>) -> Self {
+    fn new(rows: Vec<Task>, share: Share) -> Self {
         let mut cache = Self {
             tasks: HashMap::with_capacity(rows.len()),
             dependents: HashMap::new(),
             ready: BTreeSet::new(),
             live: HashSet::new(),
+            _share: share,
         };
         for task in rows {
             for dep in &task.depends_on {
@@ -64,11 +69,6 @@ impl TaskCache {
             cache.put(task);
         }
         cache
-    }
-
-    /// How many tasks it holds.
-    pub(crate) fn len(&self) -> usize {
-        self.tasks.len()
     }
 
     /// Stores `task` as written.
@@ -162,13 +162,13 @@ impl TaskCache {
     }
 }
 
-/// A session's row and, when it is small enough to keep (at most [`MAX_TASKS`] and `room`
-/// tasks), its tasks: consistent with the row's `last_seq` (read on both sides of the tasks;
-/// `None` when it moved meanwhile).
+/// A session's row and, when it is small enough to keep (see [`load_cache_in`]), its tasks:
+/// consistent with the row's `last_seq` (read on both sides of the tasks; `None` when it moved
+/// meanwhile).
 pub(crate) async fn load_cached(
     store: &Store,
     session_id: &str,
-    room: usize,
+    budget: &Budget,
 ) -> Result<(SessionRow, Option<TaskCache>), Error> {
     // Each statement sees the latest commits (PostgreSQL's default isolation), so the two
     // reads of the session bracket the tasks' (under one snapshot they agree anyway).
@@ -177,27 +177,105 @@ pub(crate) async fn load_cached(
     if session.state != pb::SessionState::Active {
         return Ok((session, None));
     }
-    let Some(rows) = load_tasks_up_to(&mut tx, session_id, most(room)).await? else {
+    let Some(cache) = load_cache_in(&mut tx, session_id, budget).await? else {
         return Ok((session, None));
     };
     let again = load_session(&mut tx, session_id).await?;
-    let cache = (again.last_seq == session.last_seq).then(|| TaskCache::new(rows));
-    Ok((session, cache))
+    let current = again.last_seq == session.last_seq;
+    Ok((session, current.then_some(cache)))
 }
 
-/// The tasks of a session held locked in `tx` (so they are as of its `last_seq`), when it is
-/// small enough to keep in memory (at most [`MAX_TASKS`] and `room` tasks).
+/// The tasks of a session as `tx` sees them (held locked, they are as of its `last_seq`),
+/// when it has at most [`MAX_TASKS`] and they fit in `budget`, which they take a share of
+/// before they are read.
 pub(crate) async fn load_cache_in(
     tx: &mut Tx,
     session_id: &str,
-    room: usize,
+    budget: &Budget,
 ) -> Result<Option<TaskCache>, Error> {
-    Ok(load_tasks_up_to(tx, session_id, most(room))
-        .await?
-        .map(TaskCache::new))
+    let count = count_tasks(tx, session_id).await?;
+    let Some(share) = budget.take(count) else {
+        return Ok(None);
+    };
+    Ok(Some(TaskCache::new(
+        load_tasks(tx, session_id).await?,
+        share,
+    )))
 }
 
-/// The most tasks a copy may have with `room` left among all copies.
-fn most(room: usize) -> i64 {
-    MAX_TASKS.min(i64::try_from(room).unwrap_or(i64::MAX))
+/// The tasks all copies hold together, at most `cap`: those kept between groups and those a
+/// group is working on or loading (taken out of the group commit's map, they still count),
+/// so however groups of different sessions interleave, no more than `cap` tasks are copied.
+#[derive(Debug, Clone)]
+pub(crate) struct Budget {
+    held: Arc<AtomicUsize>,
+    cap: usize,
+}
+
+impl Budget {
+    pub(crate) fn new(cap: usize) -> Self {
+        Self {
+            held: Arc::new(AtomicUsize::new(0)),
+            cap,
+        }
+    }
+
+    /// A share of `size` tasks, when a copy of that many is allowed and fits.
+    fn take(&self, size: usize) -> Option<Share> {
+        if size > MAX_TASKS {
+            return None;
+        }
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                (held + size <= self.cap).then_some(held + size)
+            })
+            .ok()?;
+        Some(Share {
+            held: Arc::clone(&self.held),
+            size,
+        })
+    }
+
+    /// Tasks held now.
+    #[cfg(test)]
+    fn held(&self) -> usize {
+        self.held.load(Ordering::Acquire)
+    }
+}
+
+/// A copy's share of its [`Budget`], given back when the copy is dropped.
+#[derive(Debug)]
+struct Share {
+    held: Arc<AtomicUsize>,
+    size: usize,
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        self.held.fetch_sub(self.size, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_share_one_budget_and_give_their_share_back_when_dropped() {
+        let budget = Budget::new(100);
+        let first = TaskCache::new(Vec::new(), budget.take(60).expect("60 fit"));
+        assert!(budget.take(50).is_none(), "60 + 50 is over 100");
+        let second = budget.take(40).expect("40 fit beside");
+        assert_eq!(budget.held(), 100);
+        drop(first);
+        assert_eq!(budget.held(), 40);
+        drop(second);
+        assert_eq!(budget.held(), 0);
+        let roomy = Budget::new(usize::MAX);
+        assert!(
+            roomy.take(MAX_TASKS + 1).is_none(),
+            "over one session's bound"
+        );
+        assert_eq!(roomy.held(), 0);
+    }
 }

@@ -298,7 +298,7 @@ pub(super) fn bind_task<'q>(query: AnyQuery<'q>, task: &'q Task) -> Result<AnyQu
 
 /// Loads a session's tasks in topological order. Writers call [`super::sessions::lock_session`] first: the
 /// session row lock serialises every writer of a session, so what they read stays current.
-pub(super) async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
+pub(crate) async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
     use futures::TryStreamExt as _;
     let sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 ORDER BY position");
     // Row by row: a session's rows and its tasks are never in memory together (the task
@@ -313,20 +313,13 @@ pub(super) async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task
     Ok(tasks)
 }
 
-/// A session's tasks in topological order, unless it has more than `max`.
-pub(crate) async fn load_tasks_up_to(
-    tx: &mut Tx,
-    session_id: &str,
-    max: i64,
-) -> Result<Option<Vec<Task>>, Error> {
+/// How many tasks a session has.
+pub(crate) async fn count_tasks(tx: &mut Tx, session_id: &str) -> Result<usize, Error> {
     let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM tasks WHERE session_id = $1")
         .bind(session_id)
         .fetch_one(&mut **tx)
         .await?;
-    if count > max {
-        return Ok(None);
-    }
-    Ok(Some(load_tasks(tx, session_id).await?))
+    usize::try_from(count).map_err(corrupt)
 }
 
 /// Loads a session's tasks without their `spec` (left empty): what write transactions need
