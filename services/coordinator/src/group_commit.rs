@@ -215,9 +215,10 @@ const OPTIMISTIC_TRIES: u32 = 3;
 /// entry costs one read).
 const CACHED_SESSIONS: usize = 1024;
 
-/// Tasks kept in [`GroupCommit::sessions`]'s copies in all; beyond that it starts over, so the
-/// copies' memory has a bound however many sessions are active (each session's copy has one
-/// too, see [`task_cache`]).
+/// Tasks in all copies together, kept in [`GroupCommit::sessions`] or held by running groups
+/// ([`Budget`]): a session whose copy would not fit reads its batches instead, so the copies'
+/// memory has a bound however many sessions are active (each session's copy has one too, see
+/// [`task_cache`]).
 const CACHED_TASKS: usize = 50_000;
 
 /// Marks a lane busy while its leader runs; on drop (also when the leader's caller goes away
