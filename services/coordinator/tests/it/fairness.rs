@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde_json::json;
 use troupe_proto::v1::{self as pb, Role, SessionState, TaskState};
 
-use crate::support::{Db, Harness, db_tests, id_of, session_id, token};
+use crate::support::{Db, Harness, db_tests, id_of, session_id};
 
 /// Four sessions, the oldest with 40 tasks and three later ones with 4 each, drained by one
 /// worker claiming one task at a time: the claims go round the sessions, so each later session
@@ -154,29 +154,8 @@ async fn groups_of_several_sessions_see_what_was_written_outside_them(db: Db) {
                     next = wait().await;
                     continue;
                 }
-                let task = claimed.task.as_ref().expect("task");
-                let response = harness
-                    .client()
-                    .complete_task(pb::CompleteTaskRequest {
-                        session_id: task.session_id.clone(),
-                        task_id: task.id.clone(),
-                        fencing_token: token(&claimed),
-                        result: Some(pb::TaskResult {
-                            summary: format!("{} by worker {n}", task.id),
-                            ..Default::default()
-                        }),
-                        claim_next: Some(pb::ClaimTasksRequest {
-                            worker_id: format!("worker-{n}"),
-                            roles: vec![Role::Executor as i32],
-                            max_tasks: 1,
-                            ..Default::default()
-                        }),
-                    })
-                    .await
-                    .expect("complete")
-                    .into_inner();
+                next = harness.complete_as_worker(&claimed, n).await;
                 done += 1;
-                next = response.next;
                 if next.is_empty() {
                     next = wait().await;
                 }

@@ -1084,7 +1084,6 @@ async fn burn_down_pairs(db: Db, impls: usize, execs: usize, workers: usize, mes
     );
     let worker = |n: usize| {
         let harness = &harness;
-        let session = session.clone();
         async move {
             let mut done = 0;
             let mut next = harness
@@ -1115,28 +1114,8 @@ async fn burn_down_pairs(db: Db, impls: usize, execs: usize, workers: usize, mes
                     want.sort();
                     assert_eq!(upstream, want, "upstream of {}", id_of(&claimed));
                 }
-                let response = harness
-                    .client()
-                    .complete_task(pb::CompleteTaskRequest {
-                        session_id: session.clone(),
-                        task_id: id_of(&claimed).to_owned(),
-                        fencing_token: token(&claimed),
-                        result: Some(pb::TaskResult {
-                            summary: format!("{} by worker {n}", id_of(&claimed)),
-                            ..Default::default()
-                        }),
-                        claim_next: Some(pb::ClaimTasksRequest {
-                            worker_id: format!("worker-{n}"),
-                            roles: vec![Role::Executor as i32],
-                            max_tasks: 1,
-                            ..Default::default()
-                        }),
-                    })
-                    .await
-                    .expect("complete")
-                    .into_inner();
+                next = harness.complete_as_worker(&claimed, n).await;
                 done += 1;
-                next = response.next;
                 if next.is_empty() {
                     next = harness
                         .claim_with(

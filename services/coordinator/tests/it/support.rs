@@ -329,6 +329,36 @@ impl Harness {
 
     /// Completes `claimed` and claims the next `max` executor tasks in the same call
     /// (`claimNext`), as worker-test.
+    /// Completes `claimed` as worker number `n` (its summary says so) and claims that worker's
+    /// next task with it (`claim_next`).
+    pub(crate) async fn complete_as_worker(
+        &self,
+        claimed: &pb::ClaimedTask,
+        n: usize,
+    ) -> Vec<pb::ClaimedTask> {
+        let task = claimed.task.as_ref().expect("task");
+        self.client()
+            .complete_task(pb::CompleteTaskRequest {
+                session_id: task.session_id.clone(),
+                task_id: task.id.clone(),
+                fencing_token: token(claimed),
+                result: Some(pb::TaskResult {
+                    summary: format!("{} by worker {n}", task.id),
+                    ..Default::default()
+                }),
+                claim_next: Some(pb::ClaimTasksRequest {
+                    worker_id: format!("worker-{n}"),
+                    roles: vec![Role::Executor as i32],
+                    max_tasks: 1,
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("complete")
+            .into_inner()
+            .next
+    }
+
     pub(crate) async fn complete_and_claim(
         &self,
         claimed: &pb::ClaimedTask,
