@@ -329,39 +329,37 @@ impl Harness {
 
     /// Completes `claimed` and claims the next `max` executor tasks in the same call
     /// (`claimNext`), as worker-test.
+    pub(crate) async fn complete_and_claim(
+        &self,
+        claimed: &pb::ClaimedTask,
+        max: u32,
+    ) -> Vec<pb::ClaimedTask> {
+        self.complete_claiming(claimed, None, "worker-test", max)
+            .await
+    }
+
     /// Completes `claimed` as worker number `n` (its summary says so) and claims that worker's
-    /// next task with it (`claim_next`).
+    /// next task with it (`claimNext`).
     pub(crate) async fn complete_as_worker(
         &self,
         claimed: &pb::ClaimedTask,
         n: usize,
     ) -> Vec<pb::ClaimedTask> {
-        let task = claimed.task.as_ref().expect("task");
-        self.client()
-            .complete_task(pb::CompleteTaskRequest {
-                session_id: task.session_id.clone(),
-                task_id: task.id.clone(),
-                fencing_token: token(claimed),
-                result: Some(pb::TaskResult {
-                    summary: format!("{} by worker {n}", task.id),
-                    ..Default::default()
-                }),
-                claim_next: Some(pb::ClaimTasksRequest {
-                    worker_id: format!("worker-{n}"),
-                    roles: vec![Role::Executor as i32],
-                    max_tasks: 1,
-                    ..Default::default()
-                }),
-            })
+        let id = id_of(claimed);
+        let result = pb::TaskResult {
+            summary: format!("{id} by worker {n}"),
+            ..Default::default()
+        };
+        self.complete_claiming(claimed, Some(result), &format!("worker-{n}"), 1)
             .await
-            .expect("complete")
-            .into_inner()
-            .next
     }
 
-    pub(crate) async fn complete_and_claim(
+    /// Completes `claimed` with `result` and claims `worker`'s next `max` executor tasks.
+    async fn complete_claiming(
         &self,
         claimed: &pb::ClaimedTask,
+        result: Option<pb::TaskResult>,
+        worker: &str,
         max: u32,
     ) -> Vec<pb::ClaimedTask> {
         let task = claimed.task.as_ref().expect("task");
@@ -370,9 +368,9 @@ impl Harness {
                 session_id: task.session_id.clone(),
                 task_id: task.id.clone(),
                 fencing_token: token(claimed),
-                result: None,
+                result,
                 claim_next: Some(pb::ClaimTasksRequest {
-                    worker_id: "worker-test".to_owned(),
+                    worker_id: worker.to_owned(),
                     roles: vec![Role::Executor as i32],
                     max_tasks: max,
                     ..Default::default()
