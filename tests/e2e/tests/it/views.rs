@@ -439,22 +439,28 @@ async fn troupe_watch_sizes_its_bars_by_every_task_of_a_large_session() -> anyho
         socket: format!("troupe-test-large-{}", std::process::id()),
     };
     tmux.watch(&session, &coordinator.url(), 160)?;
-    let screen = troupe_testkit::eventually_within(
-        "the live view's bars",
-        Duration::from_secs(60),
-        || async {
-            let screen = tmux.screen().unwrap_or_default();
-            screen.contains("validator [").then_some(screen)
-        },
-    )
-    .await;
-    let bar = |prefix: &str| {
+    // A bar's position and total after its brackets, e.g. `0/2500`.
+    fn bar(screen: &str, prefix: &str) -> Option<String> {
         screen
             .lines()
             .find(|line| line.trim_start().starts_with(&format!("{prefix} [")))
             .and_then(|line| line.split(']').nth(1)?.split_whitespace().next())
             .map(str::to_owned)
-    };
+    }
+    // The bars show up before their totals are set: wait until every one has its total.
+    let screen = troupe_testkit::eventually_within(
+        "the live view's bars with their totals",
+        Duration::from_secs(60),
+        || async {
+            let screen = tmux.screen().unwrap_or_default();
+            ["all", "executor", "validator"]
+                .iter()
+                .all(|prefix| bar(&screen, prefix).is_some_and(|b| b != "0/0"))
+                .then_some(screen)
+        },
+    )
+    .await;
+    let bar = |prefix: &str| bar(&screen, prefix);
     assert_eq!(bar("all").as_deref(), Some("0/2500"), "{screen}");
     assert_eq!(bar("executor").as_deref(), Some("0/2250"), "{screen}");
     assert_eq!(bar("validator").as_deref(), Some("0/250"), "{screen}");
