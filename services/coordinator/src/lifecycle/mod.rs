@@ -75,22 +75,22 @@ async fn write_changes(
         transitions.into_iter().map(Kind::Task).collect(),
     )
     .await?;
-    let changes = || {
-        before
-            .iter()
-            .zip(tasks.iter())
-            .filter(|(old, new)| old != new)
-    };
-    let changed: Vec<&Task> = changes().map(|(_, new)| new).collect();
-    // With the session's events so far: one statement on PostgreSQL (see `write_events`).
-    tx.write_with_events(session_id, &changed, reshaped(changes()))
-        .await?;
-    // Only a fix round re-points dependencies (under the lock).
-    let repointed: Vec<&Task> = before
+    // Each task compared with its stored form once: the write, its shape columns and the
+    // dependency rows all follow from the tasks that changed.
+    let changes: Vec<(&Task, &Task)> = before
         .iter()
         .zip(tasks.iter())
+        .filter(|(old, new)| old != new)
+        .collect();
+    let changed: Vec<&Task> = changes.iter().map(|(_, new)| *new).collect();
+    // With the session's events so far: one statement on PostgreSQL (see `write_events`).
+    tx.write_with_events(session_id, &changed, reshaped(changes.iter().copied()))
+        .await?;
+    // Only a fix round re-points dependencies (under the lock).
+    let repointed: Vec<&Task> = changes
+        .iter()
         .filter(|(old, new)| old.depends_on != new.depends_on)
-        .map(|(_, new)| new)
+        .map(|(_, new)| *new)
         .collect();
     if !repointed.is_empty() {
         replace_deps(tx, &repointed).await?;

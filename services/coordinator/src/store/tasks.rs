@@ -248,7 +248,7 @@ fn update_from_v(also: &str, except: &[&str]) -> String {
     )
 }
 
-/// Whether any of `tasks` (each beside its stored form in `before`) changed one of the
+/// Whether any of `changes` (a task's stored form, then the form to write) changed one of the
 /// [`SHAPE_COLUMNS`].
 pub(crate) fn reshaped<'a>(changes: impl IntoIterator<Item = (&'a Task, &'a Task)>) -> bool {
     changes.into_iter().any(|(old, new)| {
