@@ -2,9 +2,7 @@
 
 use std::process::Output;
 
-use troupe_proto::v1::CreateSessionRequest;
-
-use crate::support::{ChildService, binary};
+use crate::support::{self, ChildService, binary};
 
 async fn troupe(args: &[&str]) -> anyhow::Result<Output> {
     Ok(tokio::process::Command::new(binary("troupe"))
@@ -39,14 +37,7 @@ async fn troupe_pause_stops_a_session_and_resume_continues_it() -> anyhow::Resul
     let url = coordinator.url();
     let plan = serde_json::json!({"name": "pause-cli", "repos": {"app": {"path": "repo"}},
         "tasks": [{"id": "IMPL-1", "title": "one"}, {"id": "IMPL-2", "title": "two"}]});
-    let created = troupe_grpc::coordinator_client(&url)?
-        .create_session(CreateSessionRequest {
-            plan_json: plan.to_string(),
-            base_dir: data.path().display().to_string(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
+    let created = support::create_session(&url, &plan, data.path()).await?;
     let session = created.session.expect("session").id;
 
     let paused =

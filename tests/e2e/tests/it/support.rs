@@ -235,6 +235,23 @@ pub(crate) async fn health_with(
     Ok(ServingStatus::try_from(response.status)?)
 }
 
+/// `CreateSession` of `plan` at the coordinator at `url` (no credentials), its repositories'
+/// paths relative to `base_dir`.
+pub(crate) async fn create_session(
+    url: &str,
+    plan: &serde_json::Value,
+    base_dir: &Path,
+) -> anyhow::Result<troupe_proto::v1::CreateSessionResponse> {
+    Ok(troupe_grpc::coordinator_client(url)?
+        .create_session(troupe_proto::v1::CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: base_dir.display().to_string(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner())
+}
+
 /// Starts every service in this process on a port-0 listener; returns the handle and its URL.
 pub(crate) async fn start_embedded(
     data_dir: &Path,

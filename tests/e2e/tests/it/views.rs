@@ -203,15 +203,7 @@ async fn troupe_cancel_cancels_a_session() -> anyhow::Result<()> {
     let url = coordinator.url();
     let plan = serde_json::json!({"name": "cancel-cli", "repos": {"app": {"path": "repo"}},
         "tasks": [{"id": "IMPL-1", "title": "one"}]});
-    let mut client = troupe_grpc::coordinator_client(&url)?;
-    let created = client
-        .create_session(CreateSessionRequest {
-            plan_json: plan.to_string(),
-            base_dir: data.path().display().to_string(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
+    let created = support::create_session(&url, &plan, data.path()).await?;
     let session = created.session.context("session")?.id;
     let out = stdout_of(
         &troupe(&[
@@ -225,7 +217,7 @@ async fn troupe_cancel_cancels_a_session() -> anyhow::Result<()> {
         .await?,
     );
     assert_eq!(out.trim(), format!("session {session} is cancelled"));
-    let view = client
+    let view = troupe_grpc::coordinator_client(&url)?
         .get_session(GetSessionRequest {
             session_id: session.clone(),
             ..Default::default()
@@ -419,15 +411,7 @@ async fn troupe_watch_sizes_its_bars_by_every_task_of_a_large_session() -> anyho
         .collect();
     let plan =
         serde_json::json!({"name": "large", "repos": {"app": {"path": "repo"}}, "tasks": tasks});
-    let mut client = troupe_grpc::coordinator_client(&coordinator.url())?;
-    let created = client
-        .create_session(CreateSessionRequest {
-            plan_json: plan.to_string(),
-            base_dir: data.path().display().to_string(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
+    let created = support::create_session(&coordinator.url(), &plan, data.path()).await?;
     anyhow::ensure!(
         created.tasks.len() < TASKS,
         "the first page holds {} tasks: the test needs a larger session",
@@ -475,15 +459,7 @@ async fn troupe_watch_on_a_terminal_draws_bars_and_running_tasks() -> anyhow::Re
     troupe_testkit::git_repo(&data.path().join("repo"), &[("README.md", "hello\n")])?;
     let shutdown = CancellationToken::new();
     let (embedded, url) = support::start_embedded(&data.path().join("up"), &shutdown).await?;
-    let mut client = troupe_grpc::coordinator_client(&url)?;
-    let created = client
-        .create_session(CreateSessionRequest {
-            plan_json: slow_plan().to_string(),
-            base_dir: data.path().display().to_string(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
+    let created = support::create_session(&url, &slow_plan(), data.path()).await?;
     let session = created.session.context("session")?.id;
 
     let tmux = Tmux {
