@@ -42,6 +42,7 @@ pub(crate) mod messages;
 mod migrations;
 mod ready;
 pub(crate) mod sessions;
+mod statistics;
 pub(crate) mod tasks;
 mod transactions;
 pub(crate) mod workers;
@@ -69,6 +70,8 @@ pub(crate) struct Store {
     /// Each session's repositories and plan assets digest, which never change once stored:
     /// claims skip the queries.
     repos: std::sync::Arc<std::sync::Mutex<HashMap<String, Fixed>>>,
+    /// What intakes added since the statistics were last refreshed (PostgreSQL).
+    growth: std::sync::Arc<statistics::Growth>,
 }
 
 /// Channel of the PostgreSQL notifications that wake other coordinators' long polls.
@@ -125,6 +128,7 @@ impl Store {
             dialect: Dialect::Sqlite,
             url: None,
             repos: Default::default(),
+            growth: Default::default(),
         };
         store.migrate_through(last).await?;
         let reader = pragmas(AnyPoolOptions::new().test_before_acquire(false))
@@ -161,6 +165,7 @@ impl Store {
             dialect: Dialect::Postgres,
             url: Some(url.to_owned()),
             repos: Default::default(),
+            growth: Default::default(),
         };
         store.migrate().await?;
         Ok(store)
@@ -170,24 +175,22 @@ impl Store {
         self.dialect
     }
 
-    /// After an intake of many tasks on PostgreSQL, refreshes the statistics of the tables it
-    /// filled, in the background. Until they exist (autovacuum gets there within minutes) the
-    /// planner guesses a session holds a few hundred tasks, and reads a list of tasks by id by
-    /// walking the session's whole range of another index: 0.6 s for 500 ids at 50,000 tasks
-    /// (a `CheckSession` of chains read several such lists), where the primary key takes 1 ms.
+    /// After an intake of `tasks` tasks on PostgreSQL, refreshes the planner's statistics in
+    /// the background when the intakes since the last refresh doubled the tasks or the
+    /// sessions (see [`statistics`]).
     pub(crate) fn refresh_statistics(&self, tasks: usize) {
-        const MANY: usize = 5_000;
-        if self.dialect != Dialect::Postgres || tasks < MANY {
+        if self.dialect != Dialect::Postgres || !self.growth.took_in(tasks) {
             return;
         }
-        let pool = self.reader.clone();
+        let (pool, growth) = (self.reader.clone(), self.growth.clone());
         tokio::spawn(async move {
-            if let Err(err) = sqlx::raw_sql("ANALYZE tasks, task_deps, events")
+            if let Err(err) = sqlx::raw_sql("ANALYZE sessions, tasks, task_deps, events")
                 .execute(&pool)
                 .await
             {
                 tracing::warn!(error = %err, "refreshing statistics after an intake");
             }
+            growth.done();
         });
     }
 

@@ -194,3 +194,51 @@ db_tests!(
     claim_next_moves_on_after_a_turn,
     groups_of_several_sessions_see_what_was_written_outside_them
 );
+
+/// On PostgreSQL the coordinator refreshes the planner's statistics itself each time intakes
+/// double the sessions (from 64), not minutes later when autovacuum gets there. A claim's pick
+/// of a session depends on it: planned while few sessions existed, the pick probed every
+/// active session (10 ms a pick at 1,000 sessions); see `store::statistics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statistics_are_refreshed_as_sessions_come_in() {
+    let Some(db) = Db::postgres() else {
+        return;
+    };
+    let harness = Harness::start(db).await;
+    let url = harness.database_url.clone().expect("a PostgreSQL schema");
+    let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .expect("connect");
+    // `last_analyze` is a manual ANALYZE's (autovacuum's is `last_autoanalyze`).
+    let mut analyzed = async || -> (bool, f32) {
+        sqlx::query_as(
+            "SELECT s.last_analyze IS NOT NULL, c.reltuples FROM pg_stat_user_tables s \
+             JOIN pg_class c ON c.oid = s.relid \
+             WHERE s.schemaname = current_schema() AND s.relname = 'sessions'",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .expect("read the statistics")
+    };
+    let plan =
+        |i: usize| json!({"name": format!("s{i}"), "tasks": [{"id": "IMPL-1", "title": "one"}]});
+    for i in 0..63 {
+        harness.create(plan(i)).await;
+    }
+    assert!(!analyzed().await.0, "not yet: 63 sessions");
+    harness.create(plan(63)).await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (done, rows) = analyzed().await;
+        if done {
+            assert!(rows >= 63.0, "the statistics count the sessions: {rows}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no ANALYZE after 64 sessions"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    harness.stop().await;
+}
