@@ -355,9 +355,25 @@ impl GroupCommit {
     /// Claims up to `request.max` ready tasks of its roles from the session served least
     /// recently that has one (see [`Store::pick_session`]).
     pub(crate) async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claimed>, Error> {
+        self.claim_from(request, None).await
+    }
+
+    /// [`Self::claim`], trying `picked` (a session just picked) first.
+    async fn claim_from(
+        &self,
+        request: &ClaimRequest,
+        mut picked: Option<String>,
+    ) -> Result<Vec<Claimed>, Error> {
         // Each round either claims or finds that others took the picked session's ready tasks
         // first (someone made progress), so this ends once nothing is ready.
-        while let Some(session_id) = self.store.pick_session(request.filter()).await? {
+        loop {
+            let session_id = match picked.take() {
+                Some(session_id) => session_id,
+                None => match self.store.pick_session(request.filter()).await? {
+                    Some(session_id) => session_id,
+                    None => break,
+                },
+            };
             let (reply, answer) = oneshot::channel();
             let op = Op::Claim {
                 session_id: session_id.clone(),
@@ -420,7 +436,7 @@ impl GroupCommit {
             && let Ok(Some(picked)) = self.store.pick_session(request.filter()).await
             && picked != session_id
         {
-            elsewhere = claim_next.take();
+            elsewhere = claim_next.take().map(|request| (request, picked));
         }
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
@@ -436,17 +452,22 @@ impl GroupCommit {
         };
         self.submit(self.lane(session_id), op);
         let (task, mut next) = answer.await.unwrap_or_else(|_| Err(gone()))?;
-        if let Some(request) = elsewhere {
+        if let Some((request, picked)) = elsewhere {
             let request = ClaimRequest {
                 now: crate::convert::now_ms(),
                 ..request
             };
             // The completion is committed: a claim that fails now leaves the worker without
             // a next task (it claims again), not with a completion it would think refused.
-            next = self.claim(&request).await.unwrap_or_else(|err| {
-                tracing::warn!(error = %err, "claim after a turn failed");
-                Vec::new()
-            });
+            // The session picked above first: picking again would cost a read for the same
+            // answer, unless someone emptied it meanwhile (then it picks again).
+            next = self
+                .claim_from(&request, Some(picked))
+                .await
+                .unwrap_or_else(|err| {
+                    tracing::warn!(error = %err, "claim after a turn failed");
+                    Vec::new()
+                });
         }
         Ok((task, next))
     }
