@@ -7,8 +7,7 @@
 //! - 1,000 sessions taken in one after another: a claim's pick of a session (see
 //!   `Store::pick_session`) probed the ready tasks of every active session and sorted them,
 //!   10 ms a pick and most of the database's time, where the turn-order index stops at the
-//!   first session with a ready task; and each intake read every task for the durations it
-//!   learns from (`Store::learned_durations`).
+//!   first session with a ready task.
 
 use std::sync::{Mutex, PoisonError};
 
