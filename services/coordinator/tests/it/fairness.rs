@@ -206,39 +206,33 @@ async fn statistics_are_refreshed_as_sessions_come_in() {
     };
     let harness = Harness::start(db).await;
     let url = harness.database_url.clone().expect("a PostgreSQL schema");
-    let mut conn = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
-        .await
-        .expect("connect");
-    // `last_analyze` is a manual ANALYZE's (autovacuum's is `last_autoanalyze`).
-    let mut analyzed = async || -> (bool, f32) {
-        sqlx::query_as(
+    let pool = sqlx::PgPool::connect(&url).await.expect("connect");
+    // The rows the statistics count in `sessions`, once a manual ANALYZE ran (`last_analyze`;
+    // autovacuum's is `last_autoanalyze`).
+    let analyzed = || async {
+        let (done, rows): (bool, f32) = sqlx::query_as(
             "SELECT s.last_analyze IS NOT NULL, c.reltuples FROM pg_stat_user_tables s \
              JOIN pg_class c ON c.oid = s.relid \
              WHERE s.schemaname = current_schema() AND s.relname = 'sessions'",
         )
-        .fetch_one(&mut conn)
+        .fetch_one(&pool)
         .await
-        .expect("read the statistics")
+        .expect("read the statistics");
+        done.then_some(rows)
     };
     let plan =
         |i: usize| json!({"name": format!("s{i}"), "tasks": [{"id": "IMPL-1", "title": "one"}]});
     for i in 0..63 {
         harness.create(plan(i)).await;
     }
-    assert!(!analyzed().await.0, "not yet: 63 sessions");
+    assert_eq!(analyzed().await, None, "not yet: 63 sessions");
     harness.create(plan(63)).await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let (done, rows) = analyzed().await;
-        if done {
-            assert!(rows >= 63.0, "the statistics count the sessions: {rows}");
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no ANALYZE after 64 sessions"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let rows = troupe_testkit::eventually_within(
+        "an ANALYZE after 64 sessions",
+        Duration::from_secs(30),
+        analyzed,
+    )
+    .await;
+    assert!(rows >= 63.0, "the statistics count the sessions: {rows}");
     harness.stop().await;
 }
