@@ -309,7 +309,7 @@ pub(crate) fn session_state_name(state: SessionState) -> &'static str {
     troupe_proto::names::session_state(state)
 }
 
-/// A ready task's place in claim order: the order of the `tasks_claim` index (and of
+/// A ready task's place in claim order: the order of the `tasks_session_state` index (and of
 /// [`crate::store::tasks::read_batch`]'s ready tasks) within a session.
 pub(crate) fn claim_order(task: &Task) -> (i32, std::cmp::Reverse<u64>, i64, i64) {
     (

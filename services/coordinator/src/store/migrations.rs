@@ -66,6 +66,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "partial reaper indexes",
         include_str!("migrations/0016_partial_reaper_indexes.sql"),
     ),
+    (
+        17,
+        "partial ready index",
+        include_str!("migrations/0017_partial_ready_index.sql"),
+    ),
 ];
 
 /// The second step of migration 9: the dependency rows of tasks stored before it, read out of

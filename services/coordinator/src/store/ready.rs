@@ -141,16 +141,25 @@ impl Store {
     /// provider quotas are rebuilt from, twice a second, see [`crate::quota`]: a task's backend
     /// is its stored routes). Sessions paused keep their running tasks out.
     pub(crate) async fn live_tasks(&self) -> Result<Vec<Task>, Error> {
-        let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
-            "SELECT {} FROM tasks t JOIN sessions s ON s.id = t.session_id \
-             WHERE t.state IN ($1, $2) AND s.state = $3",
-            QUALIFIED_COLUMNS.replace("t.spec,", "'{}' AS spec,")
-        )))
-        .bind(TaskState::Ready as i32)
-        .bind(TaskState::Running as i32)
-        .bind(SessionState::Active as i32)
-        .fetch_all(&self.reader)
-        .await?;
+        // One state a half, as constants: each half is then a range of its partial index
+        // (`tasks_ready`, `tasks_lease`), whose condition a parameter would not match.
+        let half = |state: TaskState| {
+            format!(
+                "SELECT {} FROM tasks t JOIN sessions s ON s.id = t.session_id \
+                 WHERE t.state = {} AND s.state = {}",
+                QUALIFIED_COLUMNS.replace("t.spec,", "'{}' AS spec,"),
+                state as i32,
+                SessionState::Active as i32,
+            )
+        };
+        let sql = format!(
+            "{} UNION ALL {}",
+            half(TaskState::Ready),
+            half(TaskState::Running)
+        );
+        let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .fetch_all(&self.reader)
+            .await?;
         rows.iter().map(task_from_row).collect()
     }
 }
