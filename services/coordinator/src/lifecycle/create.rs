@@ -18,6 +18,12 @@ use crate::task;
 pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> Result<(), Error> {
     let mut tx = store.begin().await?;
     sessions::insert_session(&mut tx, &new, now).await?;
+    let repos = new.repos.iter().map(sessions::stored_repo).collect();
+    let assets_digest = new
+        .assets
+        .as_ref()
+        .map(|(digest, _)| digest.clone())
+        .unwrap_or_default();
     let NewSession {
         session, mut tasks, ..
     } = new;
@@ -80,6 +86,12 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
     active.state = SessionState::Active;
     finish(&mut tx, &mut active, &tasks, count, now).await?;
     tx.commit().await?;
+    let fixed = sessions::Fixed {
+        repos,
+        assets_digest,
+        gated: !gates.is_empty(),
+    };
+    store.remember_fixed(&active.id, fixed);
     store.refresh_statistics(tasks.len());
     Ok(())
 }

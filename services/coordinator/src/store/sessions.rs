@@ -105,13 +105,19 @@ impl Store {
             assets_digest,
             gated: gates > 0,
         };
+        self.remember_fixed(session_id, fixed.clone());
+        Ok(fixed)
+    }
+
+    /// Keeps what [`Self::fixed`] returns for a session, as stored (an intake knows it: the
+    /// session's first claims then read nothing of it).
+    pub(crate) fn remember_fixed(&self, session_id: &str, fixed: Fixed) {
         let mut cache = self.cached_repos();
         // Bounded: finished sessions' entries are dropped wholesale now and then.
         if cache.len() >= 4096 {
             cache.clear();
         }
-        cache.insert(session_id.to_owned(), fixed.clone());
-        Ok(fixed)
+        cache.insert(session_id.to_owned(), fixed);
     }
 
     fn cached_repos(&self) -> std::sync::MutexGuard<'_, HashMap<String, Fixed>> {
@@ -386,6 +392,19 @@ pub(crate) async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<Sessio
         repos: load_repos(tx, session_id).await?,
         counts: load_counts(tx, session_id).await?,
     })
+}
+
+/// A repository as [`load_repos`] reads it back: the stored fields only.
+pub(crate) fn stored_repo(repo: &pb::SessionRepo) -> pb::SessionRepo {
+    pb::SessionRepo {
+        name: repo.name.clone(),
+        path: repo.path.clone(),
+        base_commit: repo.base_commit.clone(),
+        branch: repo.branch.clone(),
+        url: repo.url.clone(),
+        access: repo.access,
+        ..pb::SessionRepo::default()
+    }
 }
 
 pub(super) async fn load_repos(

@@ -144,7 +144,63 @@ async fn unsupported_database_urls_are_refused() {
     assert!(dir.path().join("explicit.db").is_file());
 }
 
+/// What a claim hands out about its session (repositories, assets digest) is the same from the
+/// coordinator that took the plan in (which keeps it from the intake) and from one that reads
+/// it back after a restart.
+async fn claims_hand_out_the_same_repos_from_the_intake_and_after_a_restart(db: Db) {
+    let harness = Harness::start(db).await;
+    let url = format!("file://{}", harness.base_dir.join("repo").display());
+    let plan = json!({"name": "fixed", "repos": {
+        "app": {"path": "repo"},
+        "lib": {"url": url}
+    }, "tasks": [
+        {"id": "IMPL-1", "title": "app", "repo": "app"},
+        {"id": "IMPL-2", "title": "lib", "repo": "lib"},
+    ]});
+    let created = harness
+        .client()
+        .create_session(pb::CreateSessionRequest {
+            plan_json: plan.to_string(),
+            base_dir: harness.base_dir.display().to_string(),
+            assets: vec![pb::PlanAsset {
+                path: "notes.md".to_owned(),
+                content: b"read me".to_vec(),
+                executable: false,
+            }],
+            ..Default::default()
+        })
+        .await
+        .expect("created")
+        .into_inner();
+    let session = session_id(&created);
+    let handed = |claimed: &pb::ClaimedTask| {
+        (
+            claimed.repos.clone(),
+            claimed.repo.clone(),
+            claimed.assets_digest.clone(),
+        )
+    };
+    let first = harness.claim(&[Role::Executor], 1).await;
+    assert_eq!(ids(&first), ["IMPL-1"]);
+    let (repos, repo, digest) = handed(&first[0]);
+    assert_eq!(repos.len(), 2, "{repos:?}");
+    assert_eq!(repo.as_ref().map(|repo| repo.name.as_str()), Some("app"));
+    assert!(!digest.is_empty(), "the plan has assets");
+
+    let harness = harness.restart(async |_| {}).await;
+    let second = harness.claim(&[Role::Executor], 1).await;
+    assert_eq!(ids(&second), ["IMPL-2"]);
+    let after = handed(&second[0]);
+    assert_eq!(after.0, repos, "repositories as stored");
+    assert_eq!(after.2, digest);
+    let lib = after.1.expect("the task's repo");
+    assert_eq!((lib.name.as_str(), lib.url.as_str()), ("lib", url.as_str()));
+    assert_eq!(second[0].task.as_ref().expect("task").session_id, session);
+    harness.stop().await;
+}
+
 db_tests!(
     a_restart_keeps_sessions_leases_and_sequences,
     a_database_from_before_estimates_upgrades_in_place,
+    claims_hand_out_the_same_repos_from_the_intake_and_after_a_restart,
 );
