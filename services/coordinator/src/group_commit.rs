@@ -606,6 +606,8 @@ impl GroupCommit {
         }
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
         let mut tries = 0;
+        // A batch that ends the session changes its state in memory before writing.
+        let state = session.state;
         let (end, tx) = loop {
             let mut tx = self
                 .store
@@ -627,6 +629,7 @@ impl GroupCommit {
                     match self.only_messages_since(session_id, session.last_seq).await {
                         Some(last) if tries < OPTIMISTIC_TRIES => {
                             session.last_seq = last;
+                            session.state = state;
                             outcomes.fill_with(|| None);
                         }
                         _ => return Err(GroupError::Contended),
@@ -640,8 +643,17 @@ impl GroupCommit {
         drop(tx);
         match end {
             // Nothing checked the copy against the session's sequence: it may be stale (a
-            // fruitless claim, say, of a task readied elsewhere). The next group reads afresh.
-            _ if !wrote => {}
+            // fruitless claim, say, of a task readied elsewhere), so it is kept only when the
+            // sequence still says it is current. Else the next group reads afresh, which for
+            // a large session costs far more than this one read.
+            _ if !wrote => {
+                if tasks.is_some()
+                    && let Ok((_, last)) = self.store.session_head(session_id).await
+                    && last == session.last_seq
+                {
+                    self.keep(vec![(session_id.to_owned(), Cached { session, tasks })]);
+                }
+            }
             None => self.keep(vec![(
                 session_id.to_owned(),
                 Cached::after(session, tasks, last),
@@ -716,8 +728,10 @@ impl GroupCommit {
         Ok(outcome)
     }
 
-    /// Keeps sessions' copies as a committed group left them.
-    fn keep(&self, copies: Vec<(String, Cached)>) {
+    /// Keeps sessions' copies as a committed group left them, but those of sessions that
+    /// ended (no group works on them again).
+    fn keep(&self, mut copies: Vec<(String, Cached)>) {
+        copies.retain(|(_, copy)| copy.session.state == pb::SessionState::Active);
         if copies.is_empty() {
             return;
         }

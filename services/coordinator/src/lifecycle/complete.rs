@@ -3,13 +3,14 @@
 
 use std::collections::HashMap;
 
-use troupe_proto::v1::{self as pb, TaskState};
+use troupe_proto::v1::{self as pb, SessionState, TaskState, session_event::Kind};
 
 use super::claim::{ClaimRequest, Claimed, hand_out, lease};
 use super::task_cache::TaskCache;
 use super::{find_task_mut, save, stale, write_changes};
 use crate::Error;
-use crate::store::sessions::SessionRow;
+use crate::store::events::append_events;
+use crate::store::sessions::{SessionRow, set_session_state};
 use crate::store::tasks::{
     Gathered, lite_columns, load_task, load_tasks_by_id, load_tasks_lite, read_batch,
     set_convergence,
@@ -76,13 +77,14 @@ pub(crate) struct EagerBatch {
 pub(crate) async fn complete_eager(
     store: &Store,
     tx: &mut Tx,
-    session: &SessionRow,
+    session: &mut SessionRow,
     completions: Vec<Completion>,
     claims: &[ClaimRequest],
     now: i64,
     cache: Option<&mut TaskCache>,
 ) -> Result<EagerBatch, Error> {
-    let session_id = session.id.as_str();
+    let session_id = session.id.clone();
+    let session_id = session_id.as_str();
     // Every claim asks for the same filter (see `one_batch` in the group commit).
     let filter = claims.first().map_or((&[][..], None), ClaimRequest::filter);
     let roles = filter.0;
@@ -199,7 +201,30 @@ pub(crate) async fn complete_eager(
             given += 1;
         }
     }
-    let count = write_changes(tx, session_id, &before, &work, transitions, now).await?;
+    // Only a completion can end the session; a task ready or running keeps it going.
+    let open = completed == 0
+        || busy
+        || work
+            .iter()
+            .any(|task| matches!(task.state, TaskState::Ready | TaskState::Running));
+    // The usual end, every task completed, is known from a copy of the session's tasks: the
+    // session's state goes out with this write (see `set_session_state`), its transition
+    // after its tasks' in the log. Else, when nothing is open, `check_end` decides.
+    let ends = !open
+        && tx.last_seq(session_id).is_some()
+        && cache
+            .as_deref()
+            .is_some_and(|cache| cache.all_completed(&work));
+    let count = transitions.len();
+    if ends {
+        let kinds = transitions.into_iter().map(Kind::Task).collect();
+        append_events(tx, session_id, now, kinds).await?;
+        let reason = "every task completed";
+        set_session_state(tx, session, SessionState::Completed, reason, now).await?;
+        write_changes(tx, session_id, &before, &work, Vec::new(), now).await?;
+    } else {
+        write_changes(tx, session_id, &before, &work, transitions, now).await?;
+    }
     let cache = cache.map(|cache| {
         // Written (an optimistic write commits on its own): the cache follows.
         for (old, task) in before.iter().zip(&work) {
@@ -214,17 +239,11 @@ pub(crate) async fn complete_eager(
         .map(|(c, i)| (c, work[i].clone()))
         .collect();
     let claimed = hand_out(store, tx, session, claims.len(), taken, cache).await?;
-    // Only a completion can end the session; a task ready or running keeps it going.
-    let open = completed == 0
-        || busy
-        || work
-            .iter()
-            .any(|task| matches!(task.state, TaskState::Ready | TaskState::Running));
     work.truncate(completed);
     Ok(EagerBatch {
         tasks: work,
         claimed,
-        check_end: (!open).then_some(count),
+        check_end: (!open && !ends).then_some(count),
     })
 }
 

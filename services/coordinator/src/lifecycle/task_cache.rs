@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use troupe_proto::v1::{self as pb, TaskState};
 
 use crate::Error;
-use crate::store::sessions::{SessionRow, load_session};
+use crate::store::sessions::{SessionRow, load_session_sized};
 use crate::store::tasks::{Gathered, count_tasks, load_tasks};
 use crate::store::{Store, Tx};
 use crate::task::{Task, claim_order};
@@ -96,6 +96,18 @@ impl TaskCache {
             .collect()
     }
 
+    /// Whether every task of the session is completed once `changed` (some of its tasks, as
+    /// a batch is about to write them) are. Reads every task: only for the session's end.
+    pub(super) fn all_completed(&self, changed: &[Task]) -> bool {
+        let changed: HashMap<&str, TaskState> = changed
+            .iter()
+            .map(|task| (task.id.as_str(), task.state))
+            .collect();
+        self.tasks.values().all(|task| {
+            changed.get(task.id.as_str()).copied().unwrap_or(task.state) == TaskState::Completed
+        })
+    }
+
     /// The states of the tasks of `ids` that exist.
     pub(super) fn states(&self, ids: &[String]) -> HashMap<String, TaskState> {
         ids.iter()
@@ -163,26 +175,25 @@ impl TaskCache {
 }
 
 /// A session's row and, when it is small enough to keep (see [`load_cache_in`]), its tasks:
-/// consistent with the row's `last_seq` (read on both sides of the tasks; `None` when it moved
-/// meanwhile).
+/// consistent with the row's `last_seq` (`None` when it moved between the two reads).
 pub(crate) async fn load_cached(
     store: &Store,
     session_id: &str,
     budget: &Budget,
 ) -> Result<(SessionRow, Option<TaskCache>), Error> {
-    // Each statement sees the latest commits (PostgreSQL's default isolation), so the two
-    // reads of the session bracket the tasks' (under one snapshot they agree anyway).
-    let mut tx: Tx = store.begin_read().await?;
-    let session = load_session(&mut tx, session_id).await?;
+    // Two statements, no transaction: the tasks' read carries the session's sequence as of
+    // its own snapshot, so when that is still the row's, the tasks are as of the row.
+    let mut tx: Tx = store.read_latest().await?;
+    let (session, count) = load_session_sized(&mut tx, session_id).await?;
     if session.state != pb::SessionState::Active {
         return Ok((session, None));
     }
-    let Some(cache) = load_cache_in(&mut tx, session_id, budget).await? else {
+    let Some(share) = budget.take(count) else {
         return Ok((session, None));
     };
-    let again = load_session(&mut tx, session_id).await?;
-    let current = again.last_seq == session.last_seq;
-    Ok((session, current.then_some(cache)))
+    let (tasks, sequence) = load_tasks(&mut tx, session_id).await?;
+    let current = sequence == Some(session.last_seq);
+    Ok((session, current.then(|| TaskCache::new(tasks, share))))
 }
 
 /// The tasks of a session as `tx` sees them (held locked, they are as of its `last_seq`),
@@ -198,7 +209,7 @@ pub(crate) async fn load_cache_in(
         return Ok(None);
     };
     Ok(Some(TaskCache::new(
-        load_tasks(tx, session_id).await?,
+        load_tasks(tx, session_id).await?.0,
         share,
     )))
 }

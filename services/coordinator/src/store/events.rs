@@ -118,6 +118,12 @@ pub(super) async fn write_events(
         let rows = chunk.len();
         let bumped = bump;
         bump = false;
+        // A state `set_session_state` left to this write (see `Tx::states`).
+        let state = if bumped {
+            tx.states.remove(session_id).map(|state| state as i32)
+        } else {
+            None
+        };
         let query = match tx.dialect {
             // Anonymous parameters, bound in the order they appear: SQLite looks a named one
             // up by a linear scan, which grew with the rows of a write.
@@ -130,6 +136,7 @@ pub(super) async fn write_events(
                         .bind(to_i64(first - 1))
                         .bind(to_i64(last))
                         .bind(last_ts)
+                        .bind(state)
                         .bind(session_id);
                 }
                 for task in std::mem::take(&mut tasks) {
@@ -152,7 +159,8 @@ pub(super) async fn write_events(
                     query = query
                         .bind(to_i64(last))
                         .bind(last_ts)
-                        .bind(to_i64(first - 1));
+                        .bind(to_i64(first - 1))
+                        .bind(state);
                 }
                 for (i, (ts, kind)) in chunk {
                     let sequence = first + i as u64;
@@ -184,7 +192,8 @@ pub(super) async fn write_events(
 
 /// One chunk of a write on SQLite (see `write_events`), its parameters anonymous, in the order
 /// bound: with `bump`, the session's sequence moves from `?` to `?` (else its NOT NULL
-/// constraint fails the call, see `Tx::failed`) with `updated_at = ?` and the session id, then
+/// constraint fails the call, see `Tx::failed`) with `updated_at = ?`, its state to `?` (kept
+/// when null) and the session id, then
 /// the `tasks` rows' parameters (see [`bind_task`]), then four per event. An optimistic write
 /// (`auto`: no transaction open) brings its own, so the call is all or nothing.
 fn sqlite_write(auto: bool, bump: bool, rows: usize, tasks: usize, reshaped: bool) -> String {
@@ -194,8 +203,8 @@ fn sqlite_write(auto: bool, bump: bool, rows: usize, tasks: usize, reshaped: boo
     }
     let mut sql = String::from(if auto { "BEGIN IMMEDIATE; " } else { "" });
     sql.push_str(
-        "UPDATE sessions SET last_seq = CASE last_seq WHEN ? THEN ? END, updated_at = ? \
-         WHERE id = ?; ",
+        "UPDATE sessions SET last_seq = CASE last_seq WHEN ? THEN ? END, updated_at = ?, \
+         state = COALESCE(?, state) WHERE id = ?; ",
     );
     if tasks > 0 {
         let update = if reshaped {
@@ -219,10 +228,10 @@ fn sqlite_write(auto: bool, bump: bool, rows: usize, tasks: usize, reshaped: boo
 }
 
 /// One chunk of a write on PostgreSQL (see `write_events`): `$1` the session id; with `bump`,
-/// `$2` to `$4` the sequence's new and old values and `updated_at`; three parameters per event,
-/// then the `tasks` rows'.
+/// `$2` to `$4` the sequence's new value, `updated_at` and the sequence's old value, `$5` the
+/// session's new state (kept when null); three parameters per event, then the `tasks` rows'.
 fn postgres_write(bump: bool, rows: usize, tasks: usize) -> String {
-    let base = if bump { 5 } else { 2 };
+    let base = if bump { 6 } else { 2 };
     let values: Vec<String> = (0..rows)
         .map(|i| {
             let at = base + 3 * i;
@@ -237,8 +246,8 @@ fn postgres_write(bump: bool, rows: usize, tasks: usize) -> String {
     // events go in only if it moved: under the lock that always holds; an optimistic write
     // learns from the row count that someone else wrote first.
     let mut ctes = vec![
-        "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3 \
-         WHERE id = $1 AND last_seq = $4 RETURNING id)"
+        "bump AS (UPDATE sessions SET last_seq = $2, updated_at = $3, \
+         state = COALESCE($5, state) WHERE id = $1 AND last_seq = $4 RETURNING id)"
             .to_owned(),
     ];
     if tasks > 0 {

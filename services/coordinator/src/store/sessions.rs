@@ -346,6 +346,26 @@ pub(crate) async fn lock_and_load_session(
     Ok(session)
 }
 
+/// [`load_session`] with the number of the session's tasks, in one statement.
+pub(crate) async fn load_session_sized(
+    tx: &mut Tx,
+    session_id: &str,
+) -> Result<(SessionRow, usize), Error> {
+    let row = sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT {SESSION_COLUMNS}, (SELECT COUNT(*) FROM tasks WHERE session_id = $1) AS task_count \
+         FROM sessions WHERE id = $1"
+    )))
+    .bind(session_id)
+    .fetch_optional(&mut **tx)
+    .await?
+    .ok_or_else(|| Error::NotFound(format!("session {session_id} not found")))?;
+    let count: i64 = row.try_get("task_count")?;
+    Ok((
+        session_from_row(&row)?,
+        usize::try_from(count).map_err(corrupt)?,
+    ))
+}
+
 /// Takes `session_id` as at sequence `last_seq` in `tx` without reading its row (a copy the
 /// caller holds): its events are numbered from there, and the write that moves the sequence
 /// fails unless the session is still there (see `write_events`).
@@ -478,12 +498,19 @@ pub(crate) async fn set_session_state(
     now: i64,
 ) -> Result<(), Error> {
     let from = session.state;
-    sqlx::query("UPDATE sessions SET state = $2, updated_at = $3 WHERE id = $1")
-        .bind(&session.id)
-        .bind(to as i32)
-        .bind(now)
-        .execute(&mut **tx)
-        .await?;
+    if tx.sequences.contains_key(&session.id) {
+        // Its counter known, the write of the event below moves the session's sequence: the
+        // state goes out with it (no statement of its own, which an optimistic write could
+        // not send). Every read of the session's row in `tx` writes the events first.
+        tx.states.insert(session.id.clone(), to);
+    } else {
+        sqlx::query("UPDATE sessions SET state = $2, updated_at = $3 WHERE id = $1")
+            .bind(&session.id)
+            .bind(to as i32)
+            .bind(now)
+            .execute(&mut **tx)
+            .await?;
+    }
     session.state = to;
     append_event(
         tx,

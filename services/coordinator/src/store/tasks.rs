@@ -296,21 +296,35 @@ pub(super) fn bind_task<'q>(query: AnyQuery<'q>, task: &'q Task) -> Result<AnyQu
         .bind(&task.superseded_by))
 }
 
-/// Loads a session's tasks in topological order. Writers call [`super::sessions::lock_session`] first: the
-/// session row lock serialises every writer of a session, so what they read stays current.
-pub(crate) async fn load_tasks(tx: &mut Tx, session_id: &str) -> Result<Vec<Task>, Error> {
+/// Loads a session's tasks in topological order, with the session's `last_seq` as of the same
+/// read (`None` when it has no task): every change to its tasks moves the sequence, so the
+/// tasks are as of it. Writers call [`super::sessions::lock_session`] first: the session row
+/// lock serialises every writer of a session, so what they read stays current.
+pub(crate) async fn load_tasks(
+    tx: &mut Tx,
+    session_id: &str,
+) -> Result<(Vec<Task>, Option<u64>), Error> {
     use futures::TryStreamExt as _;
-    let sql = format!("SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 ORDER BY position");
+    // The subquery does not depend on the row: both databases run it once.
+    let sql = format!(
+        "SELECT {TASK_COLUMNS}, (SELECT last_seq FROM sessions WHERE id = $1) AS session_seq \
+         FROM tasks WHERE session_id = $1 ORDER BY position"
+    );
     // Row by row: a session's rows and its tasks are never in memory together (the task
     // cache loads sessions of up to 50,000 tasks this way).
     let mut rows = sqlx::query(sqlx::AssertSqlSafe(sql))
         .bind(session_id)
         .fetch(&mut **tx);
     let mut tasks = Vec::new();
+    let mut sequence = None;
     while let Some(row) = rows.try_next().await? {
+        if sequence.is_none() {
+            let at: i64 = row.try_get("session_seq")?;
+            sequence = Some(u64::try_from(at).map_err(corrupt)?);
+        }
         tasks.push(task_from_row(&row)?);
     }
-    Ok(tasks)
+    Ok((tasks, sequence))
 }
 
 /// How many tasks a session has.

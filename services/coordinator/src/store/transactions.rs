@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 
 use sqlx::Any;
+use troupe_proto::v1::SessionState;
 use troupe_proto::v1::session_event::Kind;
 
 use crate::Error;
@@ -26,6 +27,9 @@ pub(crate) struct Tx {
     /// are numbered without reading the counter back (on PostgreSQL the counter update and the
     /// insert are then one statement).
     pub(super) sequences: HashMap<String, u64>,
+    /// Sessions whose new state goes out with the write that moves their sequence (see
+    /// [`super::sessions::set_session_state`]).
+    pub(super) states: HashMap<String, SessionState>,
     pub(super) dialect: Dialect,
     /// A write transaction (`begin`), not a snapshot (`begin_read`).
     pub(super) writes: bool,
@@ -157,6 +161,7 @@ impl Store {
             inner: Conn::Tx(inner),
             events: Vec::new(),
             sequences: HashMap::new(),
+            states: HashMap::new(),
             dialect: self.dialect,
             writes: true,
             wrote: false,
@@ -178,8 +183,23 @@ impl Store {
             inner: Conn::Auto(self.writer.acquire().await?),
             events: Vec::new(),
             sequences: HashMap::from([(session_id.to_owned(), last_seq)]),
+            states: HashMap::new(),
             dialect: self.dialect,
             writes: true,
+            wrote: false,
+        })
+    }
+
+    /// Reads on the reader pool without a transaction: each statement sees the latest commits
+    /// (no `BEGIN` and `ROLLBACK` round trips), for reads that check their own consistency.
+    pub(crate) async fn read_latest(&self) -> Result<Tx, Error> {
+        Ok(Tx {
+            inner: Conn::Auto(self.reader.acquire().await?),
+            events: Vec::new(),
+            sequences: HashMap::new(),
+            states: HashMap::new(),
+            dialect: self.dialect,
+            writes: false,
             wrote: false,
         })
     }
@@ -190,6 +210,7 @@ impl Store {
             inner: Conn::Tx(self.reader.begin().await?),
             events: Vec::new(),
             sequences: HashMap::new(),
+            states: HashMap::new(),
             dialect: self.dialect,
             writes: false,
             wrote: false,

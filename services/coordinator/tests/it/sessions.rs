@@ -533,6 +533,66 @@ async fn a_large_check_counts_what_it_does_not_list(db: Db) {
     harness.stop().await;
 }
 
+/// The completion that leaves every task completed ends the session in its own write (the
+/// session's state goes out with its sequence): the session reads completed, its transition
+/// is the last event of a gap-free log, after every task's, and happens once.
+async fn the_last_completion_ends_the_session_in_its_own_write(db: Db) {
+    let harness = Harness::start(db).await;
+    let plan = json!({"name": "ends", "tasks": [
+        t("IMPL-1", &[]), t("IMPL-2", &["IMPL-1"]), t("IMPL-3", &[])
+    ]});
+    let session = session_id(&harness.create(plan).await);
+    let first = harness.claim(&[Role::Executor], 2).await;
+    assert_eq!(ids(&first), ["IMPL-1", "IMPL-3"]);
+    // Completions that claim their next task run as one batch on the session's copy.
+    assert!(harness.complete_and_claim(&first[1], 1).await.is_empty());
+    let next = harness.complete_and_claim(&first[0], 1).await;
+    assert_eq!(ids(&next), ["IMPL-2"]);
+    assert!(harness.complete_and_claim(&next[0], 1).await.is_empty());
+
+    let view = harness.session(&session).await;
+    let summary = view.session.expect("session");
+    assert_eq!(summary.state(), SessionState::Completed);
+    let events = harness.gap_free_events(&summary).await;
+    let ended: Vec<usize> = events
+        .iter()
+        .enumerate()
+        .filter(|(_, event)| {
+            matches!(&event.kind, Some(pb::session_event::Kind::Session(moved))
+                if moved.to() == SessionState::Completed)
+        })
+        .map(|(at, _)| at)
+        .collect();
+    assert_eq!(ended, [events.len() - 1], "one end, last: {events:?}");
+    let Some(pb::session_event::Kind::Session(moved)) = &events[events.len() - 1].kind else {
+        unreachable!("the end is a session transition");
+    };
+    assert_eq!(
+        (moved.from(), moved.reason.as_str()),
+        (SessionState::Active, "every task completed")
+    );
+    let completed = events
+        .iter()
+        .filter(|event| {
+            matches!(&event.kind, Some(pb::session_event::Kind::Task(moved))
+                if moved.to() == TaskState::Completed)
+        })
+        .count();
+    assert_eq!(completed, 3);
+    // Nothing is left to claim, and a late claim does not wake the session.
+    assert!(harness.claim(&[Role::Executor], 1).await.is_empty());
+    assert_eq!(
+        harness
+            .session(&session)
+            .await
+            .session
+            .expect("session")
+            .last_sequence,
+        summary.last_sequence
+    );
+    harness.stop().await;
+}
+
 db_tests!(
     imported_completed_tasks_resume_where_they_were,
     check_reports_graph_workers_progress_and_blockers,
@@ -540,4 +600,5 @@ db_tests!(
     resume_keeps_live_leases_and_refuses_cancelled_sessions,
     capability_gap_is_warned_and_names_a_covering_role,
     a_large_check_counts_what_it_does_not_list,
+    the_last_completion_ends_the_session_in_its_own_write,
 );
