@@ -193,9 +193,9 @@ pub(super) async fn write_events(
 /// One chunk of a write on SQLite (see `write_events`), its parameters anonymous, in the order
 /// bound: with `bump`, the session's sequence moves from `?` to `?` (else its NOT NULL
 /// constraint fails the call, see `Tx::failed`) with `updated_at = ?`, its state to `?` (kept
-/// when null) and the session id, then
-/// the `tasks` rows' parameters (see [`bind_task`]), then four per event. An optimistic write
-/// (`auto`: no transaction open) brings its own, so the call is all or nothing.
+/// when null) and the session id, then the `tasks` rows' parameters (see [`bind_task`]), then
+/// four per event. An optimistic write (`auto`: no transaction open) brings its own, so the
+/// call is all or nothing.
 fn sqlite_write(auto: bool, bump: bool, rows: usize, tasks: usize, reshaped: bool) -> String {
     let events = values(Dialect::Sqlite, rows, 4);
     if !bump {
