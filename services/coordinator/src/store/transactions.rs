@@ -151,21 +151,27 @@ impl Tx {
     }
 }
 
+impl Tx {
+    fn new(inner: Conn, dialect: Dialect, writes: bool) -> Self {
+        Self {
+            inner,
+            events: Vec::new(),
+            sequences: HashMap::new(),
+            states: HashMap::new(),
+            dialect,
+            writes,
+            wrote: false,
+        }
+    }
+}
+
 impl Store {
     pub(crate) async fn begin(&self) -> Result<Tx, Error> {
         let inner = match self.dialect {
             Dialect::Sqlite => self.writer.begin_with("BEGIN IMMEDIATE").await?,
             Dialect::Postgres => self.writer.begin().await?,
         };
-        Ok(Tx {
-            inner: Conn::Tx(inner),
-            events: Vec::new(),
-            sequences: HashMap::new(),
-            states: HashMap::new(),
-            dialect: self.dialect,
-            writes: true,
-            wrote: false,
-        })
+        Ok(Tx::new(Conn::Tx(inner), self.dialect, true))
     }
 
     /// An optimistic write, without a lock: for a group of one session whose `last_seq` the
@@ -179,41 +185,27 @@ impl Store {
     /// more than the one write fails with [`Error::Contended`] before writing, for the caller
     /// to run under the lock.
     pub(crate) async fn optimistic(&self, session_id: &str, last_seq: u64) -> Result<Tx, Error> {
-        Ok(Tx {
-            inner: Conn::Auto(self.writer.acquire().await?),
-            events: Vec::new(),
-            sequences: HashMap::from([(session_id.to_owned(), last_seq)]),
-            states: HashMap::new(),
-            dialect: self.dialect,
-            writes: true,
-            wrote: false,
-        })
+        let mut tx = Tx::new(Conn::Auto(self.writer.acquire().await?), self.dialect, true);
+        tx.sequences.insert(session_id.to_owned(), last_seq);
+        Ok(tx)
     }
 
     /// Reads on the reader pool without a transaction: each statement sees the latest commits
     /// (no `BEGIN` and `ROLLBACK` round trips), for reads that check their own consistency.
     pub(crate) async fn read_latest(&self) -> Result<Tx, Error> {
-        Ok(Tx {
-            inner: Conn::Auto(self.reader.acquire().await?),
-            events: Vec::new(),
-            sequences: HashMap::new(),
-            states: HashMap::new(),
-            dialect: self.dialect,
-            writes: false,
-            wrote: false,
-        })
+        Ok(Tx::new(
+            Conn::Auto(self.reader.acquire().await?),
+            self.dialect,
+            false,
+        ))
     }
 
     /// A read-only transaction on the reader pool: one consistent snapshot for several reads.
     pub(crate) async fn begin_read(&self) -> Result<Tx, Error> {
-        Ok(Tx {
-            inner: Conn::Tx(self.reader.begin().await?),
-            events: Vec::new(),
-            sequences: HashMap::new(),
-            states: HashMap::new(),
-            dialect: self.dialect,
-            writes: false,
-            wrote: false,
-        })
+        Ok(Tx::new(
+            Conn::Tx(self.reader.begin().await?),
+            self.dialect,
+            false,
+        ))
     }
 }

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use serde_json::json;
-use troupe_proto::v1::{self as pb, Role, SessionState, TaskState};
+use troupe_proto::v1::{Role, SessionState, TaskState};
 
-use crate::support::{Db, Harness, db_tests, id_of, session_id};
+use crate::support::{Db, Harness, db_tests, id_of, moves_to, session_id};
 
 /// Four sessions, the oldest with 40 tasks and three later ones with 4 each, drained by one
 /// worker claiming one task at a time: the claims go round the sessions, so each later session
@@ -177,13 +177,7 @@ async fn groups_of_several_sessions_see_what_was_written_outside_them(db: Db) {
             assert_eq!(task.state(), TaskState::Completed, "{}", task.id);
         }
         let events = harness.gap_free_events(&summary).await;
-        let completions = events
-            .iter()
-            .filter(|event| {
-                matches!(&event.kind, Some(pb::session_event::Kind::Task(moved))
-                    if moved.to() == TaskState::Completed)
-            })
-            .count();
+        let completions = moves_to(&events, TaskState::Completed);
         assert_eq!(completions, TASKS, "each task completes once in {session}");
     }
     harness.stop().await;

@@ -98,12 +98,7 @@ async fn estimates_rank_ready_tasks_by_their_expected_chain(db: Db) {
     assert_eq!(ids(&fourth), vec!["IMPL-S2"]);
     assert!(harness.complete_and_claim(&fourth[0], 1).await.is_empty());
     assert_eq!(
-        harness
-            .session(&session)
-            .await
-            .session
-            .expect("session")
-            .state(),
+        harness.summary(&session).await.state(),
         SessionState::Completed
     );
     harness.stop().await;

@@ -7,7 +7,9 @@ use serde_json::{Value, json};
 use tonic::Code;
 use troupe_proto::v1::{self as pb, Role, SessionState, TaskState};
 
-use crate::support::{Db, Harness, assert_code, db_tests, ids, session_id, t, task, token};
+use crate::support::{
+    Db, Harness, assert_code, db_tests, ids, moves_to, session_id, t, task, token,
+};
 
 fn node<'a>(check: &'a pb::CheckSessionResponse, id: &str) -> &'a pb::StatusNode {
     check
@@ -550,8 +552,7 @@ async fn the_last_completion_ends_the_session_in_its_own_write(db: Db) {
     assert_eq!(ids(&next), ["IMPL-2"]);
     assert!(harness.complete_and_claim(&next[0], 1).await.is_empty());
 
-    let view = harness.session(&session).await;
-    let summary = view.session.expect("session");
+    let summary = harness.summary(&session).await;
     assert_eq!(summary.state(), SessionState::Completed);
     let events = harness.gap_free_events(&summary).await;
     let ended: Vec<usize> = events
@@ -571,25 +572,11 @@ async fn the_last_completion_ends_the_session_in_its_own_write(db: Db) {
         (moved.from(), moved.reason.as_str()),
         (SessionState::Active, "every task completed")
     );
-    let completed = events
-        .iter()
-        .filter(|event| {
-            matches!(&event.kind, Some(pb::session_event::Kind::Task(moved))
-                if moved.to() == TaskState::Completed)
-        })
-        .count();
-    assert_eq!(completed, 3);
+    assert_eq!(moves_to(&events, TaskState::Completed), 3);
     // Nothing is left to claim, and a late claim does not wake the session.
     assert!(harness.claim(&[Role::Executor], 1).await.is_empty());
-    assert_eq!(
-        harness
-            .session(&session)
-            .await
-            .session
-            .expect("session")
-            .last_sequence,
-        summary.last_sequence
-    );
+    let after = harness.summary(&session).await;
+    assert_eq!(after.last_sequence, summary.last_sequence);
     harness.stop().await;
 }
 

@@ -235,6 +235,11 @@ impl Harness {
             .into_inner()
     }
 
+    /// The session itself, as `GetSession` reports it.
+    pub(crate) async fn summary(&self, session_id: &str) -> pb::Session {
+        self.session(session_id).await.session.expect("session")
+    }
+
     pub(crate) async fn state_of(&self, session_id: &str, task_id: &str) -> TaskState {
         task(&self.session(session_id).await.tasks, task_id).state()
     }
@@ -406,6 +411,16 @@ impl Harness {
             .expect("fail task")
             .into_inner()
     }
+}
+
+/// How many of `events` are a task's move to `to`.
+pub(crate) fn moves_to(events: &[pb::SessionEvent], to: TaskState) -> usize {
+    events
+        .iter()
+        .filter(|event| {
+            matches!(&event.kind, Some(pb::session_event::Kind::Task(moved)) if moved.to() == to)
+        })
+        .count()
 }
 
 pub(crate) fn token(claimed: &pb::ClaimedTask) -> u64 {
