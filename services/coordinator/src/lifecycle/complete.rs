@@ -211,20 +211,18 @@ pub(crate) async fn complete_eager(
     // session's state goes out with this write (see `set_session_state`), its transition
     // after its tasks' in the log. Else, when nothing is open, `check_end` decides.
     let ends = !open
-        && tx.last_seq(session_id).is_some()
         && cache
             .as_deref()
             .is_some_and(|cache| cache.all_completed(&work));
     let count = transitions.len();
+    let kinds = transitions.into_iter().map(Kind::Task).collect();
+    append_events(tx, session_id, now, kinds).await?;
     if ends {
-        let kinds = transitions.into_iter().map(Kind::Task).collect();
-        append_events(tx, session_id, now, kinds).await?;
         let reason = "every task completed";
         set_session_state(tx, session, SessionState::Completed, reason, now).await?;
-        write_changes(tx, session_id, &before, &work, Vec::new(), now).await?;
-    } else {
-        write_changes(tx, session_id, &before, &work, transitions, now).await?;
     }
+    // The events appended above go out with the tasks.
+    write_changes(tx, session_id, &before, &work, Vec::new(), now).await?;
     let cache = cache.map(|cache| {
         // Written (an optimistic write commits on its own): the cache follows.
         for (old, task) in before.iter().zip(&work) {

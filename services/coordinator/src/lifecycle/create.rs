@@ -18,7 +18,8 @@ use crate::task;
 pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> Result<(), Error> {
     let mut tx = store.begin().await?;
     sessions::insert_session(&mut tx, &new, now).await?;
-    let repos = new.repos.iter().map(sessions::stored_repo).collect();
+    // As stored: intake's repositories carry only the stored fields.
+    let repos = new.repos.clone();
     let assets_digest = new
         .assets
         .as_ref()

@@ -143,11 +143,11 @@ impl Store {
     pub(crate) async fn live_tasks(&self) -> Result<Vec<Task>, Error> {
         // One state a half, as constants: each half is then a range of its partial index
         // (`tasks_ready`, `tasks_lease`), whose condition a parameter would not match.
+        let columns = QUALIFIED_COLUMNS.replace("t.spec,", "'{}' AS spec,");
         let half = |state: TaskState| {
             format!(
-                "SELECT {} FROM tasks t JOIN sessions s ON s.id = t.session_id \
+                "SELECT {columns} FROM tasks t JOIN sessions s ON s.id = t.session_id \
                  WHERE t.state = {} AND s.state = {}",
-                QUALIFIED_COLUMNS.replace("t.spec,", "'{}' AS spec,"),
                 state as i32,
                 SessionState::Active as i32,
             )

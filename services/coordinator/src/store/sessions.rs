@@ -414,19 +414,6 @@ pub(crate) async fn load_summary(tx: &mut Tx, session_id: &str) -> Result<Sessio
     })
 }
 
-/// A repository as [`load_repos`] reads it back: the stored fields only.
-pub(crate) fn stored_repo(repo: &pb::SessionRepo) -> pb::SessionRepo {
-    pb::SessionRepo {
-        name: repo.name.clone(),
-        path: repo.path.clone(),
-        base_commit: repo.base_commit.clone(),
-        branch: repo.branch.clone(),
-        url: repo.url.clone(),
-        access: repo.access,
-        ..pb::SessionRepo::default()
-    }
-}
-
 pub(super) async fn load_repos(
     tx: &mut Tx,
     session_id: &str,

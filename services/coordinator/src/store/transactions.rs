@@ -66,6 +66,18 @@ impl std::ops::DerefMut for Tx {
 }
 
 impl Tx {
+    fn new(inner: Conn, dialect: Dialect, writes: bool) -> Self {
+        Self {
+            inner,
+            events: Vec::new(),
+            sequences: HashMap::new(),
+            states: HashMap::new(),
+            dialect,
+            writes,
+            wrote: false,
+        }
+    }
+
     /// Writes the held-back events, then commits.
     pub(crate) async fn commit(mut self) -> Result<(), Error> {
         self.flush_events(None).await?;
@@ -148,20 +160,6 @@ impl Tx {
             }
         }
         Ok(())
-    }
-}
-
-impl Tx {
-    fn new(inner: Conn, dialect: Dialect, writes: bool) -> Self {
-        Self {
-            inner,
-            events: Vec::new(),
-            sequences: HashMap::new(),
-            states: HashMap::new(),
-            dialect,
-            writes,
-            wrote: false,
-        }
     }
 }
 
