@@ -23,7 +23,8 @@
 //! ([`TaskCache`]) that the session's previous group left, and one write that applies only if
 //! the session's sequence is still where the copy left it: on PostgreSQL one statement
 //! without a transaction, on SQLite one call that opens and commits its own. So such a group
-//! costs one round trip. When the write loses (another coordinator, or a write outside the
+//! costs one round trip. SQLite's one lane carries several sessions' operations in a group:
+//! each session's part runs this way on its own (see `run_apart`). When the write loses (another coordinator, or a write outside the
 //! group commit such as a message or a failure, moved the sequence), nothing was written. If
 //! only messages came in between (they change no task), the group writes again on the same
 //! copy as of the new sequence; otherwise the copy is dropped and the group runs under the
@@ -534,10 +535,63 @@ impl GroupCommit {
     /// Runs `ops` in one transaction and answers each; see the module comment for failures.
     async fn run(&self, mut ops: Vec<Op>) {
         self.take_parked(&mut ops);
-        let mut result = self.run_optimistic(&ops).await;
+        let (ops, apart) = self.run_apart(ops).await;
+        if ops.is_empty() {
+            return;
+        }
+        // What `run_apart` left has tried its optimistic write, or cannot.
+        let mut result = if apart {
+            Err(GroupError::Contended)
+        } else {
+            self.run_optimistic(&ops).await
+        };
         if matches!(result, Err(GroupError::Contended)) && ops.len() > 1 {
             result = self.run_together(&ops).await;
         }
+        self.settle(ops, result).await;
+    }
+
+    /// SQLite's one lane carries several sessions' operations in a group: each session's part
+    /// that can runs optimistically on its own (one call, which commits itself), instead of
+    /// all of them in one transaction (`BEGIN`, a write for each session, `COMMIT`: two calls
+    /// more on the one writer connection, which every group waits for). Returns what is left
+    /// to run together (the parts with heartbeats and those that lost their optimistic write),
+    /// and whether it ran any apart (else it returns `ops` as they came).
+    async fn run_apart(&self, ops: Vec<Op>) -> (Vec<Op>, bool) {
+        let first = ops.first().map(|op| op.session_id().to_owned());
+        if self.store.dialect() != Dialect::Sqlite
+            || ops
+                .iter()
+                .all(|op| Some(op.session_id()) == first.as_deref())
+        {
+            return (ops, false);
+        }
+        let mut parts: Vec<Vec<Op>> = Vec::new();
+        for op in ops {
+            match parts
+                .iter_mut()
+                .find(|part| part[0].session_id() == op.session_id())
+            {
+                Some(part) => part.push(op),
+                None => parts.push(vec![op]),
+            }
+        }
+        let mut rest = Vec::new();
+        for part in parts {
+            if part.iter().any(|op| matches!(op, Op::Heartbeat { .. })) {
+                rest.extend(part);
+                continue;
+            }
+            match self.run_optimistic(&part).await {
+                Err(GroupError::Contended) => rest.extend(part),
+                result => self.settle(part, result).await,
+            }
+        }
+        (rest, true)
+    }
+
+    /// Answers `ops` with what their group returned; see the module comment for failures.
+    async fn settle(&self, ops: Vec<Op>, result: Result<Vec<Outcome>, GroupError>) {
         match result {
             Ok(outcomes) => {
                 for (op, outcome) in ops.into_iter().zip(outcomes) {
@@ -564,13 +618,14 @@ impl GroupCommit {
     }
 
     /// The fast path for a group of completions and claims of one active eager
-    /// session (a lane's group always has one session): no transaction and no lock; the
+    /// session (PostgreSQL's lanes hold one session; SQLite's one lane splits its groups by
+    /// session first, see `run_apart`): no transaction and no lock; the
     /// session's row and tasks as the previous group left them (read once when there is no
     /// copy; a session too large to copy reads its batch instead), and one conditional write
     /// (see [`Store::optimistic`]). When the session turns out to have moved on (another
     /// coordinator, or a write outside the group commit), nothing is written and the group
-    /// runs under the lock. A group with heartbeats, or of several sessions (SQLite's one
-    /// lane), runs under the lock at once.
+    /// runs under the lock. A group with heartbeats, or of several sessions, runs under the
+    /// lock at once.
     async fn run_optimistic(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
         let session_id = ops[0].session_id();
         // Heartbeats run under the lock, on the copy (see `run_in`).
@@ -708,7 +763,7 @@ impl GroupCommit {
         let mut tx = self.store.begin().await.map_err(|_| GroupError::Op)?;
         // Dropping `tx` on an error rolls the whole group back.
         let (outcomes, copies) = self
-            .run_in(&mut tx, ops, true)
+            .run_in(&mut tx, ops)
             .await
             .map_err(|_| GroupError::Op)?;
         tx.commit().await.map_err(GroupError::Commit)?;
@@ -718,10 +773,7 @@ impl GroupCommit {
 
     async fn run_alone(&self, op: &Op) -> Result<Outcome, Error> {
         let mut tx = self.store.begin().await?;
-        // Reads its session: a copy it trusted and found stale would be its caller's error.
-        let (mut outcomes, copies) = self
-            .run_in(&mut tx, std::slice::from_ref(op), false)
-            .await?;
+        let (mut outcomes, copies) = self.run_in(&mut tx, std::slice::from_ref(op)).await?;
         let outcome = outcomes.pop().ok_or_else(mismatch)?;
         tx.commit().await?;
         self.keep(copies);
@@ -752,14 +804,12 @@ impl GroupCommit {
     /// A session whose operations are one batch of completions and claims works on its copy
     /// ([`TaskCache`]) instead of reading, when the copy is as of the sequence just locked
     /// (every change to a session moves it); SQLite loads one when it has none (PostgreSQL
-    /// loads its copies outside the lock, in `run_optimistic`). Groups of heartbeats, and
-    /// SQLite's groups of several sessions, keep their sessions' copies this way. With
-    /// `trust`, SQLite takes a copy without reading the session's row (see `trusts`).
+    /// loads its copies outside the lock, in `run_optimistic`). Groups with heartbeats keep
+    /// their sessions' copies this way.
     async fn run_in(
         &self,
         tx: &mut Tx,
         ops: &[Op],
-        trust: bool,
     ) -> Result<(Vec<Outcome>, Vec<(String, Cached)>), Error> {
         let mut sessions: Vec<&str> = Vec::new();
         for op in ops {
@@ -771,27 +821,15 @@ impl GroupCommit {
         let mut copies = Vec::new();
         for session_id in sessions {
             let copy = self.sessions().remove(session_id);
-            let (mut session, mut tasks, trusted) = match copy {
-                Some(copy) if trust && self.trusts(&copy, session_id, ops) => {
-                    // The write checks the sequence (see `trusts`).
-                    sessions::hold_at(tx, session_id, copy.session.last_seq);
-                    (copy.session, Some(copy.tasks), true)
-                }
-                copy => {
-                    let session =
-                        sessions::lock_and_load_session(tx, session_id, self.store.for_update())
-                            .await?;
-                    let tasks = match copy {
-                        _ if !copyable(&session, ops) => None,
-                        Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
-                        // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
-                        _ if self.store.dialect() == Dialect::Postgres => None,
-                        _ => Some(task_cache::load_cache_in(tx, session_id, &self.budget).await?),
-                    };
-                    (session, tasks, false)
-                }
+            let mut session =
+                sessions::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
+            let mut tasks = match copy {
+                _ if !copyable(&session, ops) => None,
+                Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
+                // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
+                _ if self.store.dialect() == Dialect::Postgres => None,
+                _ => Some(task_cache::load_cache_in(tx, session_id, &self.budget).await?),
             };
-            let from = session.last_seq;
             match self
                 .run_session(
                     tx,
@@ -803,8 +841,6 @@ impl GroupCommit {
                 .await?
             {
                 Some((count, now)) => check_end(tx, &mut session, count, now).await?,
-                // A trusted copy that wrote nothing was never checked: the next group reads.
-                None if trusted && tx.last_seq(session_id) == Some(from) => {}
                 None => {
                     if let Some(tasks) = tasks {
                         let copy = Cached::after(session, tasks, tx.last_seq(session_id));
@@ -818,24 +854,6 @@ impl GroupCommit {
             .map(|outcome| outcome.ok_or_else(mismatch))
             .collect::<Result<_, _>>()?;
         Ok((outcomes, copies))
-    }
-
-    /// Whether a group under SQLite's lock may take `copy` of `session_id` as it is, without
-    /// reading the session's row: when its operations there are one batch of completions and
-    /// claims on a copy of its tasks. Their write moves the sequence only from the copy's
-    /// (`CASE last_seq WHEN …`, see `write_events`), so a copy that went stale (another
-    /// coordinator, a message, a failure) fails the group, whose operations then run alone
-    /// and read afresh. SQLite's one lane carries several sessions' groups at once, each of
-    /// which would read its session's row; PostgreSQL's lanes hold one session each and run
-    /// such a group optimistically instead (`run_optimistic`). A heartbeat, which writes no
-    /// event, would not check the copy.
-    fn trusts(&self, copy: &Cached, session_id: &str, ops: &[Op]) -> bool {
-        self.store.dialect() == Dialect::Sqlite
-            && copy.tasks.is_some()
-            && copyable(&copy.session, ops)
-            && !ops
-                .iter()
-                .any(|op| matches!(op, Op::Heartbeat { .. }) && op.session_id() == session_id)
     }
 
     /// Runs the operations of `ops` on `session` (loaded; locked unless `tx` is optimistic):

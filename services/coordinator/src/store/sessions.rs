@@ -366,13 +366,6 @@ pub(crate) async fn load_session_sized(
     ))
 }
 
-/// Takes `session_id` as at sequence `last_seq` in `tx` without reading its row (a copy the
-/// caller holds): its events are numbered from there, and the write that moves the sequence
-/// fails unless the session is still there (see `write_events`).
-pub(crate) fn hold_at(tx: &mut Tx, session_id: &str, last_seq: u64) {
-    tx.sequences.insert(session_id.to_owned(), last_seq);
-}
-
 /// Checks a session exists and, in write transactions on PostgreSQL, locks its row: every
 /// writer of a session takes this lock first (claims take several in id order), so writers
 /// of one session are serialised and never wait on each other crosswise.

@@ -116,10 +116,10 @@ async fn claim_next_moves_on_after_a_turn(db: Db) {
 }
 
 /// Six workers (`claimNext`) burn down five sessions at once, so SQLite's one lane runs
-/// groups that hold several sessions, each on its copy of the session without reading its row.
-/// A failure outside the group commit (every task `IMPL-3` fails once, retryably) makes a copy
-/// stale: the next group's write finds the sequence moved, nothing of it lands, and its
-/// operations run again alone. Every task completes once, the failed ones on their second
+/// groups that hold several sessions, each session's part written optimistically on its own,
+/// on its copy of the session. A failure outside the group commit (every task `IMPL-3` fails
+/// once, retryably) makes a copy stale: that part's write finds the sequence moved, nothing of
+/// it lands, and its operations run again under the lock. Every task completes once, the failed ones on their second
 /// attempt, and every session's events are gap-free.
 async fn groups_of_several_sessions_see_what_was_written_outside_them(db: Db) {
     const SESSIONS: usize = 5;
