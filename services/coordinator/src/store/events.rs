@@ -10,7 +10,6 @@ use super::tasks::{
     MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V_BUMP, UPDATE_OR_FAIL_FROM_V,
     UPDATE_OR_FAIL_FROM_V_LEAN, bind_task, task_values, update_tasks,
 };
-use super::transactions::Conn;
 use super::{Dialect, Store, Tx, corrupt, to_i64};
 use crate::Error;
 use crate::convert::timestamp;
@@ -128,7 +127,7 @@ pub(super) async fn write_events(
             // Anonymous parameters, bound in the order they appear: SQLite looks a named one
             // up by a linear scan, which grew with the rows of a write.
             Dialect::Sqlite => {
-                let auto = matches!(tx.inner, Conn::Auto(_));
+                let auto = tx.autocommits();
                 let sql = sqlite_write(auto, bumped, rows, tasks.len(), reshaped);
                 let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
                 if bumped {
@@ -175,8 +174,13 @@ pub(super) async fn write_events(
                 query
             }
         };
+        let opens = bumped && tx.autocommits() && tx.dialect == Dialect::Sqlite;
+        tx.call_opens(opens);
         let written = match query.execute(&mut **tx).await {
-            Ok(done) => done.rows_affected(),
+            Ok(done) => {
+                tx.call_opens(false);
+                done.rows_affected()
+            }
             Err(err) => return Err(tx.failed(session_id, first - 1, err).await),
         };
         if bumped && tx.dialect == Dialect::Postgres && written != rows as u64 {

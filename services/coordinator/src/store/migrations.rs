@@ -191,21 +191,20 @@ mod tests {
              VALUES ('S', 'old', '', 1, 'eager', 'stop', $1, '', 1, 1)",
         )
         .bind(&plan)
-        .execute(&old.writer)
+        .execute(&mut *old.autocommit().await.unwrap())
         .await
         .unwrap();
-        old.writer.close().await;
-        old.reader.close().await;
+        old.close().await;
 
         let store = Store::open_file(&path).await.unwrap();
         let moved: String =
             sqlx::query_scalar("SELECT plan_json FROM session_plans WHERE session_id = 'S'")
-                .fetch_one(&store.writer)
+                .fetch_one(&store.reader)
                 .await
                 .unwrap();
         assert_eq!(moved, plan);
         let row = sqlx::query("SELECT * FROM sessions WHERE id = 'S'")
-            .fetch_one(&store.writer)
+            .fetch_one(&store.reader)
             .await
             .unwrap();
         assert_eq!(row.try_get::<String, _>("name").unwrap(), "old");

@@ -59,10 +59,19 @@ pub(crate) enum Dialect {
     Postgres,
 }
 
+/// Where a [`Store`] writes.
+#[derive(Debug, Clone)]
+enum Writer {
+    /// SQLite's one writer connection.
+    Sqlite(transactions::SqliteWriter),
+    /// PostgreSQL's pool (the readers' too).
+    Pool(AnyPool),
+}
+
 /// The store over SQLite or PostgreSQL (sqlx `Any`, so one set of statements serves both).
 #[derive(Debug, Clone)]
 pub(crate) struct Store {
-    writer: AnyPool,
+    writer: Writer,
     reader: AnyPool,
     dialect: Dialect,
     /// The PostgreSQL URL, for the change listener.
@@ -101,42 +110,32 @@ impl Store {
         sqlx::any::install_default_drivers();
         // `Any` connects by URL; the SQLite URL keeps the file name percent-encoded.
         let url = options.create_if_missing(true).to_url_lossy().to_string();
-        let pragmas = |pool: AnyPoolOptions| {
-            pool.after_connect(|conn, _meta| {
+        const PRAGMAS: &str = "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
+                               PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;";
+        let writer = transactions::SqliteWriter::connect(&url, PRAGMAS).await?;
+        // No ping before each acquire (sqlx's default): it costs a round trip per read, and a
+        // dead connection fails its statement just the same.
+        let reader = AnyPoolOptions::new()
+            .test_before_acquire(false)
+            .after_connect(|conn, _meta| {
                 Box::pin(async move {
-                    sqlx::raw_sql(
-                        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL; \
-                         PRAGMA busy_timeout = 10000; PRAGMA foreign_keys = ON;",
-                    )
-                    .execute(&mut *conn)
-                    .await?;
+                    sqlx::raw_sql(PRAGMAS).execute(&mut *conn).await?;
                     Ok(())
                 })
             })
-        };
-        // No ping before each acquire (sqlx's default): it costs a round trip per transaction,
-        // and a dead connection fails its statement just the same.
-        let writer = pragmas(AnyPoolOptions::new().test_before_acquire(false))
-            .max_connections(1)
-            .min_connections(1)
+            .max_connections(4)
             .acquire_timeout(Duration::from_secs(30))
-            .connect(&url)
-            .await?;
+            .connect_lazy(&url)?;
         let store = Self {
-            writer: writer.clone(),
-            reader: writer.clone(),
+            writer: Writer::Sqlite(writer),
+            reader,
             dialect: Dialect::Sqlite,
             url: None,
             repos: Default::default(),
             growth: Default::default(),
         };
         store.migrate_through(last).await?;
-        let reader = pragmas(AnyPoolOptions::new().test_before_acquire(false))
-            .max_connections(4)
-            .acquire_timeout(Duration::from_secs(30))
-            .connect(&url)
-            .await?;
-        Ok(Self { reader, ..store })
+        Ok(store)
     }
 
     async fn open_postgres(url: &str) -> Result<Self, Error> {
@@ -160,7 +159,7 @@ impl Store {
             .connect(url)
             .await?;
         let store = Self {
-            writer: pool.clone(),
+            writer: Writer::Pool(pool.clone()),
             reader: pool,
             dialect: Dialect::Postgres,
             url: Some(url.to_owned()),
@@ -169,6 +168,16 @@ impl Store {
         };
         store.migrate().await?;
         Ok(store)
+    }
+
+    /// Closes the database's connections (tests reopen a database an older coordinator left).
+    #[cfg(test)]
+    pub(crate) async fn close(self) {
+        self.reader.close().await;
+        match self.writer {
+            Writer::Sqlite(writer) => writer.close().await,
+            Writer::Pool(pool) => pool.close().await,
+        }
     }
 
     pub(crate) fn dialect(&self) -> Dialect {
@@ -206,7 +215,7 @@ impl Store {
             sqlx::query("SELECT pg_notify($1, $2)")
                 .bind(CHANGES_CHANNEL)
                 .bind(origin)
-                .execute(&self.writer)
+                .execute(&self.reader)
                 .await?;
         }
         Ok(())

@@ -4,8 +4,10 @@
 //! just before it commits, numbered from the session's sequence (see [`super::events`]).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
-use sqlx::Any;
+use sqlx::{Any, AnyConnection, Connection as _};
+use tokio::sync::{Mutex, OwnedMutexGuard};
 use troupe_proto::v1::SessionState;
 use troupe_proto::v1::session_event::Kind;
 
@@ -14,7 +16,7 @@ use crate::task::Task;
 use sqlx::Transaction;
 
 use super::events::{moved, write_events};
-use super::{Dialect, Store};
+use super::{Dialect, Store, Writer};
 
 /// A write transaction. Events appended in it are held back and written just before it
 /// commits (or before the session's sequence is read or taken otherwise), so the operations
@@ -43,6 +45,89 @@ pub(super) enum Conn {
     Tx(Transaction<'static, Any>),
     /// No transaction: each statement commits on its own (see [`Store::optimistic`]).
     Auto(sqlx::pool::PoolConnection<Any>),
+    /// SQLite's writer connection: inside `BEGIN IMMEDIATE` when `begun` ([`Store::begin`]),
+    /// else each statement (or call) commits on its own, as [`Conn::Auto`].
+    Writer {
+        lease: WriterLease,
+        begun: bool,
+    },
+}
+
+/// The database's one writer connection on SQLite, passed from writer to writer in the order
+/// they asked (a fair lock). Not a pool of one: sqlx pings a pooled connection's worker thread
+/// each time it goes back to the pool, a round trip that the next writer waits for (on the
+/// group commit's lane, a fifth of its time).
+#[derive(Debug, Clone)]
+pub(super) struct SqliteWriter(Arc<Mutex<WriterConn>>);
+
+#[derive(Debug)]
+struct WriterConn {
+    conn: AnyConnection,
+    /// A writer went away inside a transaction (an error, or a caller that gave up): it is
+    /// rolled back before the next writer's first statement.
+    open: bool,
+}
+
+/// The writer connection, held by one writer.
+pub(super) struct WriterLease {
+    guard: OwnedMutexGuard<WriterConn>,
+    /// Inside a transaction this writer opened (`BEGIN` sent, no `COMMIT` or `ROLLBACK` yet).
+    open: bool,
+}
+
+impl Drop for WriterLease {
+    fn drop(&mut self) {
+        if self.open {
+            self.guard.open = true;
+        }
+    }
+}
+
+impl SqliteWriter {
+    /// Connects to the SQLite database at `url` and runs `setup` on the connection.
+    pub(super) async fn connect(url: &str, setup: &str) -> Result<Self, Error> {
+        let mut conn = AnyConnection::connect(url).await?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(setup.to_owned()))
+            .execute(&mut conn)
+            .await?;
+        Ok(Self(Arc::new(Mutex::new(WriterConn { conn, open: false }))))
+    }
+
+    /// Waits for the connection; rolls back what a writer before left open.
+    async fn lease(&self) -> Result<WriterLease, Error> {
+        let mut guard = Arc::clone(&self.0).lock_owned().await;
+        if guard.open {
+            // Fails when the call never got to its `BEGIN`: nothing is open then either.
+            if let Err(err) = sqlx::query("ROLLBACK").execute(&mut guard.conn).await {
+                tracing::debug!(error = %err, "rollback of what a writer left open");
+            }
+            guard.open = false;
+        }
+        Ok(WriterLease { guard, open: false })
+    }
+
+    /// Closes the connection once every writer let go of it.
+    #[cfg(test)]
+    pub(super) async fn close(self) {
+        if let Ok(writer) = Arc::try_unwrap(self.0) {
+            let _ = writer.into_inner().conn.close().await;
+        }
+    }
+}
+
+impl WriterLease {
+    /// Runs `BEGIN …` (`opens`), `COMMIT` or `ROLLBACK`.
+    async fn run(&mut self, statement: &'static str, opens: bool) -> Result<(), Error> {
+        // Marked before it runs: a call cut short may still have opened the transaction.
+        self.open = true;
+        let done = sqlx::query(statement).execute(&mut self.guard.conn).await;
+        // After a `ROLLBACK`, failed or not, nothing is open.
+        if done.is_ok() || statement == "ROLLBACK" {
+            self.open = opens;
+        }
+        done?;
+        Ok(())
+    }
 }
 
 impl std::ops::Deref for Tx {
@@ -52,6 +137,7 @@ impl std::ops::Deref for Tx {
         match &self.inner {
             Conn::Tx(tx) => tx,
             Conn::Auto(conn) => conn,
+            Conn::Writer { lease, .. } => &lease.guard.conn,
         }
     }
 }
@@ -61,6 +147,7 @@ impl std::ops::DerefMut for Tx {
         match &mut self.inner {
             Conn::Tx(tx) => tx,
             Conn::Auto(conn) => conn,
+            Conn::Writer { lease, .. } => &mut lease.guard.conn,
         }
     }
 }
@@ -83,8 +170,12 @@ impl Tx {
         self.flush_events(None).await?;
         match self.inner {
             Conn::Tx(tx) => tx.commit().await?,
+            Conn::Writer {
+                mut lease,
+                begun: true,
+            } => lease.run("COMMIT", false).await?,
             // Everything it wrote went out in its one statement (see `write_events`).
-            Conn::Auto(_) => {}
+            Conn::Auto(_) | Conn::Writer { .. } => {}
         }
         Ok(())
     }
@@ -101,8 +192,8 @@ impl Tx {
         if self.dialect != Dialect::Sqlite {
             return err.into();
         }
-        if let Conn::Auto(conn) = &mut self.inner
-            && let Err(rollback) = sqlx::query("ROLLBACK").execute(&mut **conn).await
+        if self.autocommits()
+            && let Err(rollback) = self.roll_back_call().await
         {
             // Also when the call failed before its `BEGIN`: nothing is open then.
             tracing::debug!(error = %rollback, "rollback after a failed optimistic write");
@@ -119,8 +210,36 @@ impl Tx {
     /// Refuses a write that an optimistic [`Tx`] cannot make atomically with its one write:
     /// the caller runs the group under the lock instead.
     pub(super) fn needs_lock(&self, what: &str) -> Result<(), Error> {
-        match self.inner {
-            Conn::Auto(_) => Err(Error::Contended(format!("{what} needs a transaction"))),
+        if self.autocommits() {
+            return Err(Error::Contended(format!("{what} needs a transaction")));
+        }
+        Ok(())
+    }
+
+    /// No transaction open: each statement (or call) commits on its own.
+    pub(super) fn autocommits(&self) -> bool {
+        matches!(
+            self.inner,
+            Conn::Auto(_) | Conn::Writer { begun: false, .. }
+        )
+    }
+
+    /// Before a call that opens and commits its own transaction (see `write_events`): on
+    /// SQLite's writer, a call cut short leaves it to the next writer to roll back.
+    pub(super) fn call_opens(&mut self, opens: bool) {
+        if let Conn::Writer { lease, .. } = &mut self.inner {
+            lease.open = opens;
+        }
+    }
+
+    /// Rolls back what a failed call that opened its own transaction left open.
+    async fn roll_back_call(&mut self) -> Result<(), Error> {
+        match &mut self.inner {
+            Conn::Writer { lease, .. } => lease.run("ROLLBACK", false).await,
+            Conn::Auto(conn) => {
+                sqlx::query("ROLLBACK").execute(&mut **conn).await?;
+                Ok(())
+            }
             Conn::Tx(_) => Ok(()),
         }
     }
@@ -143,8 +262,13 @@ impl Tx {
 
     /// Rolls back, held-back events included.
     pub(crate) async fn rollback(self) -> Result<(), Error> {
-        if let Conn::Tx(tx) = self.inner {
-            tx.rollback().await?;
+        match self.inner {
+            Conn::Tx(tx) => tx.rollback().await?,
+            Conn::Writer {
+                mut lease,
+                begun: true,
+            } => lease.run("ROLLBACK", false).await?,
+            Conn::Auto(_) | Conn::Writer { .. } => {}
         }
         Ok(())
     }
@@ -165,11 +289,27 @@ impl Tx {
 
 impl Store {
     pub(crate) async fn begin(&self) -> Result<Tx, Error> {
-        let inner = match self.dialect {
-            Dialect::Sqlite => self.writer.begin_with("BEGIN IMMEDIATE").await?,
-            Dialect::Postgres => self.writer.begin().await?,
+        let inner = match &self.writer {
+            Writer::Sqlite(writer) => {
+                let mut lease = writer.lease().await?;
+                lease.run("BEGIN IMMEDIATE", true).await?;
+                Conn::Writer { lease, begun: true }
+            }
+            Writer::Pool(pool) => Conn::Tx(pool.begin().await?),
         };
-        Ok(Tx::new(Conn::Tx(inner), self.dialect, true))
+        Ok(Tx::new(inner, self.dialect, true))
+    }
+
+    /// Writes without a transaction: each statement commits on its own.
+    pub(crate) async fn autocommit(&self) -> Result<Tx, Error> {
+        let inner = match &self.writer {
+            Writer::Sqlite(writer) => Conn::Writer {
+                lease: writer.lease().await?,
+                begun: false,
+            },
+            Writer::Pool(pool) => Conn::Auto(pool.acquire().await?),
+        };
+        Ok(Tx::new(inner, self.dialect, true))
     }
 
     /// An optimistic write, without a lock: for a group of one session whose `last_seq` the
@@ -183,7 +323,7 @@ impl Store {
     /// more than the one write fails with [`Error::Contended`] before writing, for the caller
     /// to run under the lock.
     pub(crate) async fn optimistic(&self, session_id: &str, last_seq: u64) -> Result<Tx, Error> {
-        let mut tx = Tx::new(Conn::Auto(self.writer.acquire().await?), self.dialect, true);
+        let mut tx = self.autocommit().await?;
         tx.sequences.insert(session_id.to_owned(), last_seq);
         Ok(tx)
     }
@@ -205,5 +345,64 @@ impl Store {
             self.dialect,
             false,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Store;
+
+    async fn workers(store: &Store) -> i64 {
+        sqlx::query_scalar("SELECT COUNT(*) FROM workers")
+            .fetch_one(&store.reader)
+            .await
+            .unwrap()
+    }
+
+    /// SQLite's writer connection outlives its writers: one that goes away inside its
+    /// transaction, or in the middle of a call that opens its own, leaves nothing behind, and
+    /// the next writer starts afresh.
+    #[tokio::test]
+    async fn a_writer_that_goes_away_leaves_the_connection_clean() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open_file(&dir.path().join("troupe.db"))
+            .await
+            .unwrap();
+        let insert = |id: &'static str| {
+            sqlx::query(
+                "INSERT INTO workers (worker_id, roles, last_seen, backends) \
+                 VALUES ($1, '[]', 1, '||')",
+            )
+            .bind(id)
+        };
+
+        let mut tx = store.begin().await.unwrap();
+        insert("dropped").execute(&mut *tx).await.unwrap();
+        drop(tx);
+        assert_eq!(workers(&store).await, 0, "dropped inside its transaction");
+
+        // A call that opens its own transaction and stops after its `BEGIN`.
+        let mut tx = store.autocommit().await.unwrap();
+        tx.call_opens(true);
+        sqlx::raw_sql("BEGIN IMMEDIATE")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        insert("cut short").execute(&mut *tx).await.unwrap();
+        drop(tx);
+        assert_eq!(workers(&store).await, 0, "cut short inside its call");
+
+        // Marked open though nothing was: the next writer's rollback finds nothing to undo.
+        let mut tx = store.autocommit().await.unwrap();
+        tx.call_opens(true);
+        drop(tx);
+
+        let mut tx = store.begin().await.unwrap();
+        insert("kept").execute(&mut *tx).await.unwrap();
+        tx.commit().await.unwrap();
+        let mut tx = store.autocommit().await.unwrap();
+        insert("alone").execute(&mut *tx).await.unwrap();
+        drop(tx);
+        assert_eq!(workers(&store).await, 2);
     }
 }

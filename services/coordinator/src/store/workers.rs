@@ -32,7 +32,7 @@ impl Store {
         .bind(serde_json::to_string(&roles).map_err(corrupt)?)
         .bind(now)
         .bind(backends)
-        .execute(&self.writer)
+        .execute(&mut *self.autocommit().await?)
         .await?;
         Ok(())
     }
