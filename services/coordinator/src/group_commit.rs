@@ -332,6 +332,34 @@ impl GroupCommit {
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Keeps the copy of a session this coordinator just took in (`session` and its `tasks` as
+    /// its intake committed them), so its first group reads nothing: on SQLite's one lane, that
+    /// read (all of a session's tasks) would hold up every session's workers.
+    pub(crate) fn seed(&self, session: SessionRow, tasks: Vec<Task>) {
+        if session.state != pb::SessionState::Active {
+            return;
+        }
+        let Some(tasks) = task_cache::stored(tasks, &self.budget) else {
+            return;
+        };
+        let mut sessions = self.sessions();
+        if sessions.len() < CACHED_SESSIONS {
+            sessions.entry(session.id.clone()).or_insert(Cached {
+                session,
+                tasks: Some(tasks),
+            });
+        }
+    }
+
+    /// The copy kept of `session_id`: its row and its tasks in order of position.
+    #[cfg(test)]
+    pub(crate) fn copy_of(&self, session_id: &str) -> Option<(SessionRow, Vec<Task>)> {
+        let sessions = self.sessions();
+        let copy = sessions.get(session_id)?;
+        let tasks = copy.tasks.as_ref()?.tasks();
+        Some((copy.session.clone(), tasks))
+    }
+
     /// A message (one event, no task changed) moved `session_id`'s sequence to `sequence`:
     /// the session's copy, when it is as of the sequence just before, is as good as of
     /// `sequence`, so the next batch still runs on it instead of losing its sequence check

@@ -6,16 +6,22 @@ use super::{finish, gate};
 use crate::Error;
 use crate::store::events::append_event;
 use crate::store::intake::{insert_tasks, insert_transitions};
-use crate::store::sessions::NewSession;
+use crate::store::sessions::{NewSession, SessionRow};
 use crate::store::{Store, sessions};
 use crate::task;
 
 /// Stores a new session with its repos and tasks and releases its first tasks, atomically.
+/// Returns the session and its tasks as stored (what a read of them right after the commit
+/// would give), for the group commit's copy of the session.
 ///
 /// The graph is settled before the tasks are written, so each task goes in once, in the
 /// state it starts in (no second pass updating every released task), and no copy of the
 /// tasks is kept to tell what changed.
-pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> Result<(), Error> {
+pub(crate) async fn create_session(
+    store: &Store,
+    new: NewSession,
+    now: i64,
+) -> Result<(SessionRow, Vec<task::Task>), Error> {
     let mut tx = store.begin().await?;
     sessions::insert_session(&mut tx, &new, now).await?;
     // As stored: intake's repositories carry only the stored fields.
@@ -86,6 +92,7 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
     let mut active = session;
     active.state = SessionState::Active;
     finish(&mut tx, &mut active, &tasks, count, now).await?;
+    active.last_seq = sessions::sequence_after(&mut tx, &active.id).await?;
     tx.commit().await?;
     let fixed = sessions::Fixed {
         repos,
@@ -94,5 +101,5 @@ pub(crate) async fn create_session(store: &Store, new: NewSession, now: i64) -> 
     };
     store.remember_fixed(&active.id, fixed);
     store.refresh_statistics(tasks.len());
-    Ok(())
+    Ok((active, tasks))
 }

@@ -50,6 +50,14 @@ pub(crate) struct TaskCache {
 }
 
 impl TaskCache {
+    /// Every task, in order of position.
+    #[cfg(test)]
+    pub(crate) fn tasks(&self) -> Vec<Task> {
+        let mut tasks: Vec<Task> = self.tasks.values().cloned().collect();
+        tasks.sort_by_key(|task| task.position);
+        tasks
+    }
+
     fn new(rows: Vec<Task>, share: Share) -> Self {
         let mut cache = Self {
             tasks: HashMap::with_capacity(rows.len()),
@@ -194,6 +202,13 @@ pub(crate) async fn load_cached(
     let (tasks, sequence) = load_tasks(&mut tx, session_id).await?;
     let current = sequence == Some(session.last_seq);
     Ok((session, current.then(|| TaskCache::new(tasks, share))))
+}
+
+/// A copy of a session's tasks as the caller just stored them, when it has at most
+/// [`MAX_TASKS`] and they fit in `budget`.
+pub(crate) fn stored(tasks: Vec<Task>, budget: &Budget) -> Option<TaskCache> {
+    let share = budget.take(tasks.len())?;
+    Some(TaskCache::new(tasks, share))
 }
 
 /// The tasks of a session as `tx` sees them (held locked, they are as of its `last_seq`),

@@ -200,9 +200,12 @@ impl Coordinator {
             assets,
             tasks: task_rows(std::mem::take(&mut plan.tasks), &session_id, now),
         };
-        if let Err(err) = lifecycle::create::create_session(&self.store, new, now).await {
-            crate::repos::delete_branches(&created, &branch).await;
-            return Err(err);
+        match lifecycle::create::create_session(&self.store, new, now).await {
+            Ok((session, tasks)) => self.group.seed(session, tasks),
+            Err(err) => {
+                crate::repos::delete_branches(&created, &branch).await;
+                return Err(err);
+            }
         }
         self.notify();
         tracing::info!(session_id = %session_id, tasks = task_count, "session created");
@@ -683,5 +686,77 @@ fn task_row(task: troupe_plan::PlanTask, position: usize, session_id: &str, now:
         superseded_by: String::new(),
         convergence: None,
         backends,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use serde_json::json;
+    use troupe_proto::v1 as pb;
+
+    use super::Coordinator;
+    use crate::lifecycle::task_cache::{self, Budget};
+    use crate::store::Store;
+
+    /// The copy of a session that its intake leaves for the group commit is what reading the
+    /// session back gives: its row as of the intake's last event and every task field for
+    /// field (imported results, dependencies, roles, gates, files and specs included). A
+    /// difference would be written back by the session's first optimistic group.
+    #[tokio::test]
+    async fn the_intake_s_copy_of_a_session_is_what_reading_it_back_gives() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = dir.path().join("plan");
+        troupe_testkit::git_repo(&base.join("repo"), &[("README.md", "hello\n")]).unwrap();
+        let store = Store::open_file(&dir.path().join("troupe.db"))
+            .await
+            .unwrap();
+        let coordinator = Coordinator::new(
+            store.clone(),
+            dir.path().join("data"),
+            Arc::new(troupe_workspace::Credentials::none()),
+            Duration::from_secs(60),
+            0,
+            Arc::new(crate::quota::Quotas::new(
+                Default::default(),
+                Duration::from_secs(1),
+            )),
+        );
+        let plan = json!({"name": "copy", "repos": {"app": {"path": "repo"}}, "tasks": [
+            {"id": "IMPL-1", "title": "done before", "status": "completed",
+             "result": {"summary": "rotated tokens", "files_modified": ["src/auth.py"]}},
+            {"id": "IMPL-2", "title": "next", "description": "d", "priority": "high",
+             "depends_on": ["IMPL-1"], "files": [{"path": "src/a.py", "action": "modify"}],
+             "max_attempts": 3},
+            {"id": "IMPL-3", "title": "alone", "backends": ["codex"], "estimate_ms": 2000},
+            {"id": "IMPL-4", "title": "ask", "approval": "ship it?", "depends_on": ["IMPL-3"]},
+            {"id": "TEST-1", "title": "test", "role": "test-runner", "depends_on": ["IMPL-2", "IMPL-3"]},
+            {"id": "VALIDATE-1", "title": "check", "role": "validator", "depends_on": ["TEST-1"]},
+        ]});
+        let created = coordinator
+            .create_session(pb::CreateSessionRequest {
+                plan_json: plan.to_string(),
+                base_dir: base.display().to_string(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let super::Created::Stored { page, .. } = created else {
+            panic!("stored");
+        };
+        let id = page.session.id.clone();
+        let (session, tasks) = coordinator.group.copy_of(&id).expect("a copy");
+        let (read, Some(cache)) = task_cache::load_cached(&store, &id, &Budget::new(100))
+            .await
+            .unwrap()
+        else {
+            panic!("the session reads back whole");
+        };
+        assert_eq!(session, read);
+        assert!(session.last_seq > 6, "{}", session.last_seq);
+        assert_eq!(tasks, cache.tasks());
+        assert_eq!(tasks.len(), 6);
     }
 }

@@ -346,6 +346,17 @@ pub(crate) async fn lock_and_load_session(
     Ok(session)
 }
 
+/// The session's `last_seq` once `tx`'s held-back events of it are written: the sequence what
+/// `tx` wrote is as of, when it commits.
+pub(crate) async fn sequence_after(tx: &mut Tx, session_id: &str) -> Result<u64, Error> {
+    tx.flush_events(Some(session_id)).await?;
+    let last: i64 = sqlx::query_scalar("SELECT last_seq FROM sessions WHERE id = $1")
+        .bind(session_id)
+        .fetch_one(&mut **tx)
+        .await?;
+    u64::try_from(last).map_err(corrupt)
+}
+
 /// [`load_session`] with the number of the session's tasks, in one statement.
 pub(crate) async fn load_session_sized(
     tx: &mut Tx,
