@@ -24,13 +24,14 @@
 //! the session's sequence is still where the copy left it: on PostgreSQL one statement
 //! without a transaction, on SQLite one call that opens and commits its own. So such a group
 //! costs one round trip. SQLite's one lane carries several sessions' operations in a group:
-//! each session's part runs this way on its own (see `run_apart`). When the write loses (another coordinator, or a write outside the
-//! group commit such as a message or a failure, moved the sequence), nothing was written. If
-//! only messages came in between (they change no task), the group writes again on the same
-//! copy as of the new sequence; otherwise the copy is dropped and the group runs under the
-//! lock as above. A message logged while the copy sits between groups moves the copy along.
-//! Under the lock a group also works on the copy when the copy is as of the locked sequence
-//! (see `run_in`).
+//! each session's part runs this way on its own (see `run_apart`). When the write loses
+//! (another coordinator, or a write outside the group commit such as a message or a failure,
+//! moved the sequence), nothing was written. If only messages came in between (they change no
+//! task), the group writes again on the same copy as of the new sequence; otherwise the copy
+//! is dropped and the group runs under the lock as above. A message logged while the copy
+//! sits between groups moves the copy along. Under the lock a group also works on the copy
+//! when the copy is as of the locked sequence (see `run_in`). A new session's first copy is
+//! the one its intake left ([`GroupCommit::seed`]).
 //!
 //! A long-polling claim that found nothing parks here ([`GroupCommit::park`]); the next group
 //! that completes tasks takes it as one of its claims, so a task a completion readies is

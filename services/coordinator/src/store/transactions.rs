@@ -274,7 +274,7 @@ impl Tx {
     }
 
     /// Writes the held-back events of `session_id` (of every session when `None`).
-    pub(crate) async fn flush_events(&mut self, session_id: Option<&str>) -> Result<(), Error> {
+    pub(super) async fn flush_events(&mut self, session_id: Option<&str>) -> Result<(), Error> {
         let pending = std::mem::take(&mut self.events);
         for (session, events) in pending {
             if session_id.is_none_or(|id| id == session) {
