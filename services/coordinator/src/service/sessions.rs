@@ -201,7 +201,12 @@ impl Coordinator {
             tasks: task_rows(std::mem::take(&mut plan.tasks), &session_id, now),
         };
         match lifecycle::create::create_session(&self.store, new, now).await {
-            Ok((session, tasks)) => self.group.seed(session, tasks),
+            Ok((session, tasks)) => {
+                // Off the reply's path: a copy of 50,000 tasks takes a few hundred
+                // milliseconds to build, and a claim that comes first reads the session.
+                let group = self.group.clone();
+                tokio::task::spawn_blocking(move || group.seed(session, tasks));
+            }
             Err(err) => {
                 crate::repos::delete_branches(&created, &branch).await;
                 return Err(err);
@@ -747,7 +752,17 @@ mod tests {
             panic!("stored");
         };
         let id = page.session.id.clone();
-        let (session, tasks) = coordinator.group.copy_of(&id).expect("a copy");
+        // Built off the reply's path.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let (session, tasks) = loop {
+            match coordinator.group.copy_of(&id) {
+                Some(copy) => break copy,
+                None if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                None => panic!("no copy of the session"),
+            }
+        };
         let (read, Some(cache)) = task_cache::load_cached(&store, &id, &Budget::new(100))
             .await
             .unwrap()
