@@ -587,11 +587,8 @@ impl GroupCommit {
     /// to run together (the parts with heartbeats and those that lost their optimistic write),
     /// and whether it ran any apart (else it returns `ops` as they came).
     async fn run_apart(&self, ops: Vec<Op>) -> (Vec<Op>, bool) {
-        let first = ops.first().map(|op| op.session_id().to_owned());
         if self.store.dialect() != Dialect::Sqlite
-            || ops
-                .iter()
-                .all(|op| Some(op.session_id()) == first.as_deref())
+            || ops.iter().all(|op| op.session_id() == ops[0].session_id())
         {
             return (ops, false);
         }
@@ -607,10 +604,7 @@ impl GroupCommit {
         }
         let mut rest = Vec::new();
         for part in parts {
-            if part.iter().any(|op| matches!(op, Op::Heartbeat { .. })) {
-                rest.extend(part);
-                continue;
-            }
+            // A part with heartbeats is declined at once, its copy untouched.
             match self.run_optimistic(&part).await {
                 Err(GroupError::Contended) => rest.extend(part),
                 result => self.settle(part, result).await,

@@ -94,7 +94,7 @@ impl SqliteWriter {
     }
 
     /// Waits for the connection; rolls back what a writer before left open.
-    async fn lease(&self) -> Result<WriterLease, Error> {
+    async fn lease(&self) -> WriterLease {
         let mut guard = Arc::clone(&self.0).lock_owned().await;
         if guard.open {
             // Fails when the call never got to its `BEGIN`: nothing is open then either.
@@ -103,7 +103,7 @@ impl SqliteWriter {
             }
             guard.open = false;
         }
-        Ok(WriterLease { guard, open: false })
+        WriterLease { guard, open: false }
     }
 
     /// Closes the connection once every writer let go of it.
@@ -291,7 +291,7 @@ impl Store {
     pub(crate) async fn begin(&self) -> Result<Tx, Error> {
         let inner = match &self.writer {
             Writer::Sqlite(writer) => {
-                let mut lease = writer.lease().await?;
+                let mut lease = writer.lease().await;
                 lease.run("BEGIN IMMEDIATE", true).await?;
                 Conn::Writer { lease, begun: true }
             }
@@ -304,7 +304,7 @@ impl Store {
     pub(crate) async fn autocommit(&self) -> Result<Tx, Error> {
         let inner = match &self.writer {
             Writer::Sqlite(writer) => Conn::Writer {
-                lease: writer.lease().await?,
+                lease: writer.lease().await,
                 begun: false,
             },
             Writer::Pool(pool) => Conn::Auto(pool.acquire().await?),
