@@ -16,7 +16,10 @@
 //! can never wait on each other crosswise. A claim does not name a session: it first reads,
 //! without locks, which session with a ready task for its roles was served least recently
 //! (sessions take turns), and queues there; when others emptied that session first it picks
-//! again. A completion's `claim_next` stays in its session for a turn (see [`crate::turns`]).
+//! again. A completion's `claim_next` stays in its session for a turn (see [`crate::turns`]),
+//! and goes on to another session when its own has nothing ready (as far as the session's copy
+//! tells); on SQLite that claim is made in the completion's group, its write sent with the
+//! completion's (see `run_parts`).
 //!
 //! A group of completions and claims of one active eager session first runs optimistically
 //! (see `run_optimistic`): no lock, its tasks from the in-memory copy of the session
@@ -24,7 +27,9 @@
 //! the session's sequence is still where the copy left it: on PostgreSQL one statement
 //! without a transaction, on SQLite one call that opens and commits its own. So such a group
 //! costs one round trip. SQLite's one lane carries several sessions' operations in a group:
-//! each session's part runs this way on its own (see `run_apart`). When the write loses
+//! each session's part is worked out this way, its write held back, and the parts' writes go
+//! out in one call (see `run_parts`); when that call loses, each part runs again on its own,
+//! on its copy as it was. When the write loses
 //! (another coordinator, or a write outside the group commit such as a message or a failure,
 //! moved the sequence), nothing was written. If only messages came in between (they change no
 //! task), the group writes again on the same copy as of the new sequence; otherwise the copy
@@ -57,7 +62,7 @@ use crate::lifecycle::heartbeat::heartbeat_in;
 use crate::lifecycle::routing::Filter;
 use crate::lifecycle::task_cache::{self, Budget, TaskCache};
 use crate::store::sessions::{self, SessionRow};
-use crate::store::{Dialect, Store, Tx};
+use crate::store::{Dialect, HeldWrite, Store, Tx};
 use crate::task::Task;
 use crate::turns::Turns;
 
@@ -87,9 +92,23 @@ enum Op {
         completion: Box<Completion>,
         /// `claim_next`: claim from the same session, with this group's claims.
         claim_next: Option<ClaimRequest>,
+        /// `claim_next` sent on to another session, claimed with the completion's write when
+        /// the group can (see `run_parts`).
+        elsewhere: Option<Elsewhere>,
         now: i64,
         reply: oneshot::Sender<Result<(Task, Vec<Claimed>), Error>>,
     },
+}
+
+/// A completion's `claim_next` in another session (the worker's turn ended, or its session
+/// has nothing ready): on SQLite, claimed in the completion's group and written with it (see
+/// `run_parts`). A group that does not take it drops `reply`, and the claim is made once the
+/// completion is committed, as a claim of its own.
+#[derive(Debug)]
+struct Elsewhere {
+    session_id: String,
+    request: ClaimRequest,
+    reply: oneshot::Sender<Result<Vec<Claimed>, Error>>,
 }
 
 impl Op {
@@ -119,6 +138,33 @@ enum Outcome {
     Claim(Vec<Claimed>),
     Heartbeat((i64, bool)),
     Complete(Box<Task>, Vec<Claimed>),
+}
+
+/// A session's part of a group worked out on its copy, its write sent or held back (see
+/// `GroupCommit::prepare`).
+struct Prepared {
+    session: SessionRow,
+    tasks: Option<TaskCache>,
+    outcomes: Vec<Option<Outcome>>,
+    /// What `run_session` returned: whether the session may have ended.
+    end: Option<(usize, i64)>,
+    wrote: bool,
+    /// The session's sequence after the write.
+    last: Option<u64>,
+    /// The write held back (taken out to be sent), with the session's row as it was before.
+    held: Option<(Option<HeldWrite>, SessionRow)>,
+}
+
+/// How [`GroupCommit::prepare`] sends a part's write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// Sent at once.
+    No,
+    /// Held back when the session has a copy, else sent at once.
+    WithCopy,
+    /// Held back, else the part does not run: a claim that must not commit before the
+    /// completion it belongs to.
+    Only,
 }
 
 /// Why a group did not commit.
@@ -457,17 +503,31 @@ impl GroupCommit {
         claim_next: Option<ClaimRequest>,
         now: i64,
     ) -> Result<(Task, Vec<Claimed>), Error> {
-        // At the end of the worker's turn in this session, its next claim goes to the session
-        // served least recently when that is another (see `crate::turns`), after the commit.
+        // At the end of the worker's turn in this session (see `crate::turns`), or when the
+        // session has nothing left for the claim, the worker's next claim goes to the session
+        // served least recently when that is another: with the completion's write when the
+        // group can, else after the commit.
         let mut claim_next = claim_next;
         let mut elsewhere = None;
         if let Some(request) = &claim_next
-            && self.turns.over(&request.worker_id, session_id)
+            && (self.turns.over(&request.worker_id, session_id)
+                || self.runs_dry(session_id, task_id))
             && let Ok(Some(picked)) = self.store.pick_session(request.filter()).await
             && picked != session_id
+            && let Some(request) = claim_next.take()
         {
-            elsewhere = claim_next.take().map(|request| (request, picked));
+            let (reply, answer) = oneshot::channel();
+            let ask = Elsewhere {
+                session_id: picked.clone(),
+                request: request.clone(),
+                reply,
+            };
+            elsewhere = Some((ask, answer, request, picked));
         }
+        let (ask, elsewhere) = match elsewhere {
+            Some((ask, answer, request, picked)) => (Some(ask), Some((answer, request, picked))),
+            None => (None, None),
+        };
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
             session_id: session_id.to_owned(),
@@ -477,29 +537,44 @@ impl GroupCommit {
                 result,
             }),
             claim_next,
+            elsewhere: ask,
             now,
             reply,
         };
         self.submit(self.lane(session_id), op);
         let (task, mut next) = answer.await.unwrap_or_else(|_| Err(gone()))?;
-        if let Some((request, picked)) = elsewhere {
-            let request = ClaimRequest {
-                now: crate::convert::now_ms(),
-                ..request
-            };
-            // The completion is committed: a claim that fails now leaves the worker without
-            // a next task (it claims again), not with a completion it would think refused.
-            // The session picked above first: picking again would cost a read for the same
-            // answer, unless someone emptied it meanwhile (then it picks again).
-            next = self
-                .claim_from(&request, Some(picked))
-                .await
-                .unwrap_or_else(|err| {
-                    tracing::warn!(error = %err, "claim after a turn failed");
-                    Vec::new()
-                });
+        if let Some((answer, request, picked)) = elsewhere {
+            next = match answer.await {
+                Ok(claimed) => claimed,
+                // Not taken by the group: claimed now, after the completion's commit.
+                Err(_) => {
+                    let request = ClaimRequest {
+                        now: crate::convert::now_ms(),
+                        ..request
+                    };
+                    // The session picked above first: picking again would cost a read for
+                    // the same answer, unless someone emptied it meanwhile (then it picks
+                    // again).
+                    self.claim_from(&request, Some(picked)).await
+                }
+            }
+            // The completion is committed: a claim that fails leaves the worker without a
+            // next task (it claims again), not with a completion it would think refused.
+            .unwrap_or_else(|err| {
+                tracing::warn!(error = %err, "claim in another session failed");
+                Vec::new()
+            });
         }
         Ok((task, next))
+    }
+
+    /// Whether a completion of `task_id` leaves `session_id` with nothing ready, as far as its
+    /// copy tells (false without one): its `claim_next` would come back empty.
+    fn runs_dry(&self, session_id: &str, task_id: &str) -> bool {
+        self.sessions()
+            .get(session_id)
+            .and_then(|copy| copy.tasks.as_ref())
+            .is_some_and(|tasks| tasks.runs_dry(task_id))
     }
 
     /// Queues `op` behind the running transaction of its lane, or runs it at once when the
@@ -564,12 +639,15 @@ impl GroupCommit {
     /// Runs `ops` in one transaction and answers each; see the module comment for failures.
     async fn run(&self, mut ops: Vec<Op>) {
         self.take_parked(&mut ops);
-        let (ops, apart) = self.run_apart(ops).await;
+        let (ops, tried) = match self.store.dialect() {
+            Dialect::Sqlite => (self.run_parts(ops).await, true),
+            Dialect::Postgres => (ops, false),
+        };
         if ops.is_empty() {
             return;
         }
-        // What `run_apart` left has tried its optimistic write, or cannot.
-        let mut result = if apart {
+        // What `run_parts` left has tried its optimistic write, or cannot.
+        let mut result = if tried {
             Err(GroupError::Contended)
         } else {
             self.run_optimistic(&ops).await
@@ -580,37 +658,122 @@ impl GroupCommit {
         self.settle(ops, result).await;
     }
 
-    /// SQLite's one lane carries several sessions' operations in a group: each session's part
-    /// that can runs optimistically on its own (one call, which commits itself), instead of
-    /// all of them in one transaction (`BEGIN`, a write for each session, `COMMIT`: two calls
-    /// more on the one writer connection, which every group waits for). Returns what is left
-    /// to run together (the parts with heartbeats and those that lost their optimistic write),
-    /// and whether it ran any apart (else it returns `ops` as they came).
-    async fn run_apart(&self, ops: Vec<Op>) -> (Vec<Op>, bool) {
-        if self.store.dialect() != Dialect::Sqlite
-            || ops.iter().all(|op| op.session_id() == ops[0].session_id())
-        {
-            return (ops, false);
-        }
+    /// SQLite's one lane carries several sessions' operations in a group. Each session's part
+    /// that can is worked out optimistically on its copy with its write held back (see
+    /// [`Tx::hold`]), and the writes of all of them go out in one call on the one writer
+    /// connection, which every group waits for ([`Store::write_held`]): one call a group,
+    /// as with one session, instead of one a session. Each write still checks its session's
+    /// sequence; when the call fails, nothing was written, the parts' copies are put back as
+    /// they were, and each part runs optimistically on its own. Returns what is left to run
+    /// together: the parts with heartbeats and those that lost their optimistic write.
+    async fn run_parts(&self, ops: Vec<Op>) -> Vec<Op> {
         let mut parts: Vec<Vec<Op>> = Vec::new();
-        for op in ops {
-            match parts
+        // Completions' claims in other sessions, with the part of each completion.
+        let mut asks: Vec<(usize, Elsewhere)> = Vec::new();
+        for mut op in ops {
+            let ask = match &mut op {
+                Op::Complete { elsewhere, .. } => elsewhere.take(),
+                _ => None,
+            };
+            let at = match parts
+                .iter()
+                .position(|part| part[0].session_id() == op.session_id())
+            {
+                Some(at) => {
+                    parts[at].push(op);
+                    at
+                }
+                None => {
+                    parts.push(vec![op]);
+                    parts.len() - 1
+                }
+            };
+            asks.extend(ask.map(|ask| (at, ask)));
+        }
+        let mut sessions: Vec<String> = parts
+            .iter()
+            .map(|part| part[0].session_id().to_owned())
+            .collect();
+        let mut rest = Vec::new();
+        let mut worked = Vec::with_capacity(parts.len());
+        let mut ready = vec![false; parts.len()];
+        for (at, part) in parts.into_iter().enumerate() {
+            // A part with heartbeats is declined at once, its copy untouched.
+            match self.prepare(&part, Hold::WithCopy).await {
+                Ok(prepared) => {
+                    ready[at] = true;
+                    worked.push((part, prepared));
+                }
+                Err(GroupError::Contended) => rest.extend(part),
+                Err(err) => self.settle(part, Err(err)).await,
+            }
+        }
+        // The claims of completions worked out, in sessions of their own: a part each, whose
+        // write goes out with the completions'. One that is not taken here (its completion
+        // failed, or its session is already in the group) is made after the commit.
+        let asked = worked.len();
+        let mut claims: Vec<Vec<Op>> = Vec::new();
+        for (at, ask) in asks {
+            if !ready[at] {
+                continue;
+            }
+            let op = Op::Claim {
+                request: ClaimRequest {
+                    now: crate::convert::now_ms(),
+                    ..ask.request
+                },
+                reply: ask.reply,
+                session_id: ask.session_id,
+            };
+            match claims
                 .iter_mut()
                 .find(|part| part[0].session_id() == op.session_id())
             {
                 Some(part) => part.push(op),
-                None => parts.push(vec![op]),
+                None if !sessions.iter().any(|id| id == op.session_id()) => {
+                    sessions.push(op.session_id().to_owned());
+                    claims.push(vec![op]);
+                }
+                None => {}
             }
         }
-        let mut rest = Vec::new();
-        for part in parts {
-            // A part with heartbeats is declined at once, its copy untouched.
+        for part in claims {
+            if let Ok(prepared) = self.prepare(&part, Hold::Only).await {
+                worked.push((part, prepared));
+            }
+        }
+        let writes: Vec<HeldWrite> = worked
+            .iter_mut()
+            .filter_map(|(_, prepared)| prepared.held.as_mut()?.0.take())
+            .collect();
+        let written = match writes.is_empty() {
+            true => true,
+            false => match self.store.write_held(writes).await {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::debug!(error = %err, "held writes lost; the sessions write on their own");
+                    false
+                }
+            },
+        };
+        for (i, (part, prepared)) in worked.into_iter().enumerate() {
+            let session_id = part[0].session_id();
+            if written || prepared.held.is_none() {
+                let result = self.finish(session_id, prepared).await;
+                self.settle(part, result).await;
+                continue;
+            }
+            self.put_back(session_id, prepared);
+            // A claim for a completion is made once the completion is committed.
+            if i >= asked {
+                continue;
+            }
             match self.run_optimistic(&part).await {
                 Err(GroupError::Contended) => rest.extend(part),
                 result => self.settle(part, result).await,
             }
         }
-        (rest, true)
+        rest
     }
 
     /// Answers `ops` with what their group returned; see the module comment for failures.
@@ -642,7 +805,7 @@ impl GroupCommit {
 
     /// The fast path for a group of completions and claims of one active eager
     /// session (PostgreSQL's lanes hold one session; SQLite's one lane splits its groups by
-    /// session first, see `run_apart`): no transaction and no lock; the
+    /// session first, see `run_parts`): no transaction and no lock; the
     /// session's row and tasks as the previous group left them (read once when there is no
     /// copy; a session too large to copy reads its batch instead), and one conditional write
     /// (see [`Store::optimistic`]). When the session turns out to have moved on (another
@@ -650,6 +813,13 @@ impl GroupCommit {
     /// runs under the lock. A group with heartbeats, or of several sessions, runs under the
     /// lock at once.
     async fn run_optimistic(&self, ops: &[Op]) -> Result<Vec<Outcome>, GroupError> {
+        let prepared = self.prepare(ops, Hold::No).await?;
+        self.finish(ops[0].session_id(), prepared).await
+    }
+
+    /// [`Self::run_optimistic`] up to its write, which it sends or holds back (see [`Hold`]),
+    /// for the caller to send and then [`Self::finish`] or [`Self::put_back`].
+    async fn prepare(&self, ops: &[Op], hold: Hold) -> Result<Prepared, GroupError> {
         let session_id = ops[0].session_id();
         // Heartbeats run under the lock, on the copy (see `run_in`).
         if ops
@@ -682,21 +852,40 @@ impl GroupCommit {
         if !one_batch(&session, filters) {
             return Err(GroupError::Contended);
         }
+        // Held back only on a copy: a batch that reads the session would not see its own
+        // write (a claimed task's upstream results, say) until it went out.
+        let before = match &mut tasks {
+            Some(tasks) if hold != Hold::No => {
+                tasks.journal();
+                Some(session.clone())
+            }
+            _ if hold == Hold::Only => return Err(GroupError::Contended),
+            _ => None,
+        };
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
         let mut tries = 0;
         // A batch that ends the session changes its state in memory before writing.
         let state = session.state;
-        let (end, tx) = loop {
+        let (end, mut tx) = loop {
             let mut tx = self
                 .store
                 .optimistic(session_id, session.last_seq)
                 .await
                 .map_err(|_| GroupError::Contended)?;
+            if before.is_some() {
+                tx.hold();
+            }
             match self
                 .run_session(&mut tx, &mut session, tasks.as_mut(), ops, &mut outcomes)
                 .await
             {
                 Ok(end) => break (end, tx),
+                // Held back, nothing went out; the copy, which the batch may have changed,
+                // is dropped with it.
+                Err(Error::Contended(_)) if before.is_some() => {
+                    return Err(GroupError::Contended);
+                }
+                Err(_) if before.is_some() => return Err(GroupError::Op),
                 Err(err) if tx.wrote => return Err(GroupError::Commit(err)),
                 Err(Error::Contended(_)) => {
                     drop(tx);
@@ -716,9 +905,39 @@ impl GroupCommit {
                 Err(_) => return Err(GroupError::Op),
             }
         };
-        let (wrote, last) = (tx.wrote, tx.last_seq(session_id));
-        // Its connection back first: SQLite has one writer connection, which `check_end` needs.
-        drop(tx);
+        let held = tx.take_held();
+        Ok(Prepared {
+            wrote: tx.wrote,
+            last: tx.last_seq(session_id),
+            held: held
+                .zip(before)
+                .map(|(write, before)| (Some(write), before)),
+            session,
+            tasks,
+            outcomes,
+            end,
+        })
+    }
+
+    /// The rest of [`Self::run_optimistic`] once a part's write went out: keeps its copy (or
+    /// decides whether its session ended) and returns its outcomes.
+    async fn finish(
+        &self,
+        session_id: &str,
+        prepared: Prepared,
+    ) -> Result<Vec<Outcome>, GroupError> {
+        let Prepared {
+            session,
+            mut tasks,
+            outcomes,
+            end,
+            wrote,
+            last,
+            ..
+        } = prepared;
+        if let Some(tasks) = &mut tasks {
+            tasks.forget();
+        }
         match end {
             // Nothing checked the copy against the session's sequence: it may be stale (a
             // fruitless claim, say, of a task readied elsewhere), so it is kept only when the
@@ -748,6 +967,22 @@ impl GroupCommit {
             .map(|outcome| outcome.ok_or_else(mismatch))
             .collect::<Result<_, _>>()
             .map_err(GroupError::Commit)
+    }
+
+    /// A part whose held-back write did not go out: its copy as it was before the part, for
+    /// the part to run again.
+    fn put_back(&self, session_id: &str, prepared: Prepared) {
+        let (Some((_, session)), Some(mut tasks)) = (prepared.held, prepared.tasks) else {
+            return;
+        };
+        tasks.undo();
+        self.keep(vec![(
+            session_id.to_owned(),
+            Cached {
+                session,
+                tasks: Some(tasks),
+            },
+        )]);
     }
 
     /// When every event recorded after `after` is a message (which changes no task), the
@@ -1045,4 +1280,154 @@ fn answer(op: Op, outcome: Result<Outcome, Error>) {
 
 fn mismatch() -> Error {
     Error::Corrupt("group commit answered an operation with another's outcome".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use serde_json::json;
+    use tokio::sync::oneshot;
+    use troupe_proto::v1 as pb;
+
+    use super::{Completion, Op};
+    use crate::lifecycle::claim::ClaimRequest;
+    use crate::lifecycle::task_cache::{self, Budget};
+    use crate::service::{Coordinator, Created};
+    use crate::store::Store;
+    use crate::store::messages::NewMessage;
+
+    /// A SQLite group of two sessions' completions holds both writes back and sends them in
+    /// one call. A message logged behind the group commit's back moved one session's sequence,
+    /// so that call fails whole: nothing of either session lands, both copies are put back as
+    /// they were, and each session writes again on its own (the moved one as of the message).
+    /// Each task completes once, no completion is refused, and each copy is what reading the
+    /// session back gives.
+    #[tokio::test]
+    async fn a_group_of_two_sessions_writes_both_or_neither() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open_file(&dir.path().join("troupe.db"))
+            .await
+            .unwrap();
+        let quotas = Arc::new(crate::quota::Quotas::new(
+            Default::default(),
+            Duration::from_secs(1),
+        ));
+        let coordinator = Coordinator::new(
+            store.clone(),
+            dir.path().join("data"),
+            Arc::new(troupe_workspace::Credentials::none()),
+            Duration::from_secs(60),
+            0,
+            Arc::clone(&quotas),
+        );
+        let mut sessions = Vec::new();
+        for name in ["a", "b"] {
+            let base = dir.path().join(name);
+            troupe_testkit::git_repo(&base.join("repo"), &[("README.md", "hi\n")]).unwrap();
+            let plan = json!({"name": name, "repos": {"app": {"path": "repo"}}, "tasks": [
+                {"id": "IMPL-1", "title": "one"}, {"id": "IMPL-2", "title": "two"}]});
+            let created = coordinator
+                .create_session(pb::CreateSessionRequest {
+                    plan_json: plan.to_string(),
+                    base_dir: base.display().to_string(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            let Created::Stored { page, .. } = created else {
+                panic!("stored");
+            };
+            sessions.push(page.session.id.clone());
+        }
+        // A group commit of its own, which reads its copies from the store.
+        let group = super::GroupCommit::new(store.clone());
+        let request = ClaimRequest {
+            worker_id: "w".to_owned(),
+            roles: vec![pb::Role::Executor],
+            backends: None,
+            max: 1,
+            lease_ms: 60_000,
+            now: crate::convert::now_ms(),
+            quotas,
+        };
+        // Sessions take turns: one task of each.
+        let mut leased = Vec::new();
+        for _ in 0..2 {
+            let claimed = group.claim(&request).await.unwrap();
+            let task = claimed.into_iter().next().expect("a task").task;
+            leased.push(task);
+        }
+        leased.sort_by(|a, b| a.session_id.cmp(&b.session_id));
+        let mut ids: Vec<&str> = leased.iter().map(|task| task.session_id.as_str()).collect();
+        ids.dedup();
+        assert_eq!(ids.len(), 2, "one task of each session");
+        let moved = &leased[1].session_id;
+        let message = NewMessage {
+            from: "someone".to_owned(),
+            to: "all".to_owned(),
+            kind: "note".to_owned(),
+            summary: "behind the group's back".to_owned(),
+            data: None,
+            idempotency_key: None,
+        };
+        store
+            .log_message(moved, message, crate::convert::now_ms())
+            .await
+            .unwrap();
+
+        let mut answers = Vec::new();
+        let ops = leased
+            .iter()
+            .map(|task| {
+                let (reply, answer) = oneshot::channel();
+                answers.push(answer);
+                Op::Complete {
+                    session_id: task.session_id.clone(),
+                    completion: Box::new(Completion {
+                        task_id: task.id.clone(),
+                        token: task.fencing_token,
+                        result: pb::TaskResult {
+                            summary: "done".to_owned(),
+                            ..Default::default()
+                        },
+                    }),
+                    claim_next: None,
+                    elsewhere: None,
+                    now: crate::convert::now_ms(),
+                    reply,
+                }
+            })
+            .collect();
+        group.run(ops).await;
+        for answer in answers {
+            let (task, _) = answer.await.unwrap().expect("completed");
+            assert_eq!(task.state, pb::TaskState::Completed);
+        }
+        for session_id in &sessions {
+            let (mut row, tasks) = group.copy_of(session_id).expect("a copy");
+            let (read, Some(cache)) =
+                task_cache::load_cached(&store, session_id, &Budget::new(100))
+                    .await
+                    .unwrap()
+            else {
+                panic!("the session reads back whole");
+            };
+            // A copy's `updated_at` is not kept (what a group decides never reads it).
+            row.updated_at = read.updated_at;
+            assert_eq!(row, read, "{session_id}");
+            assert_eq!(tasks, cache.tasks(), "{session_id}");
+            let completed = tasks
+                .iter()
+                .filter(|task| task.state == pb::TaskState::Completed)
+                .count();
+            assert_eq!(completed, 1, "{session_id}");
+            // Intake, a claim, a completion (and the message): each recorded once.
+            let events = store.events_after(session_id, 0, 100).await.unwrap();
+            let sequences: Vec<u64> = events.iter().map(|event| event.sequence).collect();
+            let expected: Vec<u64> = (1..=row.last_seq).collect();
+            assert_eq!(sequences, expected, "gap-free in {session_id}");
+        }
+    }
 }

@@ -45,6 +45,9 @@ pub(crate) struct TaskCache {
     ready: BTreeSet<ClaimKey>,
     /// Ready or running.
     live: HashSet<String>,
+    /// While a batch's write is held back (see [`TaskCache::journal`]): each task as it was
+    /// before the batch's first change to it, `None` when the batch added it.
+    journal: Option<Vec<(String, Option<Task>)>>,
     /// Its place in the bound on all copies.
     _share: Share,
 }
@@ -64,6 +67,7 @@ impl TaskCache {
             dependents: HashMap::new(),
             ready: BTreeSet::new(),
             live: HashSet::new(),
+            journal: None,
             _share: share,
         };
         for task in rows {
@@ -94,7 +98,57 @@ impl TaskCache {
         } else {
             self.live.remove(&task.id);
         }
-        self.tasks.insert(task.id.clone(), task);
+        let id = task.id.clone();
+        let old = self.tasks.insert(id.clone(), task);
+        if let Some(journal) = &mut self.journal {
+            journal.push((id, old));
+        }
+    }
+
+    /// Keeps what the puts from here on replace, for [`TaskCache::undo`]: the batch's write is
+    /// held back to go out with others (see `run_parts` in the group commit), so the copy
+    /// changes before it is known to be written.
+    pub(crate) fn journal(&mut self) {
+        self.journal = Some(Vec::new());
+    }
+
+    /// The held-back write went out: the changes stay.
+    pub(crate) fn forget(&mut self) {
+        self.journal = None;
+    }
+
+    /// The held-back write did not go out: back to the tasks as they were before
+    /// [`TaskCache::journal`].
+    pub(crate) fn undo(&mut self) {
+        let Some(journal) = self.journal.take() else {
+            return;
+        };
+        for (id, old) in journal.into_iter().rev() {
+            match old {
+                Some(task) => self.put(task),
+                None => {
+                    if let Some(task) = self.tasks.remove(&id)
+                        && task.state == TaskState::Ready
+                    {
+                        self.ready.remove(&claim_key(&task));
+                    }
+                    self.live.remove(&id);
+                }
+            }
+        }
+    }
+
+    /// Whether nothing is ready, and completing `task_id` readies nothing either (no task
+    /// waits for it).
+    pub(crate) fn runs_dry(&self, task_id: &str) -> bool {
+        self.ready.is_empty()
+            && self.dependents.get(task_id).is_none_or(|dependents| {
+                dependents.iter().all(|id| {
+                    self.tasks
+                        .get(id)
+                        .is_none_or(|task| task.state != TaskState::Pending)
+                })
+            })
     }
 
     /// The tasks of `ids` that exist.

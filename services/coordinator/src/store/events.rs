@@ -6,6 +6,7 @@ use sqlx::Row;
 use troupe_proto::v1::{self as pb, session_event::Kind};
 
 use super::intake::values;
+use super::tasks::AnyQuery;
 use super::tasks::{
     MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V_BUMP, UPDATE_OR_FAIL_FROM_V,
     UPDATE_OR_FAIL_FROM_V_LEAN, bind_task, task_values, update_tasks,
@@ -40,6 +41,9 @@ impl Store {
             .collect()
     }
 }
+
+/// Rows per INSERT, well below the databases' limits on bound parameters.
+const CHUNK: usize = 256;
 
 /// Appends events to a session's log: held back in `tx` until it commits (see [`Tx`]), so
 /// they get their sequence numbers then, in the order appended.
@@ -85,8 +89,6 @@ pub(super) async fn write_events(
         tx.needs_lock("a second write")?;
     }
     let count = events.len();
-    // Rows per INSERT, well below the databases' limits on bound parameters.
-    const CHUNK: usize = 256;
     // With the session's row held (or an optimistic write's counter known), its counter is
     // known: number the events here and move the counter with the first insert, together
     // with the tasks' update, in one round trip (PostgreSQL: one statement with writing CTEs;
@@ -110,6 +112,30 @@ pub(super) async fn write_events(
         None => reserve_seq(tx, session_id, last_ts, count).await?,
     };
     let last = first + count as u64 - 1;
+    if tx.holds() {
+        // Optimistic, so within one statement's rows (see above): held back whole.
+        let events = events
+            .into_iter()
+            .enumerate()
+            .map(|(i, (ts, kind))| {
+                let sequence = first + i as u64;
+                (sequence, ts, event_payload(session_id, sequence, ts, kind))
+            })
+            .collect();
+        let write = HeldWrite {
+            session_id: session_id.to_owned(),
+            from: first - 1,
+            to: last,
+            ts: last_ts,
+            state: tx.states.remove(session_id).map(|state| state as i32),
+            tasks: tasks.iter().map(|&task| task.clone()).collect(),
+            events,
+            reshaped,
+        };
+        tx.keep_held(write);
+        tx.sequences.insert(session_id.to_owned(), last);
+        return Ok(());
+    }
     let mut events = events.into_iter().enumerate().peekable();
     let mut bump = together;
     while events.peek().is_some() {
@@ -194,6 +220,114 @@ pub(super) async fn write_events(
     Ok(())
 }
 
+/// An optimistic write on SQLite held back (see [`Tx::hold`]): the session's sequence moves
+/// from `from` to `to`, its tasks and events go in; see [`held_writes`].
+pub(crate) struct HeldWrite {
+    session_id: String,
+    from: u64,
+    to: u64,
+    /// The session's `updated_at`.
+    ts: i64,
+    /// The session's new state, when it changes.
+    state: Option<i32>,
+    tasks: Vec<Task>,
+    /// Sequence, time and payload of each.
+    events: Vec<(u64, i64, Vec<u8>)>,
+    reshaped: bool,
+}
+
+/// The call that sends held writes of several sessions (see [`Store::write_held`]): one
+/// transaction, `BEGIN IMMEDIATE` to `COMMIT`. A statement a table, whatever the sessions: each
+/// session's sequence moves from its own value or the call fails (the NOT NULL constraint,
+/// as in [`sqlite_write`]); the writes go in batches within one statement's rows.
+pub(super) fn held_writes(writes: &[HeldWrite]) -> Result<AnyQuery<'_>, Error> {
+    let mut batches: Vec<&[HeldWrite]> = Vec::new();
+    let (mut start, mut tasks, mut events) = (0, 0, 0);
+    for (i, write) in writes.iter().enumerate() {
+        if i > start
+            && (tasks + write.tasks.len() > TASK_ROWS || events + write.events.len() > CHUNK)
+        {
+            batches.push(&writes[start..i]);
+            (start, tasks, events) = (i, 0, 0);
+        }
+        tasks += write.tasks.len();
+        events += write.events.len();
+    }
+    batches.push(&writes[start..]);
+    // As in an optimistic write's call (`sqlite_write` with `auto`), which one write alone
+    // is, statement for statement.
+    let mut sql = String::from("BEGIN IMMEDIATE; ");
+    for batch in &batches {
+        let tasks: usize = batch.iter().map(|write| write.tasks.len()).sum();
+        let events: usize = batch.iter().map(|write| write.events.len()).sum();
+        let reshaped = batch.iter().any(|write| write.reshaped);
+        if let [_] = batch {
+            sql.push_str(&sqlite_write(false, true, events, tasks, reshaped));
+        } else {
+            sql.push_str(&sqlite_write_many(batch.len(), events, tasks, reshaped));
+        }
+        sql.push_str("; ");
+    }
+    sql.push_str("COMMIT");
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for batch in batches {
+        for write in batch {
+            query = query
+                .bind(to_i64(write.from))
+                .bind(to_i64(write.to))
+                .bind(write.ts)
+                .bind(write.state)
+                .bind(&write.session_id);
+        }
+        for task in batch.iter().flat_map(|write| &write.tasks) {
+            query = bind_task(query, task)?;
+        }
+        for write in batch {
+            for (sequence, ts, payload) in &write.events {
+                query = query
+                    .bind(&write.session_id)
+                    .bind(to_i64(*sequence))
+                    .bind(*ts)
+                    .bind(payload.as_slice());
+            }
+        }
+    }
+    Ok(query)
+}
+
+/// [`sqlite_write`] for `sessions` sessions at once, inside a transaction: their sequences'
+/// moves as rows (`from`, `to`, `updated_at`, state, id: bound as in [`sqlite_write`]).
+fn sqlite_write_many(sessions: usize, rows: usize, tasks: usize, reshaped: bool) -> String {
+    let mut sql = format!(
+        "WITH s (from_seq, to_seq, ts, state, id) AS (VALUES {}) UPDATE sessions SET \
+         last_seq = CASE sessions.last_seq WHEN s.from_seq THEN s.to_seq END, updated_at = s.ts, \
+         state = COALESCE(s.state, sessions.state) FROM s WHERE sessions.id = s.id; ",
+        values(Dialect::Sqlite, sessions, 5)
+    );
+    if tasks > 0 {
+        sql.push_str(&task_update(tasks, reshaped));
+    }
+    sql.push_str(&format!(
+        "INSERT OR FAIL INTO events (session_id, seq, ts, payload) VALUES {}",
+        values(Dialect::Sqlite, rows, 4)
+    ));
+    sql
+}
+
+/// The tasks' update of a write on SQLite, `tasks` rows (see [`bind_task`]).
+fn task_update(tasks: usize, reshaped: bool) -> String {
+    let update = if reshaped {
+        &*UPDATE_OR_FAIL_FROM_V
+    } else {
+        &*UPDATE_OR_FAIL_FROM_V_LEAN
+    };
+    format!(
+        "WITH v (session_id, id, {}) AS (VALUES {}) {update}; ",
+        MUTABLE_COLUMNS.join(", "),
+        values(Dialect::Sqlite, tasks, MUTABLE_COLUMNS.len() + 2),
+    )
+}
+
 /// One chunk of a write on SQLite (see `write_events`), its parameters anonymous, in the order
 /// bound: with `bump`, the session's sequence moves from `?` to `?` (else its NOT NULL
 /// constraint fails the call, see `Tx::failed`) with `updated_at = ?`, its state to `?` (kept
@@ -211,16 +345,7 @@ fn sqlite_write(auto: bool, bump: bool, rows: usize, tasks: usize, reshaped: boo
          state = COALESCE(?, state) WHERE id = ?; ",
     );
     if tasks > 0 {
-        let update = if reshaped {
-            &*UPDATE_OR_FAIL_FROM_V
-        } else {
-            &*UPDATE_OR_FAIL_FROM_V_LEAN
-        };
-        sql.push_str(&format!(
-            "WITH v (session_id, id, {}) AS (VALUES {}) {update}; ",
-            MUTABLE_COLUMNS.join(", "),
-            values(Dialect::Sqlite, tasks, MUTABLE_COLUMNS.len() + 2),
-        ));
+        sql.push_str(&task_update(tasks, reshaped));
     }
     sql.push_str(&format!(
         "INSERT OR FAIL INTO events (session_id, seq, ts, payload) VALUES {events}"

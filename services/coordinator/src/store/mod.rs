@@ -47,6 +47,7 @@ pub(crate) mod tasks;
 mod transactions;
 pub(crate) mod workers;
 
+pub(crate) use events::HeldWrite;
 pub(crate) use transactions::Tx;
 
 /// Which database a [`Store`] talks to; the few statements that differ ask it.

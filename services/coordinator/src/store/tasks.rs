@@ -205,7 +205,7 @@ pub(super) async fn update_tasks(tx: &mut Tx, tasks: &[&Task]) -> Result<(), Err
 /// Task rows per `UPDATE`: 18 parameters each, well below both databases' limits.
 pub(super) const TASK_ROWS: usize = 200;
 
-type AnyQuery<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>;
+pub(super) type AnyQuery<'q> = sqlx::query::Query<'q, Any, sqlx::any::AnyArguments>;
 
 /// `UPDATE tasks ... FROM v`, for a `v` of the session id, the id and [`MUTABLE_COLUMNS`].
 pub(super) static UPDATE_FROM_V: std::sync::LazyLock<String> =

@@ -15,7 +15,7 @@ use crate::Error;
 use crate::task::Task;
 use sqlx::Transaction;
 
-use super::events::{moved, write_events};
+use super::events::{HeldWrite, held_writes, moved, write_events};
 use super::{Dialect, Store, Writer};
 
 /// A write transaction. Events appended in it are held back and written just before it
@@ -36,8 +36,11 @@ pub(crate) struct Tx {
     /// A write transaction (`begin`), not a snapshot (`begin_read`).
     pub(super) writes: bool,
     /// Set once an optimistic [`Tx`] (see [`Store::optimistic`]) wrote: its one write
-    /// committed on its own.
+    /// committed on its own, or is held back (`held`).
     pub(crate) wrote: bool,
+    /// An optimistic [`Tx`] on SQLite that holds its one write back (see [`Tx::hold`]).
+    hold: bool,
+    held: Option<HeldWrite>,
 }
 
 /// What a [`Tx`] runs its statements on.
@@ -162,7 +165,32 @@ impl Tx {
             dialect,
             writes,
             wrote: false,
+            hold: false,
+            held: None,
         }
+    }
+
+    /// Holds this optimistic [`Tx`]'s one write back instead of sending it, for
+    /// [`Store::write_held`] to send with other sessions' in one call ([`Tx::take_held`]).
+    /// Only SQLite's optimistic writes are held; any other [`Tx`] is left as it is.
+    pub(crate) fn hold(&mut self) {
+        self.hold = self.dialect == Dialect::Sqlite && self.autocommits();
+    }
+
+    /// Whether this [`Tx`] holds its write back (see [`Tx::hold`]).
+    pub(super) fn holds(&self) -> bool {
+        self.hold
+    }
+
+    /// Keeps the write that [`Tx::hold`] holds back.
+    pub(super) fn keep_held(&mut self, write: HeldWrite) {
+        self.held = Some(write);
+        self.wrote = true;
+    }
+
+    /// The write held back, if it came to one.
+    pub(crate) fn take_held(&mut self) -> Option<HeldWrite> {
+        self.held.take()
     }
 
     /// Writes the held-back events, then commits.
@@ -326,6 +354,40 @@ impl Store {
         let mut tx = self.autocommit().await?;
         tx.sequences.insert(session_id.to_owned(), last_seq);
         Ok(tx)
+    }
+
+    /// Sends writes that optimistic [`Tx`]s held back (see [`Tx::hold`]), of several sessions,
+    /// in one call and one transaction on SQLite's writer: `BEGIN IMMEDIATE`, each write,
+    /// `COMMIT`. Each write still checks its own session's sequence, so one that lost fails the
+    /// call and nothing is written. The group commit holds its sessions' writes back this way:
+    /// one call on the one writer connection however many sessions a group holds.
+    pub(crate) async fn write_held(&self, writes: Vec<HeldWrite>) -> Result<(), Error> {
+        let Writer::Sqlite(writer) = &self.writer else {
+            return Err(Error::FailedPrecondition(
+                "only SQLite's writes are held back".to_owned(),
+            ));
+        };
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let query = held_writes(&writes)?;
+        let mut lease = writer.lease().await;
+        // Marked before it runs: a call cut short may have opened the transaction.
+        lease.open = true;
+        let done = query.execute(&mut lease.guard.conn).await;
+        match done {
+            Ok(_) => {
+                lease.open = false;
+                Ok(())
+            }
+            Err(err) => {
+                // Also when the call failed before its `BEGIN`: nothing is open then.
+                if let Err(rollback) = lease.run("ROLLBACK", false).await {
+                    tracing::debug!(error = %rollback, "rollback after a failed held write");
+                }
+                Err(err.into())
+            }
+        }
     }
 
     /// Reads on the reader pool without a transaction: each statement sees the latest commits

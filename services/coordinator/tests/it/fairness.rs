@@ -115,12 +115,38 @@ async fn claim_next_moves_on_after_a_turn(db: Db) {
     harness.stop().await;
 }
 
+/// A completion whose session has nothing left ready claims the worker's next task in another
+/// session (`claim_next`): the worker does not come back empty-handed to claim again.
+async fn claim_next_moves_on_when_its_session_runs_dry(db: Db) {
+    let harness = Harness::start(db).await;
+    let plan = |name: &str, count: usize| {
+        let tasks: Vec<_> = (0..count)
+            .map(|i| serde_json::json!({"id": format!("IMPL-{i}"), "title": format!("{name} {i}")}))
+            .collect();
+        serde_json::json!({"name": name, "tasks": tasks})
+    };
+    let first = session_id(&harness.create(plan("first", 1)).await);
+    let second = session_id(&harness.create(plan("second", 3)).await);
+    let claimed = harness.claim(&[Role::Executor], 1).await;
+    let claimed = claimed.first().expect("a task");
+    assert_eq!(claimed.task.as_ref().expect("task").session_id, first);
+    let next = harness.complete_and_claim(claimed, 1).await;
+    let next = next.first().expect("the next task, from the other session");
+    assert_eq!(next.task.as_ref().expect("task").session_id, second);
+    let view = harness.session(&first).await;
+    assert_eq!(
+        view.session.expect("session").state(),
+        SessionState::Completed
+    );
+    harness.stop().await;
+}
+
 /// Six workers (`claimNext`) burn down five sessions at once, so SQLite's one lane runs
-/// groups that hold several sessions, each session's part written optimistically on its own,
-/// on its copy of the session. A failure outside the group commit (every task `IMPL-3` fails
+/// groups that hold several sessions, each session's part worked out on its copy, their
+/// writes sent together in one call. A failure outside the group commit (every task `IMPL-3` fails
 /// once, retryably) makes a copy stale: that part's write finds the sequence moved, nothing of
-/// it lands, and its operations run again under the lock. Every task completes once, the failed ones on their second
-/// attempt, and every session's events are gap-free.
+/// the call lands, and the parts run again, each on its own. Every task completes once, the
+/// failed ones on their second attempt, and every session's events are gap-free.
 async fn groups_of_several_sessions_see_what_was_written_outside_them(db: Db) {
     const SESSIONS: usize = 5;
     const TASKS: usize = 12;
@@ -186,6 +212,7 @@ async fn groups_of_several_sessions_see_what_was_written_outside_them(db: Db) {
 db_tests!(
     sessions_take_turns_and_none_starves,
     claim_next_moves_on_after_a_turn,
+    claim_next_moves_on_when_its_session_runs_dry,
     groups_of_several_sessions_see_what_was_written_outside_them
 );
 
