@@ -1294,8 +1294,7 @@ mod tests {
     use super::{Completion, Op};
     use crate::lifecycle::claim::ClaimRequest;
     use crate::lifecycle::task_cache::{self, Budget};
-    use crate::service::{Coordinator, Created};
-    use crate::store::Store;
+    use crate::service::Coordinator;
     use crate::store::messages::NewMessage;
 
     /// A SQLite group of two sessions' completions holds both writes back and sends them in
@@ -1307,39 +1306,16 @@ mod tests {
     #[tokio::test]
     async fn a_group_of_two_sessions_writes_both_or_neither() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::open_file(&dir.path().join("troupe.db"))
-            .await
-            .unwrap();
-        let quotas = Arc::new(crate::quota::Quotas::new(
-            Default::default(),
-            Duration::from_secs(1),
-        ));
-        let coordinator = Coordinator::new(
-            store.clone(),
-            dir.path().join("data"),
-            Arc::new(troupe_workspace::Credentials::none()),
-            Duration::from_secs(60),
-            0,
-            Arc::clone(&quotas),
-        );
+        let (store, coordinator) = Coordinator::for_tests(dir.path()).await;
         let mut sessions = Vec::new();
         for name in ["a", "b"] {
-            let base = dir.path().join(name);
-            troupe_testkit::git_repo(&base.join("repo"), &[("README.md", "hi\n")]).unwrap();
             let plan = json!({"name": name, "repos": {"app": {"path": "repo"}}, "tasks": [
                 {"id": "IMPL-1", "title": "one"}, {"id": "IMPL-2", "title": "two"}]});
-            let created = coordinator
-                .create_session(pb::CreateSessionRequest {
-                    plan_json: plan.to_string(),
-                    base_dir: base.display().to_string(),
-                    ..Default::default()
-                })
-                .await
-                .unwrap();
-            let Created::Stored { page, .. } = created else {
-                panic!("stored");
-            };
-            sessions.push(page.session.id.clone());
+            sessions.push(
+                coordinator
+                    .create_for_tests(&plan, &dir.path().join(name))
+                    .await,
+            );
         }
         // A group commit of its own, which reads its copies from the store.
         let group = super::GroupCommit::new(store.clone());
@@ -1350,7 +1326,10 @@ mod tests {
             max: 1,
             lease_ms: 60_000,
             now: crate::convert::now_ms(),
-            quotas,
+            quotas: Arc::new(crate::quota::Quotas::new(
+                Default::default(),
+                Duration::from_secs(1),
+            )),
         };
         // Sessions take turns: one task of each.
         let mut leased = Vec::new();

@@ -694,17 +694,59 @@ fn task_row(task: troupe_plan::PlanTask, position: usize, session_id: &str, now:
     }
 }
 
+/// Unit tests' coordinator and intake.
+#[cfg(test)]
+impl Coordinator {
+    /// A coordinator on a SQLite store in `dir`, with the store.
+    pub(crate) async fn for_tests(dir: &std::path::Path) -> (crate::store::Store, Self) {
+        let store = crate::store::Store::open_file(&dir.join("troupe.db"))
+            .await
+            .unwrap();
+        let coordinator = Self::new(
+            store.clone(),
+            dir.join("data"),
+            std::sync::Arc::new(troupe_workspace::Credentials::none()),
+            std::time::Duration::from_secs(60),
+            0,
+            std::sync::Arc::new(crate::quota::Quotas::new(
+                Default::default(),
+                std::time::Duration::from_secs(1),
+            )),
+        );
+        (store, coordinator)
+    }
+
+    /// Takes in `plan`, whose repository `repo` is a new git repository under `base`; returns
+    /// the session's id.
+    pub(crate) async fn create_for_tests(
+        &self,
+        plan: &serde_json::Value,
+        base: &std::path::Path,
+    ) -> String {
+        troupe_testkit::git_repo(&base.join("repo"), &[("README.md", "hello\n")]).unwrap();
+        let created = self
+            .create_session(pb::CreateSessionRequest {
+                plan_json: plan.to_string(),
+                base_dir: base.display().to_string(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let Created::Stored { page, .. } = created else {
+            panic!("stored");
+        };
+        page.session.id.clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use serde_json::json;
-    use troupe_proto::v1 as pb;
 
     use super::Coordinator;
     use crate::lifecycle::task_cache::{self, Budget};
-    use crate::store::Store;
 
     /// The copy of a session that its intake leaves for the group commit is what reading the
     /// session back gives: its row as of the intake's last event and every task field for
@@ -713,22 +755,7 @@ mod tests {
     #[tokio::test]
     async fn the_intake_s_copy_of_a_session_is_what_reading_it_back_gives() {
         let dir = tempfile::tempdir().unwrap();
-        let base = dir.path().join("plan");
-        troupe_testkit::git_repo(&base.join("repo"), &[("README.md", "hello\n")]).unwrap();
-        let store = Store::open_file(&dir.path().join("troupe.db"))
-            .await
-            .unwrap();
-        let coordinator = Coordinator::new(
-            store.clone(),
-            dir.path().join("data"),
-            Arc::new(troupe_workspace::Credentials::none()),
-            Duration::from_secs(60),
-            0,
-            Arc::new(crate::quota::Quotas::new(
-                Default::default(),
-                Duration::from_secs(1),
-            )),
-        );
+        let (store, coordinator) = Coordinator::for_tests(dir.path()).await;
         let plan = json!({"name": "copy", "repos": {"app": {"path": "repo"}}, "tasks": [
             {"id": "IMPL-1", "title": "done before", "status": "completed",
              "result": {"summary": "rotated tokens", "files_modified": ["src/auth.py"]}},
@@ -740,18 +767,9 @@ mod tests {
             {"id": "TEST-1", "title": "test", "role": "test-runner", "depends_on": ["IMPL-2", "IMPL-3"]},
             {"id": "VALIDATE-1", "title": "check", "role": "validator", "depends_on": ["TEST-1"]},
         ]});
-        let created = coordinator
-            .create_session(pb::CreateSessionRequest {
-                plan_json: plan.to_string(),
-                base_dir: base.display().to_string(),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-        let super::Created::Stored { page, .. } = created else {
-            panic!("stored");
-        };
-        let id = page.session.id.clone();
+        let id = coordinator
+            .create_for_tests(&plan, &dir.path().join("plan"))
+            .await;
         // Built off the reply's path.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let (session, tasks) = loop {

@@ -8,17 +8,19 @@ use troupe_proto::v1::{Role, SessionState, TaskState};
 
 use crate::support::{Db, Harness, db_tests, id_of, moves_to, session_id};
 
+/// A plan of `count` independent executor tasks.
+fn plan(name: &str, count: usize) -> serde_json::Value {
+    let tasks: Vec<_> = (0..count)
+        .map(|i| json!({"id": format!("IMPL-{i}"), "title": format!("{name} {i}")}))
+        .collect();
+    json!({"name": name, "tasks": tasks})
+}
+
 /// Four sessions, the oldest with 40 tasks and three later ones with 4 each, drained by one
 /// worker claiming one task at a time: the claims go round the sessions, so each later session
 /// is done within the first 16 claims (oldest first would give the first 40 to the oldest).
 async fn sessions_take_turns_and_none_starves(db: Db) {
     let harness = Harness::start(db).await;
-    let plan = |name: &str, count: usize| {
-        let tasks: Vec<_> = (0..count)
-            .map(|i| serde_json::json!({"id": format!("IMPL-{i}"), "title": format!("{name} {i}")}))
-            .collect();
-        serde_json::json!({"name": name, "tasks": tasks})
-    };
     let mut sessions = vec![session_id(&harness.create(plan("big", 40)).await)];
     for name in ["b", "c", "d"] {
         sessions.push(session_id(&harness.create(plan(name, 4)).await));
@@ -72,14 +74,8 @@ async fn sessions_take_turns_and_none_starves(db: Db) {
 /// recently: with two sessions of 20 tasks it alternates in runs of six until one is done.
 async fn claim_next_moves_on_after_a_turn(db: Db) {
     let harness = Harness::start(db).await;
-    let plan = |name: &str| {
-        let tasks: Vec<_> = (0..20)
-            .map(|i| serde_json::json!({"id": format!("IMPL-{i}"), "title": format!("{name} {i}")}))
-            .collect();
-        serde_json::json!({"name": name, "tasks": tasks})
-    };
-    let first = session_id(&harness.create(plan("first")).await);
-    let second = session_id(&harness.create(plan("second")).await);
+    let first = session_id(&harness.create(plan("first", 20)).await);
+    let second = session_id(&harness.create(plan("second", 20)).await);
     let mut next = harness.claim(&[Role::Executor], 1).await;
     let mut served: Vec<bool> = Vec::new();
     while let Some(claimed) = next.first().cloned() {
@@ -119,12 +115,6 @@ async fn claim_next_moves_on_after_a_turn(db: Db) {
 /// session (`claim_next`): the worker does not come back empty-handed to claim again.
 async fn claim_next_moves_on_when_its_session_runs_dry(db: Db) {
     let harness = Harness::start(db).await;
-    let plan = |name: &str, count: usize| {
-        let tasks: Vec<_> = (0..count)
-            .map(|i| serde_json::json!({"id": format!("IMPL-{i}"), "title": format!("{name} {i}")}))
-            .collect();
-        serde_json::json!({"name": name, "tasks": tasks})
-    };
     let first = session_id(&harness.create(plan("first", 1)).await);
     let second = session_id(&harness.create(plan("second", 3)).await);
     let claimed = harness.claim(&[Role::Executor], 1).await;
