@@ -151,8 +151,10 @@ struct Prepared {
     wrote: bool,
     /// The session's sequence after the write.
     last: Option<u64>,
-    /// The write held back (taken out to be sent), with the session's row as it was before.
-    held: Option<(Option<HeldWrite>, SessionRow)>,
+    /// The write held back, until it is taken out to be sent.
+    held: Option<HeldWrite>,
+    /// When the write was held back: the session's row as it was before, to put back.
+    before: Option<SessionRow>,
 }
 
 /// How [`GroupCommit::prepare`] sends a part's write.
@@ -508,7 +510,8 @@ impl GroupCommit {
         // served least recently when that is another: with the completion's write when the
         // group can, else after the commit.
         let mut claim_next = claim_next;
-        let mut elsewhere = None;
+        // What the group may take (`ask`), and what to claim with after the commit if not.
+        let (mut ask, mut elsewhere) = (None, None);
         if let Some(request) = &claim_next
             && (self.turns.over(&request.worker_id, session_id)
                 || self.runs_dry(session_id, task_id))
@@ -517,17 +520,13 @@ impl GroupCommit {
             && let Some(request) = claim_next.take()
         {
             let (reply, answer) = oneshot::channel();
-            let ask = Elsewhere {
+            ask = Some(Elsewhere {
                 session_id: picked.clone(),
                 request: request.clone(),
                 reply,
-            };
-            elsewhere = Some((ask, answer, request, picked));
+            });
+            elsewhere = Some((answer, request, picked));
         }
-        let (ask, elsewhere) = match elsewhere {
-            Some((ask, answer, request, picked)) => (Some(ask), Some((answer, request, picked))),
-            None => (None, None),
-        };
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
             session_id: session_id.to_owned(),
@@ -744,7 +743,7 @@ impl GroupCommit {
         }
         let writes: Vec<HeldWrite> = worked
             .iter_mut()
-            .filter_map(|(_, prepared)| prepared.held.as_mut()?.0.take())
+            .filter_map(|(_, prepared)| prepared.held.take())
             .collect();
         let written = match writes.is_empty() {
             true => true,
@@ -758,7 +757,7 @@ impl GroupCommit {
         };
         for (i, (part, prepared)) in worked.into_iter().enumerate() {
             let session_id = part[0].session_id();
-            if written || prepared.held.is_none() {
+            if written || prepared.before.is_none() {
                 let result = self.finish(session_id, prepared).await;
                 self.settle(part, result).await;
                 continue;
@@ -909,9 +908,8 @@ impl GroupCommit {
         Ok(Prepared {
             wrote: tx.wrote,
             last: tx.last_seq(session_id),
-            held: held
-                .zip(before)
-                .map(|(write, before)| (Some(write), before)),
+            before: before.filter(|_| held.is_some()),
+            held,
             session,
             tasks,
             outcomes,
@@ -972,7 +970,7 @@ impl GroupCommit {
     /// A part whose held-back write did not go out: its copy as it was before the part, for
     /// the part to run again.
     fn put_back(&self, session_id: &str, prepared: Prepared) {
-        let (Some((_, session)), Some(mut tasks)) = (prepared.held, prepared.tasks) else {
+        let (Some(session), Some(mut tasks)) = (prepared.before, prepared.tasks) else {
             return;
         };
         tasks.undo();
