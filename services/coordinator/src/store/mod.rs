@@ -14,7 +14,8 @@
 //! One set of statements (sqlx `Any`, `$n` parameters, `ON CONFLICT`, `RETURNING`) and one set
 //! of migrations serve SQLite and PostgreSQL. SQLite (the default) runs in WAL mode with one
 //! writer connection (SQLite serialises writers anyway; `BEGIN IMMEDIATE` never waits on
-//! ourselves) and a small reader pool. PostgreSQL has one shared pool, and several
+//! ourselves), a small reader pool, and its WAL checkpointed in the background
+//! ([`checkpoints`]). PostgreSQL has one shared pool, and several
 //! coordinators may use the same database: every writer of a session first locks the session
 //! row (`FOR UPDATE`; a claim first picks its session without locks, then locks it and
 //! re-reads its ready tasks), and `pg_notify` wakes the other coordinators' long polls. Each
@@ -35,6 +36,7 @@ use crate::Error;
 use crate::store::sessions::Fixed;
 
 pub(crate) mod check;
+mod checkpoints;
 pub(crate) mod events;
 pub(crate) mod gates;
 pub(crate) mod intake;

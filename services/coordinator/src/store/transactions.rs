@@ -15,6 +15,7 @@ use crate::Error;
 use crate::task::Task;
 use sqlx::Transaction;
 
+use super::checkpoints::{self, Checkpoints};
 use super::events::{HeldWrite, held_writes, moved, write_events};
 use super::{Dialect, Store, Writer};
 
@@ -59,9 +60,13 @@ pub(super) enum Conn {
 /// The database's one writer connection on SQLite, passed from writer to writer in the order
 /// they asked (a fair lock). Not a pool of one: sqlx pings a pooled connection's worker thread
 /// each time it goes back to the pool, a round trip that the next writer waits for (on the
-/// group commit's lane, a fifth of its time).
+/// group commit's lane, a fifth of its time). It checkpoints only when the background
+/// checkpoint asks (see [`super::checkpoints`]).
 #[derive(Debug, Clone)]
-pub(super) struct SqliteWriter(Arc<Mutex<WriterConn>>);
+pub(super) struct SqliteWriter {
+    conn: Arc<Mutex<WriterConn>>,
+    checkpoints: Arc<Checkpoints>,
+}
 
 #[derive(Debug)]
 struct WriterConn {
@@ -87,18 +92,24 @@ impl Drop for WriterLease {
 }
 
 impl SqliteWriter {
-    /// Connects to the SQLite database at `url` and runs `setup` on the connection.
+    /// Connects to the SQLite database at `url`, runs `setup` on the connection and starts
+    /// the background checkpoint.
     pub(super) async fn connect(url: &str, setup: &str) -> Result<Self, Error> {
         let mut conn = AnyConnection::connect(url).await?;
-        sqlx::raw_sql(sqlx::AssertSqlSafe(setup.to_owned()))
+        let setup = format!("{setup} PRAGMA wal_autocheckpoint = 0;");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(setup.clone()))
             .execute(&mut conn)
             .await?;
-        Ok(Self(Arc::new(Mutex::new(WriterConn { conn, open: false }))))
+        let conn = Arc::new(Mutex::new(WriterConn { conn, open: false }));
+        let checkpoints = Arc::new(Checkpoints::default());
+        checkpoints::start(url, &setup, Arc::downgrade(&conn), Arc::clone(&checkpoints)).await?;
+        Ok(Self { conn, checkpoints })
     }
 
-    /// Waits for the connection; rolls back what a writer before left open.
+    /// Waits for the connection; rolls back what a writer before left open, and finishes a
+    /// checkpoint when one is due.
     async fn lease(&self) -> WriterLease {
-        let mut guard = Arc::clone(&self.0).lock_owned().await;
+        let mut guard = Arc::clone(&self.conn).lock_owned().await;
         if guard.open {
             // Fails when the call never got to its `BEGIN`: nothing is open then either.
             if let Err(err) = sqlx::query("ROLLBACK").execute(&mut guard.conn).await {
@@ -106,13 +117,18 @@ impl SqliteWriter {
             }
             guard.open = false;
         }
+        if self.checkpoints.leased()
+            && let Err(err) = checkpoints::checkpoint(&mut guard.conn).await
+        {
+            tracing::warn!(error = %err, "checkpoint failed");
+        }
         WriterLease { guard, open: false }
     }
 
     /// Closes the connection once every writer let go of it.
     #[cfg(test)]
     pub(super) async fn close(self) {
-        if let Ok(writer) = Arc::try_unwrap(self.0) {
+        if let Ok(writer) = Arc::try_unwrap(self.conn) {
             let _ = writer.into_inner().conn.close().await;
         }
     }
