@@ -388,7 +388,7 @@ impl GroupCommit {
         if session.state != pb::SessionState::Active {
             return;
         }
-        let Some(tasks) = task_cache::stored(tasks, &self.budget) else {
+        let Some(tasks) = task_cache::stored(&session.id, tasks, &self.budget) else {
             return;
         };
         let mut sessions = self.sessions();
@@ -834,8 +834,10 @@ impl GroupCommit {
             mut session,
             mut tasks,
         } = match cached {
-            Some(cached) => cached,
-            None => {
+            Some(cached) if cached.tasks.is_some() || !self.budget.has_room_for(session_id) => {
+                cached
+            }
+            _ => {
                 let (session, tasks) =
                     task_cache::load_cached(&self.store, session_id, &self.budget)
                         .await
@@ -1048,8 +1050,8 @@ impl GroupCommit {
             sessions.clear();
         }
         // Every copy took its share of `budget` when it was loaded: the copies kept stay, and
-        // a session that did not fit reads its batches (through indexes) instead of sessions
-        // taking turns reloading theirs.
+        // a session that did not fit reads its batches (through indexes) until others leave
+        // room (`Budget::has_room_for`), instead of sessions taking turns reloading theirs.
         sessions.extend(copies);
     }
 
@@ -1081,7 +1083,12 @@ impl GroupCommit {
                 sessions::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
             let mut tasks = match copy {
                 _ if !copyable(&session, ops) => None,
-                Some(copy) if copy.session.last_seq == session.last_seq => Some(copy.tasks),
+                Some(copy)
+                    if copy.session.last_seq == session.last_seq
+                        && (copy.tasks.is_some() || !self.budget.has_room_for(session_id)) =>
+                {
+                    Some(copy.tasks)
+                }
                 // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
                 _ if self.store.dialect() == Dialect::Postgres => None,
                 _ => Some(task_cache::load_cache_in(tx, session_id, &self.budget).await?),
@@ -1295,6 +1302,69 @@ mod tests {
     use crate::service::Coordinator;
     use crate::store::messages::NewMessage;
 
+    /// A claim of one executor task.
+    fn claim_one() -> ClaimRequest {
+        ClaimRequest {
+            worker_id: "w".to_owned(),
+            roles: vec![pb::Role::Executor],
+            backends: None,
+            max: 1,
+            lease_ms: 60_000,
+            now: crate::convert::now_ms(),
+            quotas: Arc::new(crate::quota::Quotas::new(
+                Default::default(),
+                Duration::from_secs(1),
+            )),
+        }
+    }
+
+    /// A session refused a copy only because the others' left no room (as when its first
+    /// claim comes while its intake still builds the copy it will give up) is not left
+    /// without one for good: once there is room, its next group copies it.
+    #[tokio::test]
+    async fn a_session_refused_a_copy_for_want_of_room_copies_once_there_is_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, coordinator) = Coordinator::for_tests(dir.path()).await;
+        let plan = json!({"name": "s", "repos": {"app": {"path": "repo"}}, "tasks": [
+            {"id": "IMPL-1", "title": "one"}, {"id": "IMPL-2", "title": "two"}]});
+        let session = coordinator
+            .create_for_tests(&plan, &dir.path().join("s"))
+            .await;
+        let group = super::GroupCommit::new(store.clone());
+        // Another copy takes all the room.
+        let (_, Some(read)) = task_cache::load_cached(&store, &session, &Budget::new(100))
+            .await
+            .unwrap()
+        else {
+            panic!("the session reads back whole");
+        };
+        let filler = vec![read.tasks()[0].clone(); super::CACHED_TASKS];
+        let other = task_cache::stored("other", filler, &group.budget).expect("it fits alone");
+
+        let first = group.claim(&claim_one()).await.unwrap();
+        assert_eq!(first.len(), 1, "claimed without a copy");
+        assert!(group.copy_of(&session).is_none(), "no room for a copy");
+
+        drop(other);
+        let second = group.claim(&claim_one()).await.unwrap();
+        assert_eq!(second.len(), 1);
+        assert_ne!(first[0].task.id, second[0].task.id);
+        let (_, tasks) = group.copy_of(&session).expect("copied once there was room");
+        let (_, Some(read)) = task_cache::load_cached(&store, &session, &Budget::new(100))
+            .await
+            .unwrap()
+        else {
+            panic!("the session reads back whole");
+        };
+        assert_eq!(tasks, read.tasks(), "the copy is the session as stored");
+        assert!(
+            tasks
+                .iter()
+                .all(|task| task.state == pb::TaskState::Running),
+            "both tasks claimed: {tasks:?}"
+        );
+    }
+
     /// A SQLite group of two sessions' completions holds both writes back and sends them in
     /// one call. A message logged behind the group commit's back moved one session's sequence,
     /// so that call fails whole: nothing of either session lands, both copies are put back as
@@ -1317,18 +1387,7 @@ mod tests {
         }
         // A group commit of its own, which reads its copies from the store.
         let group = super::GroupCommit::new(store.clone());
-        let request = ClaimRequest {
-            worker_id: "w".to_owned(),
-            roles: vec![pb::Role::Executor],
-            backends: None,
-            max: 1,
-            lease_ms: 60_000,
-            now: crate::convert::now_ms(),
-            quotas: Arc::new(crate::quota::Quotas::new(
-                Default::default(),
-                Duration::from_secs(1),
-            )),
-        };
+        let request = claim_one();
         // Sessions take turns: one task of each.
         let mut leased = Vec::new();
         for _ in 0..2 {

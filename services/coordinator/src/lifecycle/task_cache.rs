@@ -11,8 +11,8 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeSet, HashMap, HashSet};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use troupe_proto::v1::{self as pb, TaskState};
 
@@ -250,7 +250,7 @@ pub(crate) async fn load_cached(
     if session.state != pb::SessionState::Active {
         return Ok((session, None));
     }
-    let Some(share) = budget.take(count) else {
+    let Some(share) = budget.take(session_id, count) else {
         return Ok((session, None));
     };
     let (tasks, sequence) = load_tasks(&mut tx, session_id).await?;
@@ -260,8 +260,8 @@ pub(crate) async fn load_cached(
 
 /// A copy of a session's tasks as the caller just stored them, when it has at most
 /// [`MAX_TASKS`] and they fit in `budget`.
-pub(crate) fn stored(tasks: Vec<Task>, budget: &Budget) -> Option<TaskCache> {
-    let share = budget.take(tasks.len())?;
+pub(crate) fn stored(session_id: &str, tasks: Vec<Task>, budget: &Budget) -> Option<TaskCache> {
+    let share = budget.take(session_id, tasks.len())?;
     Some(TaskCache::new(tasks, share))
 }
 
@@ -274,7 +274,7 @@ pub(crate) async fn load_cache_in(
     budget: &Budget,
 ) -> Result<Option<TaskCache>, Error> {
     let count = count_tasks(tx, session_id).await?;
-    let Some(share) = budget.take(count) else {
+    let Some(share) = budget.take(session_id, count) else {
         return Ok(None);
     };
     Ok(Some(TaskCache::new(
@@ -290,30 +290,63 @@ pub(crate) async fn load_cache_in(
 pub(crate) struct Budget {
     held: Arc<AtomicUsize>,
     cap: usize,
+    /// Sessions refused a copy that would have fit had the others left room, with their
+    /// sizes: they copy once there is room (a refusal is often brief: a session's first
+    /// claim may come while its intake still builds the copy it will give up).
+    waiting: Arc<Mutex<HashMap<String, usize>>>,
 }
+
+/// Sessions remembered as [`Budget::waiting`]; beyond that it starts over.
+const MAX_WAITING: usize = 4096;
 
 impl Budget {
     pub(crate) fn new(cap: usize) -> Self {
         Self {
             held: Arc::new(AtomicUsize::new(0)),
             cap,
+            waiting: Arc::default(),
         }
     }
 
-    /// A share of `size` tasks, when a copy of that many is allowed and fits.
-    fn take(&self, size: usize) -> Option<Share> {
+    /// A share of `size` tasks for `session_id`'s copy, when a copy of that many is allowed
+    /// and fits; a session refused only for want of room waits for it.
+    fn take(&self, session_id: &str, size: usize) -> Option<Share> {
         if size > MAX_TASKS {
             return None;
         }
-        self.held
+        let taken = self
+            .held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
                 (held + size <= self.cap).then_some(held + size)
             })
-            .ok()?;
+            .is_ok();
+        let mut waiting = self.waiting();
+        if !taken {
+            if waiting.len() >= MAX_WAITING {
+                waiting.clear();
+            }
+            waiting.insert(session_id.to_owned(), size);
+            return None;
+        }
+        waiting.remove(session_id);
         Some(Share {
             held: Arc::clone(&self.held),
             size,
         })
+    }
+
+    /// Whether `session_id` was refused a copy for want of room that there is now.
+    pub(crate) fn has_room_for(&self, session_id: &str) -> bool {
+        self.waiting()
+            .get(session_id)
+            .is_some_and(|size| self.held.load(Ordering::Acquire) + size <= self.cap)
+    }
+
+    fn waiting(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
+        // A map of sizes: a panic cannot leave it half-changed.
+        self.waiting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Tasks held now.
@@ -341,20 +374,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn copies_share_one_budget_and_give_their_share_back_when_dropped() {
+    fn copies_share_one_budget_give_their_share_back_when_dropped_and_the_refused_wait() {
         let budget = Budget::new(100);
-        let first = TaskCache::new(Vec::new(), budget.take(60).expect("60 fit"));
-        assert!(budget.take(50).is_none(), "60 + 50 is over 100");
-        let second = budget.take(40).expect("40 fit beside");
+        let first = TaskCache::new(Vec::new(), budget.take("a", 60).expect("60 fit"));
+        assert!(budget.take("b", 50).is_none(), "60 + 50 is over 100");
+        let second = budget.take("c", 40).expect("40 fit beside");
         assert_eq!(budget.held(), 100);
+        assert!(!budget.has_room_for("b"), "still no room for b");
         drop(first);
         assert_eq!(budget.held(), 40);
-        drop(second);
+        assert!(budget.has_room_for("b"), "b waited for room, and there is");
+        assert!(!budget.has_room_for("c"), "c was never refused");
+        let b = budget.take("b", 50).expect("50 fit now");
+        assert!(!budget.has_room_for("b"), "b has its copy");
+        drop((b, second));
         assert_eq!(budget.held(), 0);
         let roomy = Budget::new(usize::MAX);
         assert!(
-            roomy.take(MAX_TASKS + 1).is_none(),
+            roomy.take("big", MAX_TASKS + 1).is_none(),
             "over one session's bound"
+        );
+        assert!(
+            !roomy.has_room_for("big"),
+            "a session too large never waits"
         );
         assert_eq!(roomy.held(), 0);
     }
