@@ -5,7 +5,7 @@
 //! connection of its own copies and syncs in the background (`PASSIVE`, which waits for no
 //! one). Such a checkpoint cannot catch up with a busy writer, and the WAL only starts over
 //! once all of it is copied, so when it grows past [`RESTART_PAGES`] the writer's next lease
-//! first checkpoints what is left ([`SqliteWriter`]'s `due`): a few pages, and the next
+//! first checkpoints what is left ([`Checkpoints`]'s `due`): a few pages, and the next
 //! write starts the WAL over. Crash safety is SQLite's either way: a checkpoint copies only
 //! what the WAL already holds, under the same `synchronous = NORMAL`.
 
