@@ -745,15 +745,13 @@ impl GroupCommit {
             .iter_mut()
             .filter_map(|(_, prepared)| prepared.held.take())
             .collect();
-        let written = match writes.is_empty() {
-            true => true,
-            false => match self.store.write_held(writes).await {
-                Ok(()) => true,
-                Err(err) => {
-                    tracing::debug!(error = %err, "held writes lost; the sessions write on their own");
-                    false
-                }
-            },
+        // None held back (every part wrote at once, or none worked out) costs no call.
+        let written = match self.store.write_held(writes).await {
+            Ok(()) => true,
+            Err(err) => {
+                tracing::debug!(error = %err, "held writes lost; the sessions write on their own");
+                false
+            }
         };
         for (i, (part, prepared)) in worked.into_iter().enumerate() {
             let session_id = part[0].session_id();
@@ -834,9 +832,7 @@ impl GroupCommit {
             mut session,
             mut tasks,
         } = match cached {
-            Some(cached) if cached.tasks.is_some() || !self.budget.has_room_for(session_id) => {
-                cached
-            }
+            Some(cached) if self.serves(&cached) => cached,
             _ => {
                 let (session, tasks) =
                     task_cache::load_cached(&self.store, session_id, &self.budget)
@@ -969,6 +965,13 @@ impl GroupCommit {
             .map_err(GroupError::Commit)
     }
 
+    /// Whether a kept entry serves as it is: it has its tasks, or its session still cannot
+    /// have a copy (too large, or refused for want of room that there still is not: see
+    /// [`Budget::has_room_for`]).
+    fn serves(&self, copy: &Cached) -> bool {
+        copy.tasks.is_some() || !self.budget.has_room_for(&copy.session.id)
+    }
+
     /// A part whose held-back write did not go out: its copy as it was before the part, for
     /// the part to run again.
     fn put_back(&self, session_id: &str, prepared: Prepared) {
@@ -1083,10 +1086,7 @@ impl GroupCommit {
                 sessions::lock_and_load_session(tx, session_id, self.store.for_update()).await?;
             let mut tasks = match copy {
                 _ if !copyable(&session, ops) => None,
-                Some(copy)
-                    if copy.session.last_seq == session.last_seq
-                        && (copy.tasks.is_some() || !self.budget.has_room_for(session_id)) =>
-                {
+                Some(copy) if copy.session.last_seq == session.last_seq && self.serves(&copy) => {
                     Some(copy.tasks)
                 }
                 // PostgreSQL loads its copies outside the lock (see `run_optimistic`).
@@ -1298,7 +1298,7 @@ mod tests {
 
     use super::{Completion, Op};
     use crate::lifecycle::claim::ClaimRequest;
-    use crate::lifecycle::task_cache::{self, Budget};
+    use crate::lifecycle::task_cache;
     use crate::service::Coordinator;
     use crate::store::messages::NewMessage;
 
@@ -1332,13 +1332,8 @@ mod tests {
             .await;
         let group = super::GroupCommit::new(store.clone());
         // Another copy takes all the room.
-        let (_, Some(read)) = task_cache::load_cached(&store, &session, &Budget::new(100))
-            .await
-            .unwrap()
-        else {
-            panic!("the session reads back whole");
-        };
-        let filler = vec![read.tasks()[0].clone(); super::CACHED_TASKS];
+        let (_, read) = task_cache::read_back(&store, &session).await;
+        let filler = vec![read[0].clone(); super::CACHED_TASKS];
         let other = task_cache::stored("other", filler, &group.budget).expect("it fits alone");
 
         let first = group.claim(&claim_one()).await.unwrap();
@@ -1350,13 +1345,8 @@ mod tests {
         assert_eq!(second.len(), 1);
         assert_ne!(first[0].task.id, second[0].task.id);
         let (_, tasks) = group.copy_of(&session).expect("copied once there was room");
-        let (_, Some(read)) = task_cache::load_cached(&store, &session, &Budget::new(100))
-            .await
-            .unwrap()
-        else {
-            panic!("the session reads back whole");
-        };
-        assert_eq!(tasks, read.tasks(), "the copy is the session as stored");
+        let (_, read) = task_cache::read_back(&store, &session).await;
+        assert_eq!(tasks, read, "the copy is the session as stored");
         assert!(
             tasks
                 .iter()
@@ -1443,17 +1433,11 @@ mod tests {
         }
         for session_id in &sessions {
             let (mut row, tasks) = group.copy_of(session_id).expect("a copy");
-            let (read, Some(cache)) =
-                task_cache::load_cached(&store, session_id, &Budget::new(100))
-                    .await
-                    .unwrap()
-            else {
-                panic!("the session reads back whole");
-            };
+            let (read, cache) = task_cache::read_back(&store, session_id).await;
             // A copy's `updated_at` is not kept (what a group decides never reads it).
             row.updated_at = read.updated_at;
             assert_eq!(row, read, "{session_id}");
-            assert_eq!(tasks, cache.tasks(), "{session_id}");
+            assert_eq!(tasks, cache, "{session_id}");
             let completed = tasks
                 .iter()
                 .filter(|task| task.state == pb::TaskState::Completed)

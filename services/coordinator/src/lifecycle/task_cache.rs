@@ -258,6 +258,18 @@ pub(crate) async fn load_cached(
     Ok((session, current.then(|| TaskCache::new(tasks, share))))
 }
 
+/// Tests' read of a session as stored: its row and every task, in order of position.
+#[cfg(test)]
+pub(crate) async fn read_back(store: &Store, session_id: &str) -> (SessionRow, Vec<Task>) {
+    let (row, Some(cache)) = load_cached(store, session_id, &Budget::new(MAX_TASKS))
+        .await
+        .unwrap()
+    else {
+        panic!("the session {session_id} reads back whole");
+    };
+    (row, cache.tasks())
+}
+
 /// A copy of a session's tasks as the caller just stored them, when it has at most
 /// [`MAX_TASKS`] and they fit in `budget`.
 pub(crate) fn stored(session_id: &str, tasks: Vec<Task>, budget: &Budget) -> Option<TaskCache> {
