@@ -71,6 +71,11 @@ const MIGRATIONS: &[(i64, &str, &str)] = &[
         "partial ready index",
         include_str!("migrations/0017_partial_ready_index.sql"),
     ),
+    (
+        18,
+        "partial session ready index",
+        include_str!("migrations/0018_partial_session_ready_index.sql"),
+    ),
 ];
 
 /// The second step of migration 9: the dependency rows of tasks stored before it, read out of

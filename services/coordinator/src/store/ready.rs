@@ -18,7 +18,7 @@ impl Store {
     /// claim and completion moves), read without locks: so sessions take turns. The claim then
     /// queues on its group (see [`crate::group_commit`]), which takes its best ready tasks
     /// under the lock. At most one index probe per active session (`sessions_served`, then
-    /// `tasks_session_state`). A worker never picks a session for tasks it cannot run (they
+    /// `tasks_session_ready`). A worker never picks a session for tasks it cannot run (they
     /// would stay its pick forever, and its claims come back empty).
     pub(crate) async fn pick_session(
         &self,
@@ -31,7 +31,7 @@ impl Store {
         // scalar subquery, not `EXISTS`: PostgreSQL turns an `EXISTS` (dropping its `LIMIT`)
         // into a join over every ready task once its statistics know how many there are (20 ms
         // a pick at 50,000 ready tasks: 0.8k tasks/s instead of 3k). The order of
-        // `tasks_session_state` keeps it off reading the table until a ready task turns up: it
+        // `tasks_session_ready` keeps it off reading the table until a ready task turns up: it
         // probes that index session by session, in turn order, and stops at the first hit.
         let sql = format!(
             "SELECT s.id FROM sessions s WHERE s.state = {} AND (SELECT 1 FROM tasks t \

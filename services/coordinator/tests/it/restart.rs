@@ -75,14 +75,15 @@ async fn a_database_from_before_estimates_upgrades_in_place(db: Db) {
             .await,
     );
     // Put the schema back as migration 5 left it (no `path_ms`, the old claim indexes), so
-    // migrations 6 and 17 (which replaced `tasks_claim`) run again.
+    // migrations 6, 17 and 18 (which replaced `tasks_claim` and `tasks_session_state`) run
+    // again.
     let statements = [
         "DROP INDEX tasks_ready",
-        "DROP INDEX tasks_session_state",
+        "DROP INDEX tasks_session_ready",
         "ALTER TABLE tasks DROP COLUMN path_ms",
         "CREATE INDEX tasks_claim ON tasks (state, role, priority, critical_path DESC, created_at, session_id, position)",
         "CREATE INDEX tasks_session_state ON tasks (session_id, state, role, priority, critical_path DESC, created_at, position)",
-        "DELETE FROM schema_migrations WHERE version IN (6, 17)",
+        "DELETE FROM schema_migrations WHERE version IN (6, 17, 18)",
     ];
     let downgrade = async |config: &troupe_coordinator::Config| {
         use sqlx::Connection as _;
