@@ -15,7 +15,7 @@ use troupe_telemetry::metrics::{
 use crate::check::role_name;
 use crate::lifecycle::claim::Claimed;
 use crate::store::Store;
-use crate::task::Task;
+use crate::task::{Task, Upstream};
 
 /// Every role a task can have.
 const ROLES: [pb::Role; 3] = [
@@ -158,7 +158,7 @@ pub(crate) fn claimed(took: Option<Duration>, claimed: &[Claimed]) {
 /// How long `task` (just claimed) was ready: since its creation or its last dependency's
 /// finish on a first attempt, since its retry time after a failure. `None` when unknown (an
 /// attempt after an expired lease: when it became ready again is not stored).
-fn ready_for(task: &Task, upstream: &[Task]) -> Option<Duration> {
+fn ready_for(task: &Task, upstream: &[Upstream]) -> Option<Duration> {
     let claimed_at = task.started_at?;
     let ready_at = if task.attempt == 1 {
         upstream

@@ -129,15 +129,15 @@ pub(crate) fn settle(
     on_failure: OnFailure,
     now_ms: i64,
 ) -> Vec<pb::TaskTransition> {
-    settle_beside(tasks, &HashMap::new(), mode, on_failure, now_ms)
+    settle_beside(tasks, |_| None, mode, on_failure, now_ms)
 }
 
-/// [`settle`] of some of a session's tasks, whose dependencies outside `tasks` are in
-/// `beside` with their states (which it does not change). In `waves` mode `tasks` must be the
+/// [`settle`] of some of a session's tasks, whose dependencies outside `tasks` have the states
+/// `beside` tells (which it does not change; `None`: no such task). In `waves` mode `tasks` must be the
 /// whole graph: the barrier looks at every task.
 pub(crate) fn settle_beside(
     tasks: &mut [Task],
-    beside: &HashMap<String, TaskState>,
+    beside: impl Fn(&str) -> Option<TaskState>,
     mode: Mode,
     on_failure: OnFailure,
     now_ms: i64,
@@ -152,7 +152,7 @@ pub(crate) fn settle_beside(
         index
             .get(dep)
             .map(|&at| tasks[at].state)
-            .or_else(|| beside.get(dep).copied())
+            .or_else(|| beside(dep))
     };
 
     // Topological order makes one pass enough for transitive propagation.
@@ -309,7 +309,37 @@ pub(crate) fn session_state_name(state: SessionState) -> &'static str {
     troupe_proto::names::session_state(state)
 }
 
-/// A ready task's place in claim order: the order of the `tasks_session_state` index (and of
+/// What a claim carries of a completed task upstream of the claimed one: its result and what
+/// a worker needs beside it. Only these fields: a claim is built on the group commit's lane,
+/// so copying the whole task for each claim of each of its dependents would cost it there.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Upstream {
+    pub(crate) id: String,
+    pub(crate) role: pb::Role,
+    pub(crate) repo: String,
+    pub(crate) position: i64,
+    pub(crate) finished_at: Option<i64>,
+    pub(crate) files: Vec<pb::FileChange>,
+    pub(crate) spec: std::sync::Arc<serde_json::Map<String, serde_json::Value>>,
+    pub(crate) result: Option<pb::TaskResult>,
+}
+
+impl From<&Task> for Upstream {
+    fn from(task: &Task) -> Self {
+        Self {
+            id: task.id.clone(),
+            role: task.role,
+            repo: task.repo.clone(),
+            position: task.position,
+            finished_at: task.finished_at,
+            files: task.files.clone(),
+            spec: std::sync::Arc::clone(&task.spec),
+            result: task.result.clone(),
+        }
+    }
+}
+
+/// A ready task's place in claim order: the order of the `tasks_session_ready` index (and of
 /// [`crate::store::tasks::read_batch`]'s ready tasks) within a session.
 pub(crate) fn claim_order(task: &Task) -> (i32, std::cmp::Reverse<u64>, i64, i64) {
     (
@@ -402,10 +432,10 @@ mod tests {
             row("E", &["Y"], 2, 3),
         ];
         tasks[0].state = TaskState::Completed;
-        let pending = |state| HashMap::from([("X".to_owned(), state), ("Y".to_owned(), state)]);
+        let running = |id: &str| ["X", "Y"].contains(&id).then_some(TaskState::Running);
         settle_beside(
             &mut tasks,
-            &pending(TaskState::Running),
+            running,
             Mode::Eager,
             OnFailure::Skip,
             0,
@@ -415,7 +445,8 @@ mod tests {
             ("X".to_owned(), TaskState::Completed),
             ("Y".to_owned(), TaskState::Failed),
         ]);
-        let transitions = settle_beside(&mut tasks, &beside, Mode::Eager, OnFailure::Skip, 0);
+        let beside = |id: &str| beside.get(id).copied();
+        let transitions = settle_beside(&mut tasks, beside, Mode::Eager, OnFailure::Skip, 0);
         assert_eq!(
             &states(&tasks)[1..],
             [TaskState::Ready, TaskState::Ready, TaskState::Skipped]
@@ -423,7 +454,7 @@ mod tests {
         assert_eq!(transitions.len(), 3);
         // A dependency neither among the tasks nor beside them is not done.
         let mut alone = vec![row("F", &["Z"], 2, 0)];
-        settle_beside(&mut alone, &beside, Mode::Eager, OnFailure::Skip, 0);
+        settle_beside(&mut alone, beside, Mode::Eager, OnFailure::Skip, 0);
         assert_eq!(alone[0].state, TaskState::Pending);
     }
 

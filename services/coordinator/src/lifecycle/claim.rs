@@ -12,7 +12,7 @@ use crate::quota::Quotas;
 use crate::store::sessions::SessionRow;
 use crate::store::tasks::{load_claimable, load_upstream};
 use crate::store::{Store, Tx};
-use crate::task::{self, Task};
+use crate::task::{self, Task, Upstream};
 
 /// One `ClaimTasks`, checked.
 #[derive(Debug, Clone)]
@@ -64,7 +64,7 @@ pub(crate) struct Claimed {
     /// The digest of the session's plan assets ('' for none).
     pub(crate) assets_digest: String,
     pub(crate) plan_dir: String,
-    pub(crate) upstream: Vec<Task>,
+    pub(crate) upstream: Vec<Upstream>,
 }
 
 /// Puts a ready task under a new lease for `claim`: the next attempt and fencing token.

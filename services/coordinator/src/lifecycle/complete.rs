@@ -140,28 +140,38 @@ pub(crate) async fn complete_eager(
         work.push(task);
     }
     // The dependents' other dependencies: only their states decide the settling, so they
-    // stay out of the working set (which is copied, compared and written).
-    let mut others: Vec<String> = Vec::new();
-    for dependent in &work[completed..] {
-        for dep in &dependent.depends_on {
-            if !work.iter().any(|known| &known.id == dep) && !others.contains(dep) {
-                others.push(dep.clone());
+    // stay out of the working set (which is copied, compared and written). A copy answers
+    // for each; else the pending dependents' are read (the ready tasks settle no further).
+    let read: HashMap<String, TaskState> = match cache.as_deref() {
+        Some(_) => HashMap::new(),
+        None => {
+            let mut others: Vec<String> = Vec::new();
+            for dependent in &work[completed..] {
+                if dependent.state != TaskState::Pending {
+                    continue;
+                }
+                for dep in &dependent.depends_on {
+                    if !work.iter().any(|known| &known.id == dep) && !others.contains(dep) {
+                        others.push(dep.clone());
+                    }
+                }
             }
+            load_tasks_by_id(tx, session_id, &others, &lite_columns())
+                .await?
+                .into_iter()
+                .map(|(id, task)| (id, task.state))
+                .collect()
         }
-    }
-    let beside: HashMap<String, TaskState> = match cache.as_deref() {
-        Some(cache) => cache.states(&others),
-        None => load_tasks_by_id(tx, session_id, &others, &lite_columns())
-            .await?
-            .into_iter()
-            .map(|(id, task)| (id, task.state))
-            .collect(),
+    };
+    let beside = |id: &str| match cache.as_deref() {
+        Some(cache) => cache.state(id),
+        None => read.get(id).copied(),
     };
     let settled = transitions.len();
     // Only eager sessions come here (see `one_batch` in the group commit).
     transitions.extend(task::settle_beside(
         &mut work,
-        &beside,
+        beside,
         session.mode,
         session.on_failure,
         now,

@@ -20,7 +20,7 @@ use crate::Error;
 use crate::store::sessions::{SessionRow, load_session_sized};
 use crate::store::tasks::{Gathered, count_tasks, load_tasks};
 use crate::store::{Store, Tx};
-use crate::task::{Task, claim_order};
+use crate::task::{Task, Upstream, claim_order};
 
 /// Sessions with more tasks than this are not kept in memory; their batches read instead
 /// (through indexes: what a batch reads does not grow with the session). With the bound on
@@ -170,25 +170,44 @@ impl TaskCache {
         })
     }
 
-    /// The states of the tasks of `ids` that exist.
-    pub(super) fn states(&self, ids: &[String]) -> HashMap<String, TaskState> {
-        ids.iter()
-            .filter_map(|id| self.tasks.get(id).map(|task| (id.clone(), task.state)))
-            .collect()
+    /// The state of the task `id`, when it exists.
+    pub(super) fn state(&self, id: &str) -> Option<TaskState> {
+        self.tasks.get(id).map(|task| task.state)
+    }
+
+    /// Whether the pending `task` stays pending whatever completing `completing` settles: it
+    /// waits for a dependency that is ready or running (neither completes in this batch nor
+    /// changes when it settles), and none of its dependencies failed (which would skip or
+    /// block it).
+    fn still_waits(&self, task: &Task, completing: &[String]) -> bool {
+        let mut waits = false;
+        for dep in &task.depends_on {
+            if completing.contains(dep) {
+                continue;
+            }
+            match self.tasks.get(dep).map(|dep| dep.state) {
+                Some(TaskState::Ready | TaskState::Running) => waits = true,
+                Some(state) if crate::task::is_terminal(state) && state != TaskState::Completed => {
+                    return false;
+                }
+                _ => {}
+            }
+        }
+        waits
     }
 
     /// Each task's completed direct dependencies, in plan order: what
     /// [`crate::store::tasks::load_upstream`] reads for a task that is not a validator.
-    pub(super) fn upstream(&self, tasks: &[Task]) -> HashMap<String, Vec<Task>> {
+    pub(super) fn upstream(&self, tasks: &[Task]) -> HashMap<String, Vec<Upstream>> {
         tasks
             .iter()
             .map(|task| {
-                let mut upstream: Vec<Task> = task
+                let mut upstream: Vec<Upstream> = task
                     .depends_on
                     .iter()
                     .filter_map(|id| self.tasks.get(id))
                     .filter(|dep| dep.state == TaskState::Completed)
-                    .cloned()
+                    .map(Upstream::from)
                     .collect();
                 upstream.sort_by_key(|dep| dep.position);
                 (task.id.clone(), upstream)
@@ -196,7 +215,9 @@ impl TaskCache {
             .collect()
     }
 
-    /// What the database read of a batch ([`crate::store::tasks::read_batch`]) would return.
+    /// What the database read of a batch ([`crate::store::tasks::read_batch`]) would return,
+    /// less the pending dependents that the batch leaves as they are (see
+    /// [`TaskCache::still_waits`]): the rest of the batch copies, compares and settles each.
     pub(super) fn gather(
         &self,
         ids: &[String],
@@ -209,6 +230,7 @@ impl TaskCache {
             for dependent in self.dependents.get(id).into_iter().flatten() {
                 if let Some(task) = self.tasks.get(dependent)
                     && task.state == TaskState::Pending
+                    && !self.still_waits(task, ids)
                     && !dependents.iter().any(|known| known.id == task.id)
                 {
                     dependents.push(task.clone());
@@ -384,6 +406,50 @@ impl Drop for Share {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn task(id: &str, deps: &[&str], state: TaskState) -> Task {
+        Task {
+            id: id.to_owned(),
+            depends_on: deps.iter().map(|dep| (*dep).to_owned()).collect(),
+            state,
+            ..Task::default()
+        }
+    }
+
+    #[test]
+    fn a_batch_gathers_only_the_dependents_it_may_settle() {
+        use TaskState::{Completed, Failed, Pending, Running};
+        let budget = Budget::new(100);
+        let cache = |b: TaskState| {
+            let rows = vec![
+                task("A", &[], Running),
+                task("B", &[], b),
+                task("C", &["A", "B"], Pending),
+                task("D", &["A"], Pending),
+            ];
+            TaskCache::new(rows, budget.take("s", 4).expect("fits"))
+        };
+        let gathered = |cache: &TaskCache, ids: &[&str]| -> Vec<String> {
+            let ids: Vec<String> = ids.iter().map(|id| (*id).to_owned()).collect();
+            let mut out: Vec<String> = cache
+                .gather(&ids, (&[], None), 0)
+                .dependents
+                .into_iter()
+                .map(|task| task.id)
+                .collect();
+            out.sort();
+            out
+        };
+        // C still waits for B, running: completing A leaves it pending, so it is not copied.
+        assert_eq!(gathered(&cache(Running), &["A"]), ["D"]);
+        // Completing both readies it.
+        assert_eq!(gathered(&cache(Running), &["A", "B"]), ["C", "D"]);
+        assert_eq!(gathered(&cache(Completed), &["A"]), ["C", "D"]);
+        // A failed dependency settles it (skipped or blocked).
+        assert_eq!(gathered(&cache(Failed), &["A"]), ["C", "D"]);
+        // A pending dependency may settle in the same batch: kept.
+        assert_eq!(gathered(&cache(Pending), &["A"]), ["C", "D"]);
+    }
 
     #[test]
     fn copies_share_one_budget_give_their_share_back_when_dropped_and_the_refused_wait() {

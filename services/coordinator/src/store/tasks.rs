@@ -13,7 +13,7 @@ use super::intake::{insert_deps_of, values};
 use super::{Store, Tx, corrupt, parse_object, to_i64, to_u32};
 use crate::Error;
 use crate::lifecycle::routing::{self, Filter};
-use crate::task::Task;
+use crate::task::{Task, Upstream};
 
 const TASK_COLUMNS: &str = "session_id, id, position, title, description, role, priority, repo, \
      wave, critical_path, path_ms, depends_on, files, spec, state, attempt, max_attempts, fencing_token, \
@@ -605,7 +605,7 @@ pub(crate) async fn load_upstream(
     tx: &mut Tx,
     session_id: &str,
     tasks: &[Task],
-) -> Result<HashMap<String, Vec<Task>>, Error> {
+) -> Result<HashMap<String, Vec<Upstream>>, Error> {
     let mut out = HashMap::new();
     if tasks.iter().all(|task| task.depends_on.is_empty()) {
         return Ok(out);
@@ -633,11 +633,11 @@ pub(crate) async fn load_upstream(
     };
     let loaded = load_tasks_by_id(tx, session_id, &wanted, &columns).await?;
     for (task_id, ids) in per_task {
-        let mut upstream: Vec<Task> = ids
+        let mut upstream: Vec<Upstream> = ids
             .iter()
             .filter_map(|id| loaded.get(id))
             .filter(|task| task.state == TaskState::Completed)
-            .cloned()
+            .map(Upstream::from)
             .collect();
         upstream.sort_by_key(|task| task.position);
         out.insert(task_id, upstream);
