@@ -433,13 +433,7 @@ mod tests {
         ];
         tasks[0].state = TaskState::Completed;
         let running = |id: &str| ["X", "Y"].contains(&id).then_some(TaskState::Running);
-        settle_beside(
-            &mut tasks,
-            running,
-            Mode::Eager,
-            OnFailure::Skip,
-            0,
-        );
+        settle_beside(&mut tasks, running, Mode::Eager, OnFailure::Skip, 0);
         assert_eq!(&states(&tasks)[1..], [TaskState::Pending; 3]);
         let beside = HashMap::from([
             ("X".to_owned(), TaskState::Completed),

@@ -162,7 +162,7 @@ pub(super) async fn hand_out(
     if taken.is_empty() {
         return Ok(out);
     }
-    let tasks: Vec<Task> = taken.iter().map(|(_, task)| task.clone()).collect();
+    let tasks: Vec<&Task> = taken.iter().map(|(_, task)| task).collect();
     let mut upstream_of = match cache {
         // The session's copy holds every result (a validator also reads its ancestors' specs,
         // which the copy does not keep): no read, so a dependent costs no more round trips

@@ -242,9 +242,10 @@ pub(crate) async fn complete_eager(
         }
         &*cache
     });
+    // Moved out: a claimed task is never one of the completed ones kept below (it was ready).
     let taken = taken
         .into_iter()
-        .map(|(c, i)| (c, work[i].clone()))
+        .map(|(c, i)| (c, std::mem::take(&mut work[i])))
         .collect();
     let claimed = hand_out(store, tx, session, claims.len(), taken, cache).await?;
     work.truncate(completed);

@@ -198,7 +198,7 @@ impl TaskCache {
 
     /// Each task's completed direct dependencies, in plan order: what
     /// [`crate::store::tasks::load_upstream`] reads for a task that is not a validator.
-    pub(super) fn upstream(&self, tasks: &[Task]) -> HashMap<String, Vec<Upstream>> {
+    pub(super) fn upstream(&self, tasks: &[&Task]) -> HashMap<String, Vec<Upstream>> {
         tasks
             .iter()
             .map(|task| {

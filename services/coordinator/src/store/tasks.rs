@@ -604,7 +604,7 @@ pub(crate) const MAX_UPSTREAM: usize = 256;
 pub(crate) async fn load_upstream(
     tx: &mut Tx,
     session_id: &str,
-    tasks: &[Task],
+    tasks: &[&Task],
 ) -> Result<HashMap<String, Vec<Upstream>>, Error> {
     let mut out = HashMap::new();
     if tasks.iter().all(|task| task.depends_on.is_empty()) {
