@@ -133,8 +133,8 @@ pub(crate) fn settle(
 }
 
 /// [`settle`] of some of a session's tasks, whose dependencies outside `tasks` have the states
-/// `beside` tells (which it does not change; `None`: no such task). In `waves` mode `tasks` must be the
-/// whole graph: the barrier looks at every task.
+/// `beside` tells (which it does not change; `None`: no such task). In `waves` mode `tasks`
+/// must be the whole graph: the barrier looks at every task.
 pub(crate) fn settle_beside(
     tasks: &mut [Task],
     beside: impl Fn(&str) -> Option<TaskState>,
@@ -312,7 +312,7 @@ pub(crate) fn session_state_name(state: SessionState) -> &'static str {
 /// What a claim carries of a completed task upstream of the claimed one: its result and what
 /// a worker needs beside it. Only these fields: a claim is built on the group commit's lane,
 /// so copying the whole task for each claim of each of its dependents would cost it there.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub(crate) struct Upstream {
     pub(crate) id: String,
     pub(crate) role: pb::Role,
