@@ -58,7 +58,6 @@ pub(crate) struct Task {
     pub(crate) backends: Vec<String>,
 }
 
-/// Returns true for states a task never leaves on its own.
 /// Every state a task can be in.
 pub(crate) const STATES: [TaskState; 10] = [
     TaskState::Pending,
@@ -73,6 +72,13 @@ pub(crate) const STATES: [TaskState; 10] = [
     TaskState::WaitingApproval,
 ];
 
+/// Whether a dependency in `state` settles its pending dependents as skipped or blocked (see
+/// [`settle_beside`]): it ended without completing.
+pub(crate) fn fails_dependents(state: TaskState) -> bool {
+    is_terminal(state) && state != TaskState::Completed
+}
+
+/// Returns true for states a task never leaves on its own.
 pub(crate) fn is_terminal(state: TaskState) -> bool {
     matches!(
         state,
@@ -162,8 +168,7 @@ pub(crate) fn settle_beside(
         }
         let failed_dep = tasks[position].depends_on.iter().find_map(|dep| {
             let state = state_of(tasks, dep)?;
-            let failed = is_terminal(state) && state != TaskState::Completed;
-            failed.then(|| (dep.clone(), state))
+            fails_dependents(state).then(|| (dep.clone(), state))
         });
         if let Some((dep, dep_state)) = failed_dep {
             let to = match on_failure {

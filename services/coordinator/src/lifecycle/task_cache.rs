@@ -187,9 +187,7 @@ impl TaskCache {
             }
             match self.tasks.get(dep).map(|dep| dep.state) {
                 Some(TaskState::Ready | TaskState::Running) => waits = true,
-                Some(state) if crate::task::is_terminal(state) && state != TaskState::Completed => {
-                    return false;
-                }
+                Some(state) if crate::task::fails_dependents(state) => return false,
                 _ => {}
             }
         }
