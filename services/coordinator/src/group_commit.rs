@@ -17,9 +17,10 @@
 //! without locks, which session with a ready task for its roles was served least recently
 //! (sessions take turns), and queues there; when others emptied that session first it picks
 //! again. A completion's `claim_next` stays in its session for a turn (see [`crate::turns`]),
-//! and goes on to another session when its own has nothing ready (as far as the session's copy
-//! tells); on SQLite that claim is made in the completion's group, its write sent with the
-//! completion's (see `run_parts`).
+//! and goes on to another session when its own has nothing ready for it once the claims already
+//! queued there took theirs (as far as the session's copy tells: see [`crate::demand`]); on
+//! SQLite that claim is made in the completion's group, its write sent with the completion's
+//! (see `run_parts`).
 //!
 //! A group of completions and claims of one active eager session first runs optimistically
 //! (see `run_optimistic`): no lock, its tasks from the in-memory copy of the session
@@ -55,6 +56,7 @@ use tokio::sync::oneshot;
 use troupe_proto::v1 as pb;
 
 use crate::Error;
+use crate::demand::{Demand, Out, Queued};
 use crate::lifecycle::check_end;
 use crate::lifecycle::claim::{self, ClaimRequest, Claimed};
 use crate::lifecycle::complete::{self, Completion};
@@ -95,6 +97,8 @@ enum Op {
         /// `claim_next` sent on to another session, claimed with the completion's write when
         /// the group can (see `run_parts`).
         elsewhere: Option<Elsewhere>,
+        /// `claim_next` counted in [`Demand`] until answered.
+        _queued: Option<Queued>,
         now: i64,
         reply: oneshot::Sender<Result<(Task, Vec<Claimed>), Error>>,
     },
@@ -155,6 +159,8 @@ struct Prepared {
     held: Option<HeldWrite>,
     /// When the write was held back: the session's row as it was before, to put back.
     before: Option<SessionRow>,
+    /// The copy out with this part, in [`Demand`].
+    _out: Option<Out>,
 }
 
 /// How [`GroupCommit::prepare`] sends a part's write.
@@ -196,6 +202,8 @@ pub(crate) struct GroupCommit {
     next_parked: Arc<std::sync::atomic::AtomicU64>,
     /// How long each worker's `claim_next` has stayed in one session (see [`crate::turns`]).
     turns: Arc<Turns>,
+    /// What claims queued on each session will take (see [`crate::demand`]).
+    demand: Arc<Demand>,
     /// The bound on the tasks of all copies, [`CACHED_TASKS`].
     budget: Budget,
 }
@@ -298,6 +306,7 @@ impl GroupCommit {
             parked: Arc::default(),
             next_parked: Arc::default(),
             turns: Arc::default(),
+            demand: Arc::default(),
             budget: Budget::new(CACHED_TASKS),
         }
     }
@@ -527,6 +536,9 @@ impl GroupCommit {
             });
             elsewhere = Some((answer, request, picked));
         }
+        let queued = claim_next
+            .as_ref()
+            .map(|request| self.demand.queue(session_id, request.max as usize));
         let (reply, answer) = oneshot::channel();
         let op = Op::Complete {
             session_id: session_id.to_owned(),
@@ -537,6 +549,7 @@ impl GroupCommit {
             }),
             claim_next,
             elsewhere: ask,
+            _queued: queued,
             now,
             reply,
         };
@@ -567,13 +580,20 @@ impl GroupCommit {
         Ok((task, next))
     }
 
-    /// Whether a completion of `task_id` leaves `session_id` with nothing ready, as far as its
-    /// copy tells (false without one): its `claim_next` would come back empty.
+    /// Whether a completion of `task_id` leaves `session_id` with nothing ready for its
+    /// `claim_next` once the claims queued there took theirs, as far as its copy tells (or, while
+    /// a group has the copy out, what it left in [`Demand`]; false without either): the claim
+    /// would come back empty.
     fn runs_dry(&self, session_id: &str, task_id: &str) -> bool {
-        self.sessions()
+        let (queued, ready_out) = self.demand.of(session_id);
+        match self
+            .sessions()
             .get(session_id)
             .and_then(|copy| copy.tasks.as_ref())
-            .is_some_and(|tasks| tasks.runs_dry(task_id))
+        {
+            Some(tasks) => tasks.runs_dry(task_id, queued),
+            None => ready_out.is_some_and(|ready| ready <= queued),
+        }
     }
 
     /// Queues `op` behind the running transaction of its lane, or runs it at once when the
@@ -841,6 +861,9 @@ impl GroupCommit {
                 Cached { session, tasks }
             }
         };
+        let out = self
+            .demand
+            .take_out(session_id, tasks.as_ref().and_then(TaskCache::ready_alone));
         // Only `complete_eager` writes once (see `run_session`).
         let filters = ops
             .iter()
@@ -912,6 +935,7 @@ impl GroupCommit {
             tasks,
             outcomes,
             end,
+            _out: out,
         })
     }
 
@@ -1296,7 +1320,7 @@ mod tests {
     use tokio::sync::oneshot;
     use troupe_proto::v1 as pb;
 
-    use super::{Completion, Op};
+    use super::{Completion, Op, Task, TaskCache};
     use crate::lifecycle::claim::ClaimRequest;
     use crate::lifecycle::task_cache;
     use crate::service::Coordinator;
@@ -1353,6 +1377,77 @@ mod tests {
                 .all(|task| task.state == pb::TaskState::Running),
             "both tasks claimed: {tasks:?}"
         );
+    }
+
+    /// A completion's `claim_next` stays in its session only while the claims queued there
+    /// leave a ready task for it: with one ready task left and another claim queued for it,
+    /// it goes to the other session instead of coming back empty; with none queued, it stays.
+    /// While a group has a flat session's copy out, what the copy told is what decides.
+    #[tokio::test]
+    async fn claim_next_leaves_a_session_whose_ready_tasks_queued_claims_will_take() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, coordinator) = Coordinator::for_tests(dir.path()).await;
+        for name in ["a", "b"] {
+            let plan = json!({"name": name, "repos": {"app": {"path": "repo"}}, "tasks": [
+                {"id": "IMPL-1", "title": "one"}, {"id": "IMPL-2", "title": "two"},
+                {"id": "IMPL-3", "title": "three"}]});
+            coordinator
+                .create_for_tests(&plan, &dir.path().join(name))
+                .await;
+        }
+        let group = super::GroupCommit::new(store.clone());
+        let two = ClaimRequest {
+            max: 2,
+            ..claim_one()
+        };
+        let leased = group.claim(&two).await.unwrap();
+        assert_eq!(leased.len(), 2);
+        let here = leased[0].task.session_id.clone();
+        let complete = async |task: &Task| {
+            group
+                .complete(
+                    &here,
+                    &task.id,
+                    task.fencing_token,
+                    pb::TaskResult::default(),
+                    Some(claim_one()),
+                    crate::convert::now_ms(),
+                )
+                .await
+        };
+
+        // One ready task left here, and a claim queued for it.
+        let queued = group.demand.queue(&here, 1);
+        let (_, next) = complete(&leased[0].task).await.unwrap();
+        assert_eq!(next.len(), 1, "not empty-handed");
+        let there = next[0].task.session_id.clone();
+        assert_ne!(there, here, "sent to the other session");
+        drop(queued);
+        let (_, next) = complete(&leased[1].task).await.unwrap();
+        assert_eq!(next.len(), 1);
+        assert_eq!(
+            next[0].task.session_id, here,
+            "its last ready task, nothing queued"
+        );
+
+        // The other session's copy out with a group: two ready tasks, no dependencies.
+        let copy = group.sessions().remove(&there).expect("a copy");
+        let ready = copy.tasks.as_ref().and_then(TaskCache::ready_alone);
+        assert_eq!(ready, Some(2));
+        let out = group.demand.take_out(&there, ready);
+        assert!(!group.runs_dry(&there, "IMPL-1"));
+        let queued = group.demand.queue(&there, 2);
+        assert!(
+            group.runs_dry(&there, "IMPL-1"),
+            "both ready tasks spoken for"
+        );
+        drop(out);
+        assert!(
+            !group.runs_dry(&there, "IMPL-1"),
+            "unknown once the group is over"
+        );
+        drop(queued);
+        group.keep(vec![(there, copy)]);
     }
 
     /// A SQLite group of two sessions' completions holds both writes back and sends them in
@@ -1421,6 +1516,7 @@ mod tests {
                     }),
                     claim_next: None,
                     elsewhere: None,
+                    _queued: None,
                     now: crate::convert::now_ms(),
                     reply,
                 }

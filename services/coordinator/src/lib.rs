@@ -18,7 +18,8 @@
 //!   reads; `check`, `resume`, `pause`, `cancel`), `workers` (the worker protocol with its
 //!   long-polling claims, and the reaper) and `bus` (messages, role state, the event stream).
 //! - `group_commit`: the worker protocol's writes (claim, heartbeat, complete) batched into
-//!   shared transactions, per session on PostgreSQL.
+//!   shared transactions, per session on PostgreSQL; `turns` and `demand` decide where a
+//!   completion's `claim_next` goes.
 //! - `lifecycle`: every state change, one module each (`create`, `claim`, `heartbeat`,
 //!   `complete`, `fail`, `fix_round`, `reap`, `resume`, `pause`, `cancel`). A change loads
 //!   what it needs through the tables, decides with `task`, and writes through the tables.
@@ -33,6 +34,7 @@
 
 mod check;
 mod convert;
+mod demand;
 mod error;
 mod group_commit;
 mod grpc;

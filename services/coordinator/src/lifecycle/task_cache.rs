@@ -138,10 +138,10 @@ impl TaskCache {
         }
     }
 
-    /// Whether nothing is ready, and completing `task_id` readies nothing either (no task
-    /// waits for it).
-    pub(crate) fn runs_dry(&self, task_id: &str) -> bool {
-        self.ready.is_empty()
+    /// Whether no more than `queued` tasks are ready (claims queued will take them), and
+    /// completing `task_id` readies nothing (no task waits for it).
+    pub(crate) fn runs_dry(&self, task_id: &str, queued: usize) -> bool {
+        self.ready.len() <= queued
             && self.dependents.get(task_id).is_none_or(|dependents| {
                 dependents.iter().all(|id| {
                     self.tasks
@@ -149,6 +149,12 @@ impl TaskCache {
                         .is_none_or(|task| task.state != TaskState::Pending)
                 })
             })
+    }
+
+    /// How many tasks are ready, when no task depends on another: then that is all a claim
+    /// can get, whatever completes.
+    pub(crate) fn ready_alone(&self) -> Option<usize> {
+        self.dependents.is_empty().then_some(self.ready.len())
     }
 
     /// The tasks of `ids` that exist.
