@@ -39,8 +39,8 @@ impl Demand {
         self.sessions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Counts a claim of up to `tasks` queued on `session_id` until the returned guard drops
-    /// (when the claim is answered).
+    /// Counts a `claim_next` of up to `tasks` queued on `session_id` until the returned guard
+    /// drops (when the claim is answered).
     pub(crate) fn queue(self: &Arc<Self>, session_id: &str, tasks: usize) -> Queued {
         self.sessions()
             .entry(session_id.to_owned())
@@ -53,8 +53,8 @@ impl Demand {
         }
     }
 
-    /// The tasks claims queued on `session_id` may take, and the tasks that were ready when
-    /// a group took its copy out (see [`Demand::taken_out`]), if one has it.
+    /// The tasks the `claim_next`s queued on `session_id` may take, and the tasks that were
+    /// ready when a group took its copy out (see [`Demand::take_out`]), if one has it.
     pub(crate) fn of(&self, session_id: &str) -> (usize, Option<usize>) {
         self.sessions()
             .get(session_id)
@@ -103,7 +103,7 @@ impl Drop for Out {
     }
 }
 
-/// A queued claim's place in [`Demand`]; dropping it takes the claim out.
+/// A queued `claim_next`'s place in [`Demand`]; dropping it takes the claim out.
 #[derive(Debug)]
 pub(crate) struct Queued {
     demand: Arc<Demand>,
