@@ -797,6 +797,11 @@ impl GroupCommit {
     async fn settle(&self, ops: Vec<Op>, result: Result<Vec<Outcome>, GroupError>) {
         match result {
             Ok(outcomes) => {
+                let ended = outcomes
+                    .iter()
+                    .filter(|outcome| matches!(outcome, Outcome::Complete(..)))
+                    .count();
+                self.store.tasks_ended(ended);
                 for (op, outcome) in ops.into_iter().zip(outcomes) {
                     answer(op, Ok(outcome));
                 }
@@ -814,6 +819,9 @@ impl GroupCommit {
             Err(GroupError::Op | GroupError::Contended) => {
                 for op in ops {
                     let outcome = self.run_alone(&op).await;
+                    if matches!(outcome, Ok(Outcome::Complete(..))) {
+                        self.store.tasks_ended(1);
+                    }
                     answer(op, outcome);
                 }
             }

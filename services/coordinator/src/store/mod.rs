@@ -191,16 +191,28 @@ impl Store {
     /// the background when the intakes since the last refresh doubled the tasks or the
     /// sessions (see [`statistics`]).
     pub(crate) fn refresh_statistics(&self, tasks: usize) {
-        if self.dialect != Dialect::Postgres || !self.growth.took_in(tasks) {
-            return;
+        if self.dialect == Dialect::Postgres && self.growth.took_in(tasks) {
+            self.refresh("an intake");
         }
+    }
+
+    /// After `tasks` tasks ended, on PostgreSQL, refreshes the planner's statistics in the
+    /// background when as many ended since the last refresh as half the tasks taken in (see
+    /// [`statistics`]).
+    pub(crate) fn tasks_ended(&self, tasks: usize) {
+        if tasks > 0 && self.dialect == Dialect::Postgres && self.growth.ended(tasks) {
+            self.refresh("tasks ended");
+        }
+    }
+
+    fn refresh(&self, after: &'static str) {
         let (pool, growth) = (self.reader.clone(), self.growth.clone());
         tokio::spawn(async move {
             if let Err(err) = sqlx::raw_sql("ANALYZE sessions, tasks, task_deps, events")
                 .execute(&pool)
                 .await
             {
-                tracing::warn!(error = %err, "refreshing statistics after an intake");
+                tracing::warn!(error = %err, after, "refreshing statistics");
             }
             growth.done();
         });

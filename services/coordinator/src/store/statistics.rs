@@ -8,6 +8,12 @@
 //!   `Store::pick_session`) probed the ready tasks of every active session and sorted them,
 //!   10 ms a pick and most of the database's time, where the turn-order index stops at the
 //!   first session with a ready task.
+//!
+//! It refreshes them too once as many tasks ended as half the tasks taken in: the states'
+//! shares the planner goes by have moved. A flat session of 20,000 tasks analysed at intake
+//! (all ready) and then burnt down had its page of ready tasks (`ListTasks` filtered by state)
+//! walk the session's tasks from the page token and filter them, 5–13 ms each time, where the
+//! index by state takes under 2 ms.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -21,6 +27,8 @@ pub(super) struct Growth {
 struct Counts {
     tasks: Grown,
     sessions: Grown,
+    /// Tasks that ended since the last refresh.
+    ended: usize,
     /// A refresh is running: another is not started.
     running: bool,
 }
@@ -30,6 +38,15 @@ struct Counts {
 struct Grown {
     before: usize,
     since: usize,
+}
+
+impl Counts {
+    fn refresh(&mut self) {
+        self.running = true;
+        self.tasks.refreshed();
+        self.sessions.refreshed();
+        self.ended = 0;
+    }
 }
 
 impl Grown {
@@ -59,9 +76,21 @@ impl Growth {
         if !due || counts.running {
             return false;
         }
-        counts.running = true;
-        counts.tasks.refreshed();
-        counts.sessions.refreshed();
+        counts.refresh();
+        true
+    }
+
+    /// Counts `tasks` that ended; true when the caller should refresh now (it then calls
+    /// [`Growth::done`]): as many ended since the last refresh as half the tasks taken in, at
+    /// least [`LEAST_TASKS`].
+    pub(super) fn ended(&self, tasks: usize) -> bool {
+        let mut counts = self.counts();
+        counts.ended += tasks;
+        let held = counts.tasks.before + counts.tasks.since;
+        if counts.running || counts.ended < LEAST_TASKS.max(held / 2) {
+            return false;
+        }
+        counts.refresh();
         true
     }
 
@@ -101,6 +130,27 @@ mod tests {
             })
             .collect();
         assert_eq!(due, vec![64, 128, 256, 512]);
+    }
+
+    #[test]
+    fn refreshes_once_half_the_tasks_ended() {
+        let growth = Growth::default();
+        assert!(growth.took_in(20_000));
+        growth.done();
+        assert!(!growth.ended(9_999));
+        assert!(growth.ended(1), "half of 20,000 ended");
+        growth.done();
+        // Counted afresh from the refresh; a refresh after an intake counts as one.
+        assert!(!growth.ended(9_000));
+        assert!(growth.took_in(20_000));
+        growth.done();
+        assert!(!growth.ended(19_999));
+        assert!(growth.ended(1), "half of 40,000 ended");
+        growth.done();
+        // Small tables: at least `LEAST_TASKS`.
+        let growth = Growth::default();
+        assert!(!growth.ended(LEAST_TASKS - 1));
+        assert!(growth.ended(1));
     }
 
     #[test]
