@@ -79,13 +79,16 @@ impl Demand {
             session_id: session_id.to_owned(),
         })
     }
-}
 
-fn forget_out(sessions: &mut HashMap<String, Entry>, session_id: &str) {
-    if let Some(entry) = sessions.get_mut(session_id) {
-        entry.ready_out = None;
-        if entry.is_empty() {
-            sessions.remove(session_id);
+    /// Applies `change` to the entry of `session_id`, if any, and drops the entry once it
+    /// holds nothing.
+    fn release(&self, session_id: &str, change: impl FnOnce(&mut Entry)) {
+        let mut sessions = self.sessions();
+        if let Some(entry) = sessions.get_mut(session_id) {
+            change(entry);
+            if entry.is_empty() {
+                sessions.remove(session_id);
+            }
         }
     }
 }
@@ -99,7 +102,8 @@ pub(crate) struct Out {
 
 impl Drop for Out {
     fn drop(&mut self) {
-        forget_out(&mut self.demand.sessions(), &self.session_id);
+        self.demand
+            .release(&self.session_id, |entry| entry.ready_out = None);
     }
 }
 
@@ -113,13 +117,10 @@ pub(crate) struct Queued {
 
 impl Drop for Queued {
     fn drop(&mut self) {
-        let mut sessions = self.demand.sessions();
-        if let Some(entry) = sessions.get_mut(&self.session_id) {
-            entry.queued = entry.queued.saturating_sub(self.tasks);
-            if entry.is_empty() {
-                sessions.remove(&self.session_id);
-            }
-        }
+        let tasks = self.tasks;
+        self.demand.release(&self.session_id, |entry| {
+            entry.queued = entry.queued.saturating_sub(tasks);
+        });
     }
 }
 
