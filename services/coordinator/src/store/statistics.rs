@@ -41,11 +41,17 @@ struct Grown {
 }
 
 impl Counts {
-    fn refresh(&mut self) {
+    /// When `due` and no refresh is running, counts a refresh as started (from here on
+    /// everything counts towards the next) and returns true.
+    fn start(&mut self, due: bool) -> bool {
+        if !due || self.running {
+            return false;
+        }
         self.running = true;
         self.tasks.refreshed();
         self.sessions.refreshed();
         self.ended = 0;
+        true
     }
 }
 
@@ -61,7 +67,7 @@ impl Grown {
     }
 }
 
-/// Tasks, and sessions, taken in before the first refresh.
+/// Tasks (taken in, or ended), and sessions taken in, before the first refresh.
 const LEAST_TASKS: usize = 5_000;
 const LEAST_SESSIONS: usize = 64;
 
@@ -73,11 +79,7 @@ impl Growth {
         counts.tasks.since += tasks;
         counts.sessions.since += 1;
         let due = counts.tasks.doubled(LEAST_TASKS) || counts.sessions.doubled(LEAST_SESSIONS);
-        if !due || counts.running {
-            return false;
-        }
-        counts.refresh();
-        true
+        counts.start(due)
     }
 
     /// Counts `tasks` that ended; true when the caller should refresh now (it then calls
@@ -87,11 +89,8 @@ impl Growth {
         let mut counts = self.counts();
         counts.ended += tasks;
         let held = counts.tasks.before + counts.tasks.since;
-        if counts.running || counts.ended < LEAST_TASKS.max(held / 2) {
-            return false;
-        }
-        counts.refresh();
-        true
+        let due = counts.ended >= LEAST_TASKS.max(held / 2);
+        counts.start(due)
     }
 
     /// A refresh ended.
