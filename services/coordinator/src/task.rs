@@ -46,7 +46,9 @@ pub(crate) struct Task {
     pub(crate) started_at: Option<i64>,
     pub(crate) finished_at: Option<i64>,
     pub(crate) progress: String,
-    pub(crate) result: Option<pb::TaskResult>,
+    /// Boxed: a result is most of a task's size inline (about 1 KB of its 1.6), and tasks are
+    /// moved and copied on every batch; most tasks of a session have none yet.
+    pub(crate) result: Option<Box<pb::TaskResult>>,
     pub(crate) last_error: Option<pb::TaskError>,
     /// The re-run that replaced this failed task in a fix round (empty when none): the task
     /// stays failed but no longer holds the session back.
@@ -326,7 +328,7 @@ pub(crate) struct Upstream {
     pub(crate) finished_at: Option<i64>,
     pub(crate) files: Vec<pb::FileChange>,
     pub(crate) spec: std::sync::Arc<serde_json::Map<String, serde_json::Value>>,
-    pub(crate) result: Option<pb::TaskResult>,
+    pub(crate) result: Option<Box<pb::TaskResult>>,
 }
 
 impl From<&Task> for Upstream {

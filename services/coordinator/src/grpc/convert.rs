@@ -43,7 +43,7 @@ pub(super) fn claimed_protos(claimed: Vec<Claimed>) -> Vec<pb::ClaimedTask> {
                     task_id: dep.id.clone(),
                     role: dep.role as i32,
                     files: dep.files.clone(),
-                    result: dep.result.clone(),
+                    result: dep.result.as_deref().cloned(),
                 })
                 .collect(),
             plan_dir: claimed.plan_dir,
@@ -68,7 +68,7 @@ pub(super) fn task_proto(row: &Task) -> pb::Task {
         wave: row.wave,
         spec: Some(json_to_struct(&row.spec)),
         files: row.files.clone(),
-        result: row.result.clone(),
+        result: row.result.as_deref().cloned(),
         last_error: row.last_error.clone(),
         worker_id: row.worker_id.clone(),
         created_at: Some(timestamp(row.created_at)),

@@ -46,7 +46,7 @@ pub(crate) async fn complete_in(
         return Err(stale(task, completion.token));
     }
     write_back_convergence(tx, session_id, task_id, &completion.result).await?;
-    task.result = Some(completion.result);
+    task.result = Some(Box::new(completion.result));
     let transition = task::transition(task, TaskState::Completed, "completed", now);
     save(tx, session, &before, &mut tasks, vec![transition], now).await?;
     let task = load_task(tx, session_id, task_id).await?;
@@ -125,7 +125,7 @@ pub(crate) async fn complete_eager(
         write_back_convergence(tx, session_id, &completion.task_id, &completion.result).await?;
         before.push(original.clone());
         let mut task = original;
-        task.result = Some(completion.result);
+        task.result = Some(Box::new(completion.result));
         transitions.push(task::transition(
             &mut task,
             TaskState::Completed,

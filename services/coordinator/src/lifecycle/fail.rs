@@ -56,7 +56,7 @@ pub(crate) async fn fail(
         write_back_convergence(&mut tx, session_id, task_id, partial).await?;
     }
     if partial.is_some() {
-        task.result = partial;
+        task.result = partial.map(Box::new);
     }
     let mut retry_at = None;
     let transition = if retry {

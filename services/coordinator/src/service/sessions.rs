@@ -686,7 +686,7 @@ fn task_row(task: troupe_plan::PlanTask, position: usize, session_id: &str, now:
         started_at: None,
         finished_at: imported.is_some().then_some(now),
         progress: String::new(),
-        result: imported,
+        result: imported.map(Box::new),
         last_error: None,
         superseded_by: String::new(),
         convergence: None,

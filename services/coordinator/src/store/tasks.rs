@@ -96,7 +96,7 @@ pub(super) fn task_from_row(row: &AnyRow) -> Result<Task, Error> {
             .map_err(corrupt)?
             .map(|mut result| {
                 troupe_proto::legacy::upgrade_result(&mut result);
-                result
+                Box::new(result)
             }),
         last_error: last_error
             .map(|bytes| pb::TaskError::decode(bytes.as_slice()))
