@@ -161,7 +161,7 @@ impl Store {
             .acquire_timeout(Duration::from_secs(30))
             .connect(url)
             .await?;
-        let store = Self {
+        let mut store = Self {
             writer: Writer::Pool(pool.clone()),
             reader: pool,
             dialect: Dialect::Postgres,
@@ -170,6 +170,8 @@ impl Store {
             growth: Default::default(),
         };
         store.migrate().await?;
+        let (tasks, sessions) = store.planner_rows().await?;
+        store.growth = std::sync::Arc::new(statistics::Growth::holding(tasks, sessions));
         Ok(store)
     }
 
@@ -203,6 +205,20 @@ impl Store {
         if tasks > 0 && self.dialect == Dialect::Postgres && self.growth.ended(tasks) {
             self.refresh("tasks ended");
         }
+    }
+
+    /// PostgreSQL's estimates of the rows in `tasks` and `sessions` (0 before the first
+    /// `ANALYZE`): what this coordinator's refreshes count from (see [`statistics`]).
+    async fn planner_rows(&self) -> Result<(usize, usize), Error> {
+        let (tasks, sessions): (i64, i64) = sqlx::query_as(
+            "SELECT \
+             COALESCE((SELECT reltuples::BIGINT FROM pg_class WHERE oid = to_regclass('tasks')), 0), \
+             COALESCE((SELECT reltuples::BIGINT FROM pg_class WHERE oid = to_regclass('sessions')), 0)",
+        )
+        .fetch_one(&self.reader)
+        .await?;
+        let rows = |n: i64| usize::try_from(n).unwrap_or_default();
+        Ok((rows(tasks), rows(sessions)))
     }
 
     fn refresh(&self, after: &'static str) {

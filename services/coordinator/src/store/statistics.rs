@@ -72,6 +72,27 @@ const LEAST_TASKS: usize = 5_000;
 const LEAST_SESSIONS: usize = 64;
 
 impl Growth {
+    /// The counts of a coordinator that opened a database already holding about `tasks` tasks
+    /// and `sessions` sessions (the planner's own estimates): they count as taken in before
+    /// the last refresh, so a restart on a large database neither refreshes after its first
+    /// small intakes nor after every [`LEAST_TASKS`] tasks that end.
+    pub(super) fn holding(tasks: usize, sessions: usize) -> Self {
+        let counts = Counts {
+            tasks: Grown {
+                before: tasks,
+                since: 0,
+            },
+            sessions: Grown {
+                before: sessions,
+                since: 0,
+            },
+            ..Counts::default()
+        };
+        Self {
+            state: Mutex::new(counts),
+        }
+    }
+
     /// Counts an intake of `tasks` tasks (one session); true when the caller should refresh
     /// now (it then calls [`Growth::done`]).
     pub(super) fn took_in(&self, tasks: usize) -> bool {
@@ -150,6 +171,24 @@ mod tests {
         let growth = Growth::default();
         assert!(!growth.ended(LEAST_TASKS - 1));
         assert!(growth.ended(1));
+    }
+
+    #[test]
+    fn a_coordinator_opening_a_large_database_counts_what_it_holds() {
+        let growth = Growth::holding(100_000, 2_000);
+        // Ended: half of what is held, not the least.
+        assert!(!growth.ended(LEAST_TASKS));
+        assert!(!growth.ended(49_999 - LEAST_TASKS));
+        assert!(growth.ended(1), "half of 100,000 ended");
+        growth.done();
+        // Taken in: once the tables doubled from what they held.
+        let growth = Growth::holding(100_000, 2_000);
+        assert!(!growth.took_in(99_999));
+        assert!(growth.took_in(1), "100,000 more tasks");
+        growth.done();
+        let growth = Growth::holding(100_000, 2_000);
+        let due = (1..=2_000).find(|_| growth.took_in(1));
+        assert_eq!(due, Some(2_000), "the sessions doubled");
     }
 
     #[test]
