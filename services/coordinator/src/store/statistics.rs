@@ -14,6 +14,9 @@
 //! (all ready) and then burnt down had its page of ready tasks (`ListTasks` filtered by state)
 //! walk the session's tasks from the page token and filter them, 5–13 ms each time, where the
 //! index by state takes under 2 ms.
+//!
+//! A coordinator that opens a database counts the tasks and sessions already there (the
+//! planner's estimates, see [`Growth::holding`]) as taken in before its last refresh.
 
 use std::sync::{Mutex, PoisonError};
 
