@@ -702,6 +702,14 @@ impl Coordinator {
         let store = crate::store::Store::open_file(&dir.join("troupe.db"))
             .await
             .unwrap();
+        Self::for_tests_on(store, dir)
+    }
+
+    /// [`Self::for_tests`] on `store` (PostgreSQL, say), its data under `dir`.
+    pub(crate) fn for_tests_on(
+        store: crate::store::Store,
+        dir: &std::path::Path,
+    ) -> (crate::store::Store, Self) {
         let coordinator = Self::new(
             store.clone(),
             dir.join("data"),

@@ -117,6 +117,13 @@ impl Growth {
         counts.start(due)
     }
 
+    /// What counts as held before the last refresh: tasks, sessions.
+    #[cfg(test)]
+    fn held(&self) -> (usize, usize) {
+        let counts = self.counts();
+        (counts.tasks.before, counts.sessions.before)
+    }
+
     /// A refresh ended.
     pub(super) fn done(&self) {
         self.counts().running = false;
@@ -192,6 +199,54 @@ mod tests {
         let growth = Growth::holding(100_000, 2_000);
         let due = (1..=2_000).find(|_| growth.took_in(1));
         assert_eq!(due, Some(2_000), "the sessions doubled");
+    }
+
+    /// A coordinator opening a PostgreSQL database takes the planner's row counts as held
+    /// (PostgreSQL only: `TROUPE_TEST_DATABASE_URL`, a schema of its own).
+    #[tokio::test]
+    async fn opening_postgres_counts_the_rows_its_statistics_know() {
+        let Some(url) = std::env::var("TROUPE_TEST_DATABASE_URL")
+            .ok()
+            .filter(|url| !url.is_empty())
+        else {
+            let ci = std::env::var("CI").unwrap_or_default();
+            assert!(
+                ci.is_empty() || ci == "false",
+                "TROUPE_TEST_DATABASE_URL is not set but CI is: PostgreSQL tests must run in CI"
+            );
+            eprintln!("notice: skipping a PostgreSQL test: TROUPE_TEST_DATABASE_URL is not set");
+            return;
+        };
+        let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
+        let admin = crate::store::Store::open_url(&url).await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
+            .execute(&admin.reader)
+            .await
+            .unwrap();
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let url = format!("{url}{separator}options=-c%20search_path%3D{schema}");
+
+        let store = crate::store::Store::open_url(&url).await.unwrap();
+        assert_eq!(store.growth.held(), (0, 0), "nothing analysed yet");
+        let dir = tempfile::tempdir().unwrap();
+        let (store, coordinator) = crate::service::Coordinator::for_tests_on(store, dir.path());
+        let tasks: Vec<serde_json::Value> = (0..30)
+            .map(|i| serde_json::json!({"id": format!("IMPL-{i}"), "title": "t"}))
+            .collect();
+        for name in ["a", "b"] {
+            let plan = serde_json::json!({"name": name, "repos": {"app": {"path": "repo"}},
+                "tasks": tasks});
+            coordinator
+                .create_for_tests(&plan, &dir.path().join(name))
+                .await;
+        }
+        sqlx::raw_sql("ANALYZE tasks, sessions")
+            .execute(&store.reader)
+            .await
+            .unwrap();
+
+        let reopened = crate::store::Store::open_url(&url).await.unwrap();
+        assert_eq!(reopened.growth.held(), (60, 2));
     }
 
     #[test]
