@@ -218,9 +218,12 @@ mod tests {
             return;
         };
         let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
-        let admin = crate::store::Store::open_url(&url).await.unwrap();
+        // As the integration tests' `fresh_schema`: a plain connection, no migrations here.
+        let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+            .await
+            .unwrap();
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-            .execute(&admin.reader)
+            .execute(&mut admin)
             .await
             .unwrap();
         let separator = if url.contains('?') { '&' } else { '?' };
