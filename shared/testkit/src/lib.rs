@@ -7,10 +7,15 @@
 //! - [`git_repo`] makes a real git repository with files and one commit.
 //! - [`trace_init`] installs a thread-local log subscriber guard, never a global one.
 //! - [`pki::Pki`] makes a throwaway CA, server and client certificates for TLS tests.
+//! - [`postgres_url`] and [`fresh_schema`] give a test a PostgreSQL schema of its own, or skip
+//!   it (failing under CI) without a server.
 //!
 //! It depends on no troupe service, so every service can use it without a dependency cycle.
 
 pub mod pki;
+mod postgres;
+
+pub use postgres::{fresh_schema, postgres_url};
 
 use std::future::Future;
 use std::net::SocketAddr;

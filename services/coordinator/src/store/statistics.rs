@@ -205,29 +205,10 @@ mod tests {
     /// (PostgreSQL only: `TROUPE_TEST_DATABASE_URL`, a schema of its own).
     #[tokio::test]
     async fn opening_postgres_counts_the_rows_its_statistics_know() {
-        let Some(url) = std::env::var("TROUPE_TEST_DATABASE_URL")
-            .ok()
-            .filter(|url| !url.is_empty())
-        else {
-            let ci = std::env::var("CI").unwrap_or_default();
-            assert!(
-                ci.is_empty() || ci == "false",
-                "TROUPE_TEST_DATABASE_URL is not set but CI is: PostgreSQL tests must run in CI"
-            );
-            eprintln!("notice: skipping a PostgreSQL test: TROUPE_TEST_DATABASE_URL is not set");
+        let Some(url) = troupe_testkit::postgres_url() else {
             return;
         };
-        let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
-        // As the integration tests' `fresh_schema`: a plain connection, no migrations here.
-        let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
-            .await
-            .unwrap();
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        let separator = if url.contains('?') { '&' } else { '?' };
-        let url = format!("{url}{separator}options=-c%20search_path%3D{schema}");
+        let url = troupe_testkit::fresh_schema(&url, "t").await;
 
         let store = crate::store::Store::open_url(&url).await.unwrap();
         assert_eq!(store.growth.held(), (0, 0), "nothing analysed yet");

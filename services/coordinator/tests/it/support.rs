@@ -22,25 +22,10 @@ pub(crate) enum Db {
 }
 
 impl Db {
-    /// Returns the PostgreSQL of `TROUPE_TEST_DATABASE_URL`. When unset, fails under CI
-    /// (`CI` set) and otherwise prints a notice and returns `None` (the test is skipped).
+    /// Returns the PostgreSQL of `TROUPE_TEST_DATABASE_URL`, or `None` (the test is skipped;
+    /// see [`troupe_testkit::postgres_url`]).
     pub(crate) fn postgres() -> Option<Self> {
-        match std::env::var("TROUPE_TEST_DATABASE_URL") {
-            Ok(url) if !url.is_empty() => Some(Self::Postgres(url)),
-            _ if std::env::var_os("CI").is_some_and(|ci| !ci.is_empty() && ci != "false") => {
-                panic!(
-                    "TROUPE_TEST_DATABASE_URL is not set but CI is: PostgreSQL tests must run in CI \
-                     (source scripts/setup/20-postgres.sh to start a throwaway cluster)"
-                )
-            }
-            _ => {
-                eprintln!(
-                    "notice: skipping a PostgreSQL test: TROUPE_TEST_DATABASE_URL is not set \
-                     (source scripts/setup/20-postgres.sh)"
-                );
-                None
-            }
-        }
+        troupe_testkit::postgres_url().map(Self::Postgres)
     }
 
     /// Returns the database URL for a coordinator config: `None` (the default SQLite file) or
@@ -55,17 +40,7 @@ impl Db {
 
 /// Creates an empty schema and returns `url` with it as the search path.
 pub(crate) async fn fresh_schema(url: &str) -> String {
-    use sqlx::Connection as _;
-    let schema = format!("t_{}", uuid::Uuid::new_v4().simple());
-    let mut conn = sqlx::PgConnection::connect(url)
-        .await
-        .expect("connect to TROUPE_TEST_DATABASE_URL");
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {schema}")))
-        .execute(&mut conn)
-        .await
-        .expect("create schema");
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}options=-c%20search_path%3D{schema}")
+    troupe_testkit::fresh_schema(url, "t").await
 }
 
 /// Runs each named `async fn(Db)` as two tests: `<name>::sqlite` and `<name>::postgres`.
