@@ -11,26 +11,28 @@
 //! and claiming in memory, one write. So a group costs about five round trips to the
 //! database however many operations it holds. The claims see what the completions readied.
 //!
-//! Lanes: SQLite has one writer, so everything shares one lane. PostgreSQL has a lane per
-//! session, so a group transaction locks one session row only and two coordinators' groups
-//! can never wait on each other crosswise. A claim does not name a session: it first reads,
+//! One lane carries every session's operations, on both databases: SQLite has one writer
+//! anyway, and on PostgreSQL it lets many small sessions share a commit as the operations of
+//! one large session do. A group that locks several sessions locks them in
+//! order of id, so two coordinators' groups never wait on each other crosswise. A claim does
+//! not name a session: it first reads,
 //! without locks, which session with a ready task for its roles was served least recently
 //! (sessions take turns), and queues there; when others emptied that session first it picks
 //! again. A completion's `claim_next` stays in its session for a turn (see [`crate::turns`]),
 //! and goes on to another session when its own has nothing ready for it once the claims already
-//! queued there took theirs (as far as the session's copy tells: see [`crate::demand`]); on
-//! SQLite that claim is made in the completion's group, its write sent with the completion's
-//! (see `run_parts`).
+//! queued there took theirs (as far as the session's copy tells: see [`crate::demand`]); that
+//! claim is made in the completion's group, its write sent with the completion's (see
+//! `run_parts`).
 //!
 //! A group of completions and claims of one active eager session first runs optimistically
 //! (see `run_optimistic`): no lock, its tasks from the in-memory copy of the session
 //! ([`TaskCache`]) that the session's previous group left, and one write that applies only if
 //! the session's sequence is still where the copy left it: on PostgreSQL one statement
 //! without a transaction, on SQLite one call that opens and commits its own. So such a group
-//! costs one round trip. SQLite's one lane carries several sessions' operations in a group:
-//! each session's part is worked out this way, its write held back, and the parts' writes go
-//! out in one call (see `run_parts`); when that call loses, each part runs again on its own,
-//! on its copy as it was. When the write loses
+//! costs one round trip. A group of several sessions works out each session's part this
+//! way, its write held back, and the parts' writes go out in one call (see `run_parts`): on
+//! PostgreSQL one statement, on SQLite one call on the writer; when that call loses, each part
+//! runs again on its own, on its copy as it was. When the write loses
 //! (another coordinator, or a write outside the group commit such as a message or a failure,
 //! moved the sequence), nothing was written. If only messages came in between (they change no
 //! task), the group writes again on the same copy as of the new sequence; otherwise the copy
@@ -43,7 +45,7 @@
 //! that completes tasks takes it as one of its claims, so a task a completion readies is
 //! claimed for a waiting worker in that completion's transaction.
 //!
-//! A caller that finds its lane idle has its operation run at once, alone (no added latency
+//! A caller that finds the lane idle has its operation run at once, alone (no added latency
 //! when there is no contention), on a task of its own; what queued meanwhile runs next.
 //! When an operation of a group fails (a stale fencing token, say), the whole group is
 //! rolled back and each operation is run again alone, so only that caller sees the error
@@ -105,7 +107,7 @@ enum Op {
 }
 
 /// A completion's `claim_next` in another session (the worker's turn ended, or its session
-/// has nothing ready): on SQLite, claimed in the completion's group and written with it (see
+/// has nothing ready): claimed in the completion's group and written with it (see
 /// `run_parts`). A group that does not take it drops `reply`, and the claim is made once the
 /// completion is committed, as a claim of its own.
 #[derive(Debug)]
@@ -191,10 +193,10 @@ enum GroupError {
 #[derive(Debug, Clone)]
 pub(crate) struct GroupCommit {
     store: Store,
-    /// Lanes with a transaction running (present), with the operations waiting for the next.
-    lanes: Arc<Mutex<HashMap<String, Vec<Op>>>>,
+    /// The lane: while a group runs, the operations waiting for the next (`None` when idle).
+    lane: Arc<Mutex<Option<Vec<Op>>>>,
     /// Sessions as their last group left them (see `run_optimistic` and `run_in`).
-    /// Only a session's own lane uses its entry, one group at a time.
+    /// Only the lane's running group uses an entry.
     sessions: Arc<Mutex<HashMap<String, Cached>>>,
     /// Long-polling claims that found nothing, in arrival order, for the next group that
     /// completes tasks to claim for (see [`GroupCommit::park`]).
@@ -279,16 +281,15 @@ const CACHED_SESSIONS: usize = 1024;
 /// [`task_cache`]).
 const CACHED_TASKS: usize = 50_000;
 
-/// Marks a lane busy while its leader runs; on drop (also when the leader's caller goes away
-/// mid-transaction) hands what queued to a task, so a lane is never left busy.
+/// Marks the lane busy while its leader runs; on drop (also when the leader's caller goes
+/// away mid-transaction) hands what queued to a task, so the lane is never left busy.
 struct Leader<'a> {
     group: &'a GroupCommit,
-    lane: String,
 }
 
 impl Drop for Leader<'_> {
     fn drop(&mut self) {
-        self.group.hand_off(std::mem::take(&mut self.lane));
+        self.group.hand_off();
     }
 }
 
@@ -301,7 +302,7 @@ impl GroupCommit {
     pub(crate) fn new(store: Store) -> Self {
         Self {
             store,
-            lanes: Arc::default(),
+            lane: Arc::default(),
             sessions: Arc::default(),
             parked: Arc::default(),
             next_parked: Arc::default(),
@@ -381,9 +382,9 @@ impl GroupCommit {
         }));
     }
 
-    fn lanes(&self) -> MutexGuard<'_, HashMap<String, Vec<Op>>> {
-        // The map holds no invariant a panic could break halfway.
-        self.lanes.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lane(&self) -> MutexGuard<'_, Option<Vec<Op>>> {
+        // A queue: a panic cannot leave it half-changed.
+        self.lane.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn sessions(&self) -> MutexGuard<'_, HashMap<String, Cached>> {
@@ -391,8 +392,8 @@ impl GroupCommit {
     }
 
     /// Keeps the copy of a session this coordinator just took in (`session` and its `tasks` as
-    /// its intake committed them), so its first group reads nothing: on SQLite's one lane, that
-    /// read (all of a session's tasks) would hold up every session's workers.
+    /// its intake committed them), so its first group reads nothing: on the one lane, that read
+    /// (all of a session's tasks) would hold up every session's workers.
     pub(crate) fn seed(&self, session: SessionRow, tasks: Vec<Task>) {
         if session.state != pb::SessionState::Active {
             return;
@@ -431,14 +432,6 @@ impl GroupCommit {
         }
     }
 
-    /// SQLite: one lane (one writer); PostgreSQL: the session's.
-    fn lane(&self, session_id: &str) -> String {
-        match self.store.dialect() {
-            Dialect::Sqlite => String::new(),
-            Dialect::Postgres => session_id.to_owned(),
-        }
-    }
-
     /// Claims up to `request.max` ready tasks of its roles from the session served least
     /// recently that has one (see [`Store::pick_session`]).
     pub(crate) async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claimed>, Error> {
@@ -467,7 +460,7 @@ impl GroupCommit {
                 request: request.clone(),
                 reply,
             };
-            self.submit(self.lane(&session_id), op);
+            self.submit(op);
             let claimed = answer.await.unwrap_or_else(|_| Err(gone()))?;
             if !claimed.is_empty() {
                 return Ok(claimed);
@@ -501,7 +494,7 @@ impl GroupCommit {
             now,
             reply,
         };
-        self.submit(self.lane(session_id), op);
+        self.submit(op);
         answer.await.unwrap_or_else(|_| Err(gone()))
     }
 
@@ -553,7 +546,7 @@ impl GroupCommit {
             now,
             reply,
         };
-        self.submit(self.lane(session_id), op);
+        self.submit(op);
         let (task, mut next) = answer.await.unwrap_or_else(|_| Err(gone()))?;
         if let Some((answer, request, picked)) = elsewhere {
             next = match answer.await {
@@ -596,18 +589,18 @@ impl GroupCommit {
         }
     }
 
-    /// Queues `op` behind the running transaction of its lane, or runs it at once when the
-    /// lane is idle. Its answer comes on its reply channel.
-    fn submit(&self, lane: String, op: Op) {
+    /// Queues `op` behind the lane's running group, or runs it at once when the lane is idle.
+    /// Its answer comes on its reply channel.
+    fn submit(&self, op: Op) {
         let lead = {
-            let mut lanes = self.lanes();
-            match lanes.get_mut(&lane) {
+            let mut lane = self.lane();
+            match &mut *lane {
                 Some(queue) => {
                     queue.push(op);
                     None
                 }
                 None => {
-                    lanes.insert(lane.clone(), Vec::new());
+                    *lane = Some(Vec::new());
                     Some(op)
                 }
             }
@@ -618,22 +611,19 @@ impl GroupCommit {
             // transaction open on the one writer connection.
             let group = self.clone();
             tokio::spawn(async move {
-                let _leader = Leader {
-                    group: &group,
-                    lane,
-                };
+                let _leader = Leader { group: &group };
                 group.run(vec![op]).await;
             });
         }
     }
 
-    /// Gives what queued on `lane` to a task that runs it group by group until the lane is
-    /// empty, or marks the lane idle.
-    fn hand_off(&self, lane: String) {
+    /// Gives what queued to a task that runs it group by group until the lane is empty, or
+    /// marks the lane idle.
+    fn hand_off(&self) {
         {
-            let mut lanes = self.lanes();
-            if lanes.get(&lane).is_none_or(Vec::is_empty) {
-                lanes.remove(&lane);
+            let mut lane = self.lane();
+            if lane.as_ref().is_none_or(Vec::is_empty) {
+                *lane = None;
                 return;
             }
         }
@@ -641,11 +631,11 @@ impl GroupCommit {
         tokio::spawn(async move {
             loop {
                 let ops = {
-                    let mut lanes = group.lanes();
-                    match lanes.get_mut(&lane) {
+                    let mut lane = group.lane();
+                    match &mut *lane {
                         Some(queue) if !queue.is_empty() => std::mem::take(queue),
                         _ => {
-                            lanes.remove(&lane);
+                            *lane = None;
                             return;
                         }
                     }
@@ -658,30 +648,23 @@ impl GroupCommit {
     /// Runs `ops` in one transaction and answers each; see the module comment for failures.
     async fn run(&self, mut ops: Vec<Op>) {
         self.take_parked(&mut ops);
-        let (ops, tried) = match self.store.dialect() {
-            Dialect::Sqlite => (self.run_parts(ops).await, true),
-            Dialect::Postgres => (ops, false),
-        };
+        let ops = self.run_parts(ops).await;
         if ops.is_empty() {
             return;
         }
         // What `run_parts` left has tried its optimistic write, or cannot.
-        let mut result = if tried {
-            Err(GroupError::Contended)
-        } else {
-            self.run_optimistic(&ops).await
-        };
-        if matches!(result, Err(GroupError::Contended)) && ops.len() > 1 {
+        let mut result = Err(GroupError::Contended);
+        if ops.len() > 1 {
             result = self.run_together(&ops).await;
         }
         self.settle(ops, result).await;
     }
 
-    /// SQLite's one lane carries several sessions' operations in a group. Each session's part
-    /// that can is worked out optimistically on its copy with its write held back (see
-    /// [`Tx::hold`]), and the writes of all of them go out in one call on the one writer
-    /// connection, which every group waits for ([`Store::write_held`]): one call a group,
-    /// as with one session, instead of one a session. Each write still checks its session's
+    /// The lane carries several sessions' operations in a group. Each session's part that can
+    /// is worked out optimistically on its copy with its write held back (see [`Tx::hold`]),
+    /// and the writes of all of them go out in one call, which every group waits for
+    /// ([`Store::write_held`]: one statement on PostgreSQL, one call on SQLite's writer): one
+    /// commit a group, as with one session, instead of one a session. Each write still checks its session's
     /// sequence; when the call fails, nothing was written, the parts' copies are put back as
     /// they were, and each part runs optimistically on its own. Returns what is left to run
     /// together: the parts with heartbeats and those that lost their optimistic write.
@@ -829,8 +812,8 @@ impl GroupCommit {
     }
 
     /// The fast path for a group of completions and claims of one active eager
-    /// session (PostgreSQL's lanes hold one session; SQLite's one lane splits its groups by
-    /// session first, see `run_parts`): no transaction and no lock; the
+    /// session (the lane splits its groups by session first, see `run_parts`): no transaction
+    /// and no lock; the
     /// session's row and tasks as the previous group left them (read once when there is no
     /// copy; a session too large to copy reads its batch instead), and one conditional write
     /// (see [`Store::optimistic`]). When the session turns out to have moved on (another
@@ -1104,12 +1087,10 @@ impl GroupCommit {
         tx: &mut Tx,
         ops: &[Op],
     ) -> Result<(Vec<Outcome>, Vec<(String, Cached)>), Error> {
-        let mut sessions: Vec<&str> = Vec::new();
-        for op in ops {
-            if !sessions.contains(&op.session_id()) {
-                sessions.push(op.session_id());
-            }
-        }
+        let mut sessions: Vec<&str> = ops.iter().map(Op::session_id).collect();
+        // Locked in order of id: two coordinators' groups never wait on each other crosswise.
+        sessions.sort_unstable();
+        sessions.dedup();
         let mut outcomes: Vec<Option<Outcome>> = ops.iter().map(|_| None).collect();
         let mut copies = Vec::new();
         for session_id in sessions {
@@ -1458,25 +1439,62 @@ mod tests {
         group.keep(vec![(there, copy)]);
     }
 
-    /// A SQLite group of two sessions' completions holds both writes back and sends them in
-    /// one call. A message logged behind the group commit's back moved one session's sequence,
-    /// so that call fails whole: nothing of either session lands, both copies are put back as
-    /// they were, and each session writes again on its own (the moved one as of the message).
-    /// Each task completes once, no completion is refused, and each copy is what reading the
-    /// session back gives.
+    /// A group of two sessions' completions holds both writes back and sends them in one call
+    /// (on SQLite one call on the writer, on PostgreSQL one statement). A message logged
+    /// behind the group commit's back moved one session's sequence, so that call fails whole:
+    /// nothing of either session lands, both copies are put back as they were, and each
+    /// session writes again on its own (the moved one as of the message). Each task completes
+    /// once, no completion is refused, and each copy is what reading the session back gives.
+    /// Also when the writes take more rows than one statement (150 dependents a session).
     #[tokio::test]
     async fn a_group_of_two_sessions_writes_both_or_neither() {
-        let dir = tempfile::tempdir().unwrap();
-        let (store, coordinator) = Coordinator::for_tests(dir.path()).await;
+        for dependents in [0, 150] {
+            let dir = tempfile::tempdir().unwrap();
+            let (store, coordinator) = Coordinator::for_tests(dir.path()).await;
+            two_sessions_in_one_group(store, coordinator, dir.path(), true, dependents).await;
+        }
+    }
+
+    /// [`a_group_of_two_sessions_writes_both_or_neither`] on PostgreSQL
+    /// (`TROUPE_TEST_DATABASE_URL`, a schema each), where the two writes are one statement, or
+    /// one transaction of a statement a batch: with neither session moved (both land), and
+    /// with one moved.
+    #[tokio::test]
+    async fn a_group_of_two_sessions_writes_both_or_neither_on_postgres() {
+        let Some(url) = troupe_testkit::postgres_url() else {
+            return;
+        };
+        for (moved, dependents) in [(false, 0), (true, 0), (false, 150), (true, 150)] {
+            let url = troupe_testkit::fresh_schema(&url, "g").await;
+            let store = crate::store::Store::open_url(&url).await.unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let (store, coordinator) = Coordinator::for_tests_on(store, dir.path());
+            two_sessions_in_one_group(store, coordinator, dir.path(), moved, dependents).await;
+        }
+    }
+
+    /// Completes a task of each of two sessions in one group, after a message moved the second
+    /// session's sequence behind the group commit's back when `moved`; checks what landed.
+    /// With `dependents`, each session's first task has that many dependents, which its
+    /// completion readies: more rows than one statement takes, so the writes go in batches.
+    async fn two_sessions_in_one_group(
+        store: crate::store::Store,
+        coordinator: Coordinator,
+        dir: &std::path::Path,
+        moved: bool,
+        dependents: usize,
+    ) {
+        let mut tasks = vec![json!({"id": "IMPL-1", "title": "one"})];
+        if dependents == 0 {
+            tasks.push(json!({"id": "IMPL-2", "title": "two"}));
+        }
+        tasks.extend((1..=dependents).map(
+            |i| json!({"id": format!("IMPL-D{i}"), "title": "after one", "depends_on": ["IMPL-1"]}),
+        ));
         let mut sessions = Vec::new();
         for name in ["a", "b"] {
-            let plan = json!({"name": name, "repos": {"app": {"path": "repo"}}, "tasks": [
-                {"id": "IMPL-1", "title": "one"}, {"id": "IMPL-2", "title": "two"}]});
-            sessions.push(
-                coordinator
-                    .create_for_tests(&plan, &dir.path().join(name))
-                    .await,
-            );
+            let plan = json!({"name": name, "repos": {"app": {"path": "repo"}}, "tasks": tasks});
+            sessions.push(coordinator.create_for_tests(&plan, &dir.join(name)).await);
         }
         // A group commit of its own, which reads its copies from the store.
         let group = super::GroupCommit::new(store.clone());
@@ -1492,19 +1510,20 @@ mod tests {
         let mut ids: Vec<&str> = leased.iter().map(|task| task.session_id.as_str()).collect();
         ids.dedup();
         assert_eq!(ids.len(), 2, "one task of each session");
-        let moved = &leased[1].session_id;
-        let message = NewMessage {
-            from: "someone".to_owned(),
-            to: "all".to_owned(),
-            kind: "note".to_owned(),
-            summary: "behind the group's back".to_owned(),
-            data: None,
-            idempotency_key: None,
-        };
-        store
-            .log_message(moved, message, crate::convert::now_ms())
-            .await
-            .unwrap();
+        if moved {
+            let message = NewMessage {
+                from: "someone".to_owned(),
+                to: "all".to_owned(),
+                kind: "note".to_owned(),
+                summary: "behind the group's back".to_owned(),
+                data: None,
+                idempotency_key: None,
+            };
+            store
+                .log_message(&leased[1].session_id, message, crate::convert::now_ms())
+                .await
+                .unwrap();
+        }
 
         let mut answers = Vec::new();
         let ops = leased
@@ -1547,8 +1566,13 @@ mod tests {
                 .filter(|task| task.state == pb::TaskState::Completed)
                 .count();
             assert_eq!(completed, 1, "{session_id}");
+            let ready = tasks
+                .iter()
+                .filter(|task| task.state == pb::TaskState::Ready)
+                .count();
+            assert_eq!(ready, dependents.max(1), "{session_id}");
             // Intake, a claim, a completion (and the message): each recorded once.
-            let events = store.events_after(session_id, 0, 100).await.unwrap();
+            let events = store.events_after(session_id, 0, 1_000).await.unwrap();
             let sequences: Vec<u64> = events.iter().map(|event| event.sequence).collect();
             let expected: Vec<u64> = (1..=row.last_seq).collect();
             assert_eq!(sequences, expected, "gap-free in {session_id}");

@@ -5,10 +5,11 @@ use prost::Message as _;
 use sqlx::Row;
 use troupe_proto::v1::{self as pb, session_event::Kind};
 
+use super::intake::numbered;
 use super::intake::values;
 use super::tasks::AnyQuery;
 use super::tasks::{
-    MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V_BUMP, UPDATE_OR_FAIL_FROM_V,
+    MUTABLE_COLUMNS, TASK_ROWS, UPDATE_FROM_V, UPDATE_FROM_V_BUMP, UPDATE_OR_FAIL_FROM_V,
     UPDATE_OR_FAIL_FROM_V_LEAN, bind_task, task_values, update_tasks,
 };
 use super::{Dialect, Store, Tx, corrupt, to_i64};
@@ -220,11 +221,11 @@ pub(super) async fn write_events(
     Ok(())
 }
 
-/// An optimistic write on SQLite held back (see [`Tx::hold`]): the session's sequence moves
+/// An optimistic write held back (see [`Tx::hold`]): the session's sequence moves
 /// from `from` to `to`, its tasks and events go in; see [`held_writes`].
 pub(crate) struct HeldWrite {
-    session_id: String,
-    from: u64,
+    pub(super) session_id: String,
+    pub(super) from: u64,
     to: u64,
     /// The session's `updated_at`.
     ts: i64,
@@ -236,11 +237,8 @@ pub(crate) struct HeldWrite {
     reshaped: bool,
 }
 
-/// The call that sends held writes of several sessions (see [`Store::write_held`]): one
-/// transaction, `BEGIN IMMEDIATE` to `COMMIT`. A statement a table, whatever the sessions: each
-/// session's sequence moves from its own value or the call fails (the NOT NULL constraint,
-/// as in [`sqlite_write`]); the writes go in batches within one statement's rows.
-pub(super) fn held_writes(writes: &[HeldWrite]) -> Result<AnyQuery<'_>, Error> {
+/// Held writes in batches within one statement's rows, in order.
+fn batches(writes: &[HeldWrite]) -> Vec<&[HeldWrite]> {
     let mut batches: Vec<&[HeldWrite]> = Vec::new();
     let (mut start, mut tasks, mut events) = (0, 0, 0);
     for (i, write) in writes.iter().enumerate() {
@@ -254,6 +252,15 @@ pub(super) fn held_writes(writes: &[HeldWrite]) -> Result<AnyQuery<'_>, Error> {
         events += write.events.len();
     }
     batches.push(&writes[start..]);
+    batches
+}
+
+/// The call that sends held writes of several sessions on SQLite (see [`Store::write_held`]):
+/// one transaction, `BEGIN IMMEDIATE` to `COMMIT`. A statement a table, whatever the sessions:
+/// each session's sequence moves from its own value or the call fails (the NOT NULL
+/// constraint, as in [`sqlite_write`]); the writes go in batches within one statement's rows.
+pub(super) fn held_writes(writes: &[HeldWrite]) -> Result<AnyQuery<'_>, Error> {
+    let batches = batches(writes);
     // As in an optimistic write's call (`sqlite_write` with `auto`), which one write alone
     // is, statement for statement.
     let mut sql = String::from("BEGIN IMMEDIATE; ");
@@ -271,28 +278,109 @@ pub(super) fn held_writes(writes: &[HeldWrite]) -> Result<AnyQuery<'_>, Error> {
     sql.push_str("COMMIT");
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
     for batch in batches {
-        for write in batch {
+        query = bind_held(query, batch)?;
+    }
+    Ok(query)
+}
+
+/// The statements that send held writes of several sessions on PostgreSQL (see
+/// [`Store::write_held`]), one a batch within one statement's rows, each with the rows it
+/// inserts when it applies. A batch of several sessions moves every session's sequence from
+/// its own value, or fails whole (the NOT NULL constraint on `sessions.last_seq`, as on
+/// SQLite); a batch of one is the session's optimistic write ([`postgres_write`]), which
+/// inserts nothing when the sequence moved.
+pub(super) fn held_writes_postgres(
+    writes: &[HeldWrite],
+) -> Result<Vec<(AnyQuery<'_>, u64)>, Error> {
+    batches(writes)
+        .into_iter()
+        .map(|batch| {
+            let tasks: usize = batch.iter().map(|write| write.tasks.len()).sum();
+            let events: usize = batch.iter().map(|write| write.events.len()).sum();
+            let query = match batch {
+                [write] => {
+                    let sql = postgres_write(true, events, tasks);
+                    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+                        .bind(&write.session_id)
+                        .bind(to_i64(write.to))
+                        .bind(write.ts)
+                        .bind(to_i64(write.from))
+                        .bind(write.state);
+                    for (sequence, ts, payload) in &write.events {
+                        query = query
+                            .bind(to_i64(*sequence))
+                            .bind(*ts)
+                            .bind(payload.as_slice());
+                    }
+                    for task in &write.tasks {
+                        query = bind_task(query, task)?;
+                    }
+                    query
+                }
+                _ => {
+                    let sql = postgres_write_many(batch.len(), events, tasks);
+                    bind_held(sqlx::query(sqlx::AssertSqlSafe(sql)), batch)?
+                }
+            };
+            Ok((query, events as u64))
+        })
+        .collect()
+}
+
+/// Binds a batch of held writes: each session's sequence move (`from`, `to`, `updated_at`,
+/// state, id), then the tasks (see [`bind_task`]), then four per event.
+fn bind_held<'q>(mut query: AnyQuery<'q>, batch: &'q [HeldWrite]) -> Result<AnyQuery<'q>, Error> {
+    for write in batch {
+        query = query
+            .bind(to_i64(write.from))
+            .bind(to_i64(write.to))
+            .bind(write.ts)
+            .bind(write.state)
+            .bind(&write.session_id);
+    }
+    for task in batch.iter().flat_map(|write| &write.tasks) {
+        query = bind_task(query, task)?;
+    }
+    for write in batch {
+        for (sequence, ts, payload) in &write.events {
             query = query
-                .bind(to_i64(write.from))
-                .bind(to_i64(write.to))
-                .bind(write.ts)
-                .bind(write.state)
-                .bind(&write.session_id);
-        }
-        for task in batch.iter().flat_map(|write| &write.tasks) {
-            query = bind_task(query, task)?;
-        }
-        for write in batch {
-            for (sequence, ts, payload) in &write.events {
-                query = query
-                    .bind(&write.session_id)
-                    .bind(to_i64(*sequence))
-                    .bind(*ts)
-                    .bind(payload.as_slice());
-            }
+                .bind(&write.session_id)
+                .bind(to_i64(*sequence))
+                .bind(*ts)
+                .bind(payload.as_slice());
         }
     }
     Ok(query)
+}
+
+/// [`postgres_write`] for `sessions` sessions at once (see [`held_writes_postgres`]), its
+/// parameters bound as [`bind_held`] binds them.
+fn postgres_write_many(sessions: usize, rows: usize, tasks: usize) -> String {
+    let mut ctes = vec![
+        format!(
+            "s (from_seq, to_seq, ts, state, id) AS (VALUES {})",
+            numbered(1, sessions, 5)
+        ),
+        "bump AS (UPDATE sessions SET last_seq = CASE sessions.last_seq WHEN s.from_seq \
+         THEN s.to_seq END, updated_at = s.ts, state = COALESCE(s.state, sessions.state) \
+         FROM s WHERE sessions.id = s.id)"
+            .to_owned(),
+    ];
+    let tasks_from = 1 + 5 * sessions;
+    if tasks > 0 {
+        ctes.push(format!(
+            "v (session_id, id, {}) AS (VALUES {})",
+            MUTABLE_COLUMNS.join(", "),
+            task_values(tasks_from, tasks)
+        ));
+        ctes.push(format!("upd AS ({})", *UPDATE_FROM_V));
+    }
+    let events_from = tasks_from + (MUTABLE_COLUMNS.len() + 2) * tasks;
+    format!(
+        "WITH {} INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
+        ctes.join(", "),
+        numbered(events_from, rows, 4)
+    )
 }
 
 /// [`sqlite_write`] for `sessions` sessions at once, inside a transaction: their sequences'

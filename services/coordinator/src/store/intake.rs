@@ -259,23 +259,26 @@ pub(super) async fn insert_deps(tx: &mut Tx, deps: &[(&str, &str, &str)]) -> Res
 /// from 1. SQLite gets anonymous `?` parameters: it looks each named or numbered one up in a
 /// list when the statement is parsed and again per bind, which made large inserts quadratic.
 pub(super) fn values(dialect: Dialect, rows: usize, width: usize) -> String {
+    match dialect {
+        Dialect::Sqlite => {
+            let row = format!("({})", vec!["?"; width].join(", "));
+            vec![row; rows].join(", ")
+        }
+        Dialect::Postgres => numbered(1, rows, width),
+    }
+}
+
+/// PostgreSQL's `VALUES` rows: `rows` rows of `width` parameters, numbered from `$first`.
+pub(super) fn numbered(first: usize, rows: usize, width: usize) -> String {
+    use std::fmt::Write as _;
     let mut out = String::with_capacity(rows * width * 6);
     for row in 0..rows {
-        if row > 0 {
-            out.push_str(", ");
-        }
-        out.push('(');
+        out.push_str(if row > 0 { ", (" } else { "(" });
         for column in 0..width {
             if column > 0 {
                 out.push_str(", ");
             }
-            match dialect {
-                Dialect::Sqlite => out.push('?'),
-                Dialect::Postgres => {
-                    use std::fmt::Write as _;
-                    let _ = write!(out, "${}", row * width + column + 1);
-                }
-            }
+            let _ = write!(out, "${}", first + row * width + column);
         }
         out.push(')');
     }

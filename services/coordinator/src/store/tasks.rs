@@ -261,16 +261,7 @@ pub(crate) fn reshaped<'a>(changes: impl IntoIterator<Item = (&'a Task, &'a Task
 
 /// The `VALUES` rows of `rows` tasks for [`bind_task`], numbering parameters from `$first`.
 pub(super) fn task_values(first: usize, rows: usize) -> String {
-    const WIDTH: usize = MUTABLE_COLUMNS.len() + 2;
-    (0..rows)
-        .map(|row| {
-            let params: Vec<String> = (0..WIDTH)
-                .map(|i| format!("${}", first + row * WIDTH + i))
-                .collect();
-            format!("({})", params.join(", "))
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
+    super::intake::numbered(first, rows, MUTABLE_COLUMNS.len() + 2)
 }
 
 /// Binds a task's id and [`MUTABLE_COLUMNS`], in that order.

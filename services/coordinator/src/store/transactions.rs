@@ -16,7 +16,7 @@ use crate::task::Task;
 use sqlx::Transaction;
 
 use super::checkpoints::{self, Checkpoints};
-use super::events::{HeldWrite, held_writes, moved, write_events};
+use super::events::{HeldWrite, held_writes, held_writes_postgres, moved, write_events};
 use super::{Dialect, Store, Writer};
 
 /// A write transaction. Events appended in it are held back and written just before it
@@ -39,7 +39,7 @@ pub(crate) struct Tx {
     /// Set once an optimistic [`Tx`] (see [`Store::optimistic`]) wrote: its one write
     /// committed on its own, or is held back (`held`).
     pub(crate) wrote: bool,
-    /// An optimistic [`Tx`] on SQLite that holds its one write back (see [`Tx::hold`]).
+    /// An optimistic [`Tx`] that holds its one write back (see [`Tx::hold`]).
     hold: bool,
     held: Option<HeldWrite>,
 }
@@ -188,9 +188,9 @@ impl Tx {
 
     /// Holds this optimistic [`Tx`]'s one write back instead of sending it, for
     /// [`Store::write_held`] to send with other sessions' in one call ([`Tx::take_held`]).
-    /// Only SQLite's optimistic writes are held; any other [`Tx`] is left as it is.
+    /// Only optimistic writes are held; any other [`Tx`] is left as it is.
     pub(crate) fn hold(&mut self) {
-        self.hold = self.dialect == Dialect::Sqlite && self.autocommits();
+        self.hold = self.autocommits();
     }
 
     /// Whether this [`Tx`] holds its write back (see [`Tx::hold`]).
@@ -373,19 +373,39 @@ impl Store {
     }
 
     /// Sends writes that optimistic [`Tx`]s held back (see [`Tx::hold`]), of several sessions,
-    /// in one call and one transaction on SQLite's writer: `BEGIN IMMEDIATE`, each write,
-    /// `COMMIT`. Each write still checks its own session's sequence, so one that lost fails the
-    /// call and nothing is written. The group commit holds its sessions' writes back this way:
-    /// one call on the one writer connection however many sessions a group holds.
-    pub(crate) async fn write_held(&self, writes: Vec<HeldWrite>) -> Result<(), Error> {
-        let Writer::Sqlite(writer) = &self.writer else {
-            return Err(Error::FailedPrecondition(
-                "only SQLite's writes are held back".to_owned(),
-            ));
-        };
+    /// at once, in order of session (two coordinators' writes lock the rows they share in the
+    /// same order). Each write still checks its own session's sequence, so one that lost fails
+    /// them all and nothing is written. The group commit holds its sessions' writes back this
+    /// way: one call however many sessions a group holds. On SQLite, one call on the one
+    /// writer connection (`BEGIN IMMEDIATE`, each write, `COMMIT`); on PostgreSQL, one
+    /// statement (a transaction of one a batch when they exceed one statement's rows).
+    pub(crate) async fn write_held(&self, mut writes: Vec<HeldWrite>) -> Result<(), Error> {
         if writes.is_empty() {
             return Ok(());
         }
+        writes.sort_by(|a, b| a.session_id.cmp(&b.session_id));
+        let writer = match &self.writer {
+            Writer::Sqlite(writer) => writer,
+            Writer::Pool(pool) => {
+                let mut queries = held_writes_postgres(&writes)?;
+                if queries.len() == 1
+                    && let Some((query, rows)) = queries.pop()
+                {
+                    if query.execute(pool).await?.rows_affected() != rows {
+                        return Err(moved(&writes[0].session_id, writes[0].from));
+                    }
+                    return Ok(());
+                }
+                let mut tx = pool.begin().await?;
+                for (query, rows) in queries {
+                    if query.execute(&mut *tx).await?.rows_affected() != rows {
+                        return Err(Error::Contended("a session moved".to_owned()));
+                    }
+                }
+                tx.commit().await?;
+                return Ok(());
+            }
+        };
         let query = held_writes(&writes)?;
         let mut lease = writer.lease().await;
         // Marked before it runs: a call cut short may have opened the transaction.
