@@ -13,8 +13,9 @@
 //!
 //! One lane carries every session's operations, on both databases: SQLite has one writer
 //! anyway, and on PostgreSQL it lets many small sessions share a commit as the operations of
-//! one large session do. A group that locks several sessions locks them in
-//! order of id, so two coordinators' groups never wait on each other crosswise. A claim does
+//! one large session do. On PostgreSQL a session too large for a copy has a lane of its own
+//! (see `GroupCommit::lane`). A group that locks several sessions locks them in order of id,
+//! so two coordinators' groups never wait on each other crosswise. A claim does
 //! not name a session: it first reads,
 //! without locks, which session with a ready task for its roles was served least recently
 //! (sessions take turns), and queues there; when others emptied that session first it picks
@@ -51,7 +52,7 @@
 //! rolled back and each operation is run again alone, so only that caller sees the error
 //! (cheaper than a `SAVEPOINT` per operation in the common case, where nothing fails).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::oneshot;
@@ -193,8 +194,12 @@ enum GroupError {
 #[derive(Debug, Clone)]
 pub(crate) struct GroupCommit {
     store: Store,
-    /// The lane: while a group runs, the operations waiting for the next (`None` when idle).
-    lane: Arc<Mutex<Option<Vec<Op>>>>,
+    /// Lanes with a group running (present), with the operations waiting for the next (see
+    /// [`GroupCommit::lane`]).
+    lanes: Arc<Mutex<HashMap<String, Vec<Op>>>>,
+    /// Sessions whose last group found no copy, each in a lane of its own on PostgreSQL (see
+    /// [`GroupCommit::lane`]).
+    apart: Arc<Mutex<HashSet<String>>>,
     /// Sessions as their last group left them (see `run_optimistic` and `run_in`).
     /// Only the lane's running group uses an entry.
     sessions: Arc<Mutex<HashMap<String, Cached>>>,
@@ -281,15 +286,16 @@ const CACHED_SESSIONS: usize = 1024;
 /// [`task_cache`]).
 const CACHED_TASKS: usize = 50_000;
 
-/// Marks the lane busy while its leader runs; on drop (also when the leader's caller goes
-/// away mid-transaction) hands what queued to a task, so the lane is never left busy.
+/// Marks a lane busy while its leader runs; on drop (also when the leader's caller goes away
+/// mid-transaction) hands what queued to a task, so a lane is never left busy.
 struct Leader<'a> {
     group: &'a GroupCommit,
+    lane: String,
 }
 
 impl Drop for Leader<'_> {
     fn drop(&mut self) {
-        self.group.hand_off();
+        self.group.hand_off(std::mem::take(&mut self.lane));
     }
 }
 
@@ -302,7 +308,8 @@ impl GroupCommit {
     pub(crate) fn new(store: Store) -> Self {
         Self {
             store,
-            lane: Arc::default(),
+            lanes: Arc::default(),
+            apart: Arc::default(),
             sessions: Arc::default(),
             parked: Arc::default(),
             next_parked: Arc::default(),
@@ -382,9 +389,45 @@ impl GroupCommit {
         }));
     }
 
-    fn lane(&self) -> MutexGuard<'_, Option<Vec<Op>>> {
-        // A queue: a panic cannot leave it half-changed.
-        self.lane.lock().unwrap_or_else(PoisonError::into_inner)
+    fn lanes(&self) -> MutexGuard<'_, HashMap<String, Vec<Op>>> {
+        // The map holds no invariant a panic could break halfway.
+        self.lanes.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The lane of `session_id`'s operations: the one lane, shared by every session whose
+    /// copy this coordinator keeps or may keep, so their writes share a commit (see the module
+    /// comment). On PostgreSQL a session known to have no copy (it does not fit the copies'
+    /// budget: see [`Budget`]) has a lane of its own: its groups read their batches from the
+    /// database, which would hold up every other session's, and a commit of its own costs it
+    /// little next to those reads. SQLite has one writer: everything shares one lane there.
+    /// A session goes apart once a group finds it without a copy, and back once one finds it
+    /// with one.
+    fn lane(&self, session_id: &str) -> String {
+        if self.apart().contains(session_id) {
+            session_id.to_owned()
+        } else {
+            String::new()
+        }
+    }
+
+    fn apart(&self) -> MutexGuard<'_, HashSet<String>> {
+        self.apart.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Notes whether a group found `session_id` with a copy (`copied`), for [`Self::lane`].
+    fn found(&self, session_id: &str, copied: bool) {
+        if self.store.dialect() != Dialect::Postgres {
+            return;
+        }
+        let mut apart = self.apart();
+        if copied {
+            apart.remove(session_id);
+        } else if !apart.contains(session_id) {
+            if apart.len() >= CACHED_SESSIONS {
+                apart.clear();
+            }
+            apart.insert(session_id.to_owned());
+        }
     }
 
     fn sessions(&self) -> MutexGuard<'_, HashMap<String, Cached>> {
@@ -460,7 +503,7 @@ impl GroupCommit {
                 request: request.clone(),
                 reply,
             };
-            self.submit(op);
+            self.submit(self.lane(&session_id), op);
             let claimed = answer.await.unwrap_or_else(|_| Err(gone()))?;
             if !claimed.is_empty() {
                 return Ok(claimed);
@@ -494,7 +537,7 @@ impl GroupCommit {
             now,
             reply,
         };
-        self.submit(op);
+        self.submit(self.lane(session_id), op);
         answer.await.unwrap_or_else(|_| Err(gone()))
     }
 
@@ -546,7 +589,7 @@ impl GroupCommit {
             now,
             reply,
         };
-        self.submit(op);
+        self.submit(self.lane(session_id), op);
         let (task, mut next) = answer.await.unwrap_or_else(|_| Err(gone()))?;
         if let Some((answer, request, picked)) = elsewhere {
             next = match answer.await {
@@ -589,18 +632,18 @@ impl GroupCommit {
         }
     }
 
-    /// Queues `op` behind the lane's running group, or runs it at once when the lane is idle.
-    /// Its answer comes on its reply channel.
-    fn submit(&self, op: Op) {
+    /// Queues `op` behind the running transaction of its lane, or runs it at once when the
+    /// lane is idle. Its answer comes on its reply channel.
+    fn submit(&self, lane: String, op: Op) {
         let lead = {
-            let mut lane = self.lane();
-            match &mut *lane {
+            let mut lanes = self.lanes();
+            match lanes.get_mut(&lane) {
                 Some(queue) => {
                     queue.push(op);
                     None
                 }
                 None => {
-                    *lane = Some(Vec::new());
+                    lanes.insert(lane.clone(), Vec::new());
                     Some(op)
                 }
             }
@@ -611,19 +654,22 @@ impl GroupCommit {
             // transaction open on the one writer connection.
             let group = self.clone();
             tokio::spawn(async move {
-                let _leader = Leader { group: &group };
+                let _leader = Leader {
+                    group: &group,
+                    lane,
+                };
                 group.run(vec![op]).await;
             });
         }
     }
 
-    /// Gives what queued to a task that runs it group by group until the lane is empty, or
-    /// marks the lane idle.
-    fn hand_off(&self) {
+    /// Gives what queued on `lane` to a task that runs it group by group until the lane is
+    /// empty, or marks the lane idle.
+    fn hand_off(&self, lane: String) {
         {
-            let mut lane = self.lane();
-            if lane.as_ref().is_none_or(Vec::is_empty) {
-                *lane = None;
+            let mut lanes = self.lanes();
+            if lanes.get(&lane).is_none_or(Vec::is_empty) {
+                lanes.remove(&lane);
                 return;
             }
         }
@@ -631,11 +677,11 @@ impl GroupCommit {
         tokio::spawn(async move {
             loop {
                 let ops = {
-                    let mut lane = group.lane();
-                    match &mut *lane {
+                    let mut lanes = group.lanes();
+                    match lanes.get_mut(&lane) {
                         Some(queue) if !queue.is_empty() => std::mem::take(queue),
                         _ => {
-                            *lane = None;
+                            lanes.remove(&lane);
                             return;
                         }
                     }
@@ -715,8 +761,11 @@ impl GroupCommit {
         // failed, or its session is already in the group) is made after the commit.
         let asked = worked.len();
         let mut claims: Vec<Vec<Op>> = Vec::new();
+        // Only on the shared lane, for sessions of that lane: a session's own lane (see
+        // `lane`) must not take the copies the shared lane's groups work on.
+        let shared = self.lane(&sessions[0]).is_empty();
         for (at, ask) in asks {
-            if !ready[at] {
+            if !ready[at] || !shared || !self.lane(&ask.session_id).is_empty() {
                 continue;
             }
             let op = Op::Claim {
@@ -852,6 +901,7 @@ impl GroupCommit {
                 Cached { session, tasks }
             }
         };
+        self.found(session_id, tasks.is_some());
         let out = self
             .demand
             .take_out(session_id, tasks.as_ref().and_then(TaskCache::ready_alone));
@@ -1338,24 +1388,58 @@ mod tests {
     async fn a_session_refused_a_copy_for_want_of_room_copies_once_there_is_room() {
         let dir = tempfile::tempdir().unwrap();
         let (store, coordinator) = Coordinator::for_tests(dir.path()).await;
+        refused_a_copy_then_room(store, coordinator, dir.path()).await;
+    }
+
+    /// [`a_session_refused_a_copy_for_want_of_room_copies_once_there_is_room`] on PostgreSQL,
+    /// where the session has a lane of its own while it has no copy, and shares the one lane
+    /// again once it has one.
+    #[tokio::test]
+    async fn a_session_without_a_copy_has_a_lane_of_its_own_on_postgres() {
+        let Some(url) = troupe_testkit::postgres_url() else {
+            return;
+        };
+        let url = troupe_testkit::fresh_schema(&url, "l").await;
+        let store = crate::store::Store::open_url(&url).await.unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (store, coordinator) = Coordinator::for_tests_on(store, dir.path());
+        refused_a_copy_then_room(store, coordinator, dir.path()).await;
+    }
+
+    async fn refused_a_copy_then_room(
+        store: crate::store::Store,
+        coordinator: Coordinator,
+        dir: &std::path::Path,
+    ) {
+        let postgres = store.dialect() == crate::store::Dialect::Postgres;
         let plan = json!({"name": "s", "repos": {"app": {"path": "repo"}}, "tasks": [
             {"id": "IMPL-1", "title": "one"}, {"id": "IMPL-2", "title": "two"}]});
-        let session = coordinator
-            .create_for_tests(&plan, &dir.path().join("s"))
-            .await;
+        let session = coordinator.create_for_tests(&plan, &dir.join("s")).await;
         let group = super::GroupCommit::new(store.clone());
         // Another copy takes all the room.
         let (_, read) = task_cache::read_back(&store, &session).await;
         let filler = vec![read[0].clone(); super::CACHED_TASKS];
         let other = task_cache::stored("other", filler, &group.budget).expect("it fits alone");
 
+        assert_eq!(
+            group.lane(&session),
+            "",
+            "not known to be without a copy yet"
+        );
         let first = group.claim(&claim_one()).await.unwrap();
         assert_eq!(first.len(), 1, "claimed without a copy");
         assert!(group.copy_of(&session).is_none(), "no room for a copy");
+        let apart = if postgres { session.as_str() } else { "" };
+        assert_eq!(group.lane(&session), apart);
 
         drop(other);
         let second = group.claim(&claim_one()).await.unwrap();
         assert_eq!(second.len(), 1);
+        assert_eq!(
+            group.lane(&session),
+            "",
+            "back on the one lane with its copy"
+        );
         assert_ne!(first[0].task.id, second[0].task.id);
         let (_, tasks) = group.copy_of(&session).expect("copied once there was room");
         let (_, read) = task_cache::read_back(&store, &session).await;
