@@ -1399,10 +1399,8 @@ mod tests {
         let Some(url) = troupe_testkit::postgres_url() else {
             return;
         };
-        let url = troupe_testkit::fresh_schema(&url, "l").await;
-        let store = crate::store::Store::open_url(&url).await.unwrap();
         let dir = tempfile::tempdir().unwrap();
-        let (store, coordinator) = Coordinator::for_tests_on(store, dir.path());
+        let (store, coordinator) = Coordinator::for_tests_on_postgres(&url, dir.path()).await;
         refused_a_copy_then_room(store, coordinator, dir.path()).await;
     }
 
@@ -1549,10 +1547,8 @@ mod tests {
             return;
         };
         for (moved, dependents) in [(false, 0), (true, 0), (false, 150), (true, 150)] {
-            let url = troupe_testkit::fresh_schema(&url, "g").await;
-            let store = crate::store::Store::open_url(&url).await.unwrap();
             let dir = tempfile::tempdir().unwrap();
-            let (store, coordinator) = Coordinator::for_tests_on(store, dir.path());
+            let (store, coordinator) = Coordinator::for_tests_on_postgres(&url, dir.path()).await;
             two_sessions_in_one_group(store, coordinator, dir.path(), moved, dependents).await;
         }
     }

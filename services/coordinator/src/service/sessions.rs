@@ -705,6 +705,17 @@ impl Coordinator {
         Self::for_tests_on(store, dir)
     }
 
+    /// [`Self::for_tests`] on a fresh schema of the PostgreSQL at `url` (see
+    /// [`troupe_testkit::postgres_url`]), its data under `dir`.
+    pub(crate) async fn for_tests_on_postgres(
+        url: &str,
+        dir: &std::path::Path,
+    ) -> (crate::store::Store, Self) {
+        let url = troupe_testkit::fresh_schema(url, "c").await;
+        let store = crate::store::Store::open_url(&url).await.unwrap();
+        Self::for_tests_on(store, dir)
+    }
+
     /// [`Self::for_tests`] on `store` (PostgreSQL, say), its data under `dir`.
     pub(crate) fn for_tests_on(
         store: crate::store::Store,
