@@ -373,9 +373,10 @@ impl Store {
     }
 
     /// Sends writes that optimistic [`Tx`]s held back (see [`Tx::hold`]), of several sessions,
-    /// at once, in order of session (two coordinators' writes lock the rows they share in the
-    /// same order). Each write still checks its own session's sequence, so one that lost fails
-    /// them all and nothing is written. The group commit holds its sessions' writes back this
+    /// at once, in order of session id (so two coordinators' writes lock the rows they share in
+    /// the same order as far as PostgreSQL's plan follows it; a deadlock it breaks fails the
+    /// call like a lost write). Each write still checks its own session's sequence, so one that
+    /// lost fails them all and nothing is written. The group commit holds its sessions' writes back this
     /// way: one call however many sessions a group holds. On SQLite, one call on the one
     /// writer connection (`BEGIN IMMEDIATE`, each write, `COMMIT`); on PostgreSQL, one
     /// statement (a transaction of one a batch when they exceed one statement's rows).
