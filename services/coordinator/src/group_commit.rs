@@ -697,11 +697,13 @@ impl GroupCommit {
         if ops.is_empty() {
             return;
         }
-        // What `run_parts` left has tried its optimistic write, or cannot.
-        let mut result = Err(GroupError::Contended);
-        if ops.len() > 1 {
-            result = self.run_together(&ops).await;
-        }
+        // What `run_parts` left has tried its optimistic write, or cannot: together under the
+        // lock, or (one operation) alone in `settle`.
+        let result = if ops.len() > 1 {
+            self.run_together(&ops).await
+        } else {
+            Err(GroupError::Contended)
+        };
         self.settle(ops, result).await;
     }
 

@@ -182,11 +182,7 @@ pub(super) async fn write_events(
                 let sql = postgres_write(bumped, rows, tasks.len());
                 let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(session_id);
                 if bumped {
-                    query = query
-                        .bind(to_i64(last))
-                        .bind(last_ts)
-                        .bind(to_i64(first - 1))
-                        .bind(state);
+                    query = bind_bump(query, first - 1, last, last_ts, state);
                 }
                 for (i, (ts, kind)) in chunk {
                     let sequence = first + i as u64;
@@ -300,12 +296,8 @@ pub(super) fn held_writes_postgres(
             let query = match batch {
                 [write] => {
                     let sql = postgres_write(true, events, tasks);
-                    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
-                        .bind(&write.session_id)
-                        .bind(to_i64(write.to))
-                        .bind(write.ts)
-                        .bind(to_i64(write.from))
-                        .bind(write.state);
+                    let query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(&write.session_id);
+                    let mut query = bind_bump(query, write.from, write.to, write.ts, write.state);
                     for (sequence, ts, payload) in &write.events {
                         query = query
                             .bind(to_i64(*sequence))
@@ -480,6 +472,16 @@ fn postgres_write(bump: bool, rows: usize, tasks: usize) -> String {
          SELECT e.* FROM (VALUES {values}) e (session_id, seq, ts, payload), bump",
         ctes.join(", ")
     )
+}
+
+/// Binds `$2` to `$5` of [`postgres_write`] with `bump`: the sequence moving from `from` to
+/// `to`, `updated_at` and the session's new state.
+fn bind_bump(query: AnyQuery<'_>, from: u64, to: u64, ts: i64, state: Option<i32>) -> AnyQuery<'_> {
+    query
+        .bind(to_i64(to))
+        .bind(ts)
+        .bind(to_i64(from))
+        .bind(state)
 }
 
 pub(super) fn moved(session_id: &str, from: u64) -> Error {
