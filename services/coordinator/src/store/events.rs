@@ -355,7 +355,7 @@ fn postgres_write_many(sessions: usize, rows: usize, tasks: usize) -> String {
         ),
         "bump AS (UPDATE sessions SET last_seq = CASE sessions.last_seq WHEN s.from_seq \
          THEN s.to_seq END, updated_at = s.ts, state = COALESCE(s.state, sessions.state) \
-         FROM s WHERE sessions.id = s.id)"
+         FROM s WHERE sessions.id = s.id RETURNING 1)"
             .to_owned(),
     ];
     let tasks_from = 1 + 5 * sessions;
@@ -368,8 +368,14 @@ fn postgres_write_many(sessions: usize, rows: usize, tasks: usize) -> String {
         ctes.push(format!("upd AS ({})", *UPDATE_FROM_V));
     }
     let events_from = tasks_from + (MUTABLE_COLUMNS.len() + 2) * tasks;
+    // The events' insert waits for `bump` (its one-time filter, always true, counts the
+    // sessions moved), so the sessions' rows are locked first, as every other writer of a
+    // session locks them. Unreferenced, `bump` ran after the insert: a message that took a
+    // session's next sequence number meanwhile then waited for these events' keys while this
+    // statement waited for the message's row lock.
     format!(
-        "WITH {} INSERT INTO events (session_id, seq, ts, payload) VALUES {}",
+        "WITH {} INSERT INTO events (session_id, seq, ts, payload) \
+         SELECT * FROM (VALUES {}) e WHERE (SELECT count(*) FROM bump) >= 0",
         ctes.join(", "),
         numbered(events_from, rows, 4)
     )
