@@ -339,7 +339,7 @@ impl Store {
                 lease.run("BEGIN IMMEDIATE", true).await?;
                 Conn::Writer { lease, begun: true }
             }
-            Writer::Pool(pool) => Conn::Tx(pool.begin().await?),
+            Writer::Pool { pool, .. } => Conn::Tx(pool.begin().await?),
         };
         Ok(Tx::new(inner, self.dialect, true))
     }
@@ -351,7 +351,7 @@ impl Store {
                 lease: writer.lease().await,
                 begun: false,
             },
-            Writer::Pool(pool) => Conn::Auto(pool.acquire().await?),
+            Writer::Pool { pool, .. } => Conn::Auto(pool.acquire().await?),
         };
         Ok(Tx::new(inner, self.dialect, true))
     }
@@ -379,7 +379,8 @@ impl Store {
     /// lost fails them all and nothing is written. The group commit holds its sessions' writes back this
     /// way: one call however many sessions a group holds. On SQLite, one call on the one
     /// writer connection (`BEGIN IMMEDIATE`, each write, `COMMIT`); on PostgreSQL, one
-    /// statement (a transaction of one a batch when they exceed one statement's rows).
+    /// statement (a transaction of one a batch when they exceed one statement's rows) on the
+    /// group commit's own connection.
     pub(crate) async fn write_held(&self, mut writes: Vec<HeldWrite>) -> Result<(), Error> {
         if writes.is_empty() {
             return Ok(());
@@ -387,7 +388,7 @@ impl Store {
         writes.sort_by(|a, b| a.session_id.cmp(&b.session_id));
         let writer = match &self.writer {
             Writer::Sqlite(writer) => writer,
-            Writer::Pool(pool) => {
+            Writer::Pool { held: pool, .. } => {
                 let mut queries = held_writes_postgres(&writes)?;
                 if queries.len() == 1
                     && let Some((query, rows)) = queries.pop()
