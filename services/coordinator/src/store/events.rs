@@ -233,6 +233,31 @@ pub(crate) struct HeldWrite {
     reshaped: bool,
 }
 
+#[cfg(test)]
+impl HeldWrite {
+    /// A write that moves `session_id`'s sequence from `from` by one event (a note) at `now`.
+    pub(crate) fn one_event(session_id: &str, from: u64, now: i64) -> Self {
+        let kind = Kind::Message(pb::Message {
+            summary: "held back".to_owned(),
+            ..Default::default()
+        });
+        Self {
+            session_id: session_id.to_owned(),
+            from,
+            to: from + 1,
+            ts: now,
+            state: None,
+            tasks: Vec::new(),
+            events: vec![(
+                from + 1,
+                now,
+                event_payload(session_id, from + 1, now, kind),
+            )],
+            reshaped: false,
+        }
+    }
+}
+
 /// Held writes in batches within one statement's rows, in order.
 fn batches(writes: &[HeldWrite]) -> Vec<&[HeldWrite]> {
     let mut batches: Vec<&[HeldWrite]> = Vec::new();

@@ -451,6 +451,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::Store;
+    use crate::store::events::HeldWrite;
 
     async fn workers(store: &Store) -> i64 {
         sqlx::query_scalar("SELECT COUNT(*) FROM workers")
@@ -504,5 +505,79 @@ mod tests {
         insert("alone").execute(&mut *tx).await.unwrap();
         drop(tx);
         assert_eq!(workers(&store).await, 2);
+    }
+
+    /// On PostgreSQL, a held write of several sessions locks their rows before it inserts
+    /// their events, as every other writer of a session does. A message holding a session's
+    /// row (its sequence number taken, its event not yet in) makes the write wait; the
+    /// message's event then goes in at once and, once it commits, the write finds the session
+    /// moved and fails whole. Inserting the events first, the write would wait for the row
+    /// while the message waited for the write's event key: a deadlock, which PostgreSQL breaks
+    /// by failing the write a second later.
+    #[tokio::test]
+    async fn a_held_write_waits_for_a_message_that_holds_a_session() {
+        use sqlx::Row as _;
+        let Some(url) = troupe_testkit::postgres_url() else {
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (store, coordinator) =
+            crate::service::Coordinator::for_tests_on_postgres(&url, dir.path()).await;
+        for name in ["a", "b"] {
+            let plan = serde_json::json!({
+                "name": name,
+                "repos": {"app": {"path": "repo"}},
+                "tasks": [{"id": "IMPL-1", "title": "one"}],
+            });
+            coordinator
+                .create_for_tests(&plan, &dir.path().join(name))
+                .await;
+        }
+        let sequences = || async {
+            let rows = sqlx::query("SELECT id, last_seq FROM sessions ORDER BY id")
+                .fetch_all(&store.reader)
+                .await
+                .unwrap();
+            rows.iter()
+                .map(|row| (row.get::<String, _>("id"), row.get::<i64, _>("last_seq")))
+                .collect::<Vec<_>>()
+        };
+        let before = sequences().await;
+        let now = crate::convert::now_ms();
+        let writes: Vec<HeldWrite> = before
+            .iter()
+            .map(|(id, last)| HeldWrite::one_event(id, *last as u64, now))
+            .collect();
+        // The message: the first session's row and its next sequence number.
+        let (first, last) = before[0].clone();
+        let mut message = store.reader.begin().await.unwrap();
+        sqlx::query("UPDATE sessions SET last_seq = last_seq + 1 WHERE id = $1")
+            .bind(&first)
+            .execute(&mut *message)
+            .await
+            .unwrap();
+        let held = tokio::spawn({
+            let store = store.clone();
+            async move { store.write_held(writes).await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert!(!held.is_finished(), "the write waits for the message's row");
+        sqlx::query("INSERT INTO events (session_id, seq, ts, payload) VALUES ($1, $2, $3, $4)")
+            .bind(&first)
+            .bind(last + 1)
+            .bind(now)
+            .bind(vec![0_u8])
+            .execute(&mut *message)
+            .await
+            .expect("the message's event goes in while the write waits");
+        message.commit().await.unwrap();
+        let err = held.await.unwrap().expect_err("the session moved");
+        assert!(
+            !err.to_string().contains("deadlock"),
+            "failed as moved, not by a deadlock: {err}"
+        );
+        let after = sequences().await;
+        assert_eq!(after[0], (first, last + 1), "the message's number only");
+        assert_eq!(after[1], before[1], "nothing of the write landed");
     }
 }
