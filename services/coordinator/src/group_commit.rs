@@ -11,18 +11,17 @@
 //! and claiming in memory, one write. So a group costs about five round trips to the
 //! database however many operations it holds. The claims see what the completions readied.
 //!
-//! One lane carries every session's operations, on both databases: SQLite has one writer
-//! anyway, and on PostgreSQL it lets many small sessions share a commit as the operations of
-//! one large session do. On PostgreSQL a session too large for a copy has a lane of its own
-//! (see `GroupCommit::lane`). A group that locks several sessions locks them in order of id,
-//! so two coordinators' groups never wait on each other crosswise. A claim does not name a
-//! session: it first reads, without locks, which session with a ready task for its roles was
-//! served least recently (sessions take turns), and queues there; when others emptied that
-//! session first it picks again. A completion's `claim_next` stays in its session for a turn (see [`crate::turns`]),
+//! One lane carries every session's operations, on both databases: SQLite has one writer anyway,
+//! and on PostgreSQL it lets many small sessions share a commit as the operations of one large
+//! session do. On PostgreSQL a session too large for a copy has a lane of its own (see
+//! `GroupCommit::lane`). A group that locks several sessions locks them in order of id, so two
+//! coordinators' groups never wait on each other crosswise. A claim does not name a session: it
+//! first reads, without locks, which session with a ready task for its roles was served least
+//! recently (sessions take turns), and queues there; when others emptied that session first it
+//! picks again. A completion's `claim_next` stays in its session for a turn (see [`crate::turns`]),
 //! and goes on to another session when its own has nothing ready for it once the claims already
-//! queued there took theirs (as far as the session's copy tells: see [`crate::demand`]); that
-//! claim is made in the completion's group, its write sent with the completion's (see
-//! `run_parts`).
+//! queued there took theirs (as far as the session's copy tells: see [`crate::demand`]); that claim
+//! is made in the completion's group, its write sent with the completion's (see `run_parts`).
 //!
 //! A group of completions and claims of one active eager session first runs optimistically
 //! (see `run_optimistic`): no lock, its tasks from the in-memory copy of the session
@@ -707,13 +706,13 @@ impl GroupCommit {
         self.settle(ops, result).await;
     }
 
-    /// The lane carries several sessions' operations in a group. Each session's part that can
-    /// is worked out optimistically on its copy with its write held back (see [`Tx::hold`]),
-    /// and the writes of all of them go out in one call, which every group waits for
+    /// The lane carries several sessions' operations in a group. Each session's part that can is
+    /// worked out optimistically on its copy with its write held back (see [`Tx::hold`]), and the
+    /// writes of all of them go out in one call, which every group waits for
     /// ([`Store::write_held`]: one statement on PostgreSQL, one call on SQLite's writer): one
-    /// commit a group, as with one session, instead of one a session. Each write still checks
-    /// its session's sequence; when the call fails, nothing was written, the parts' copies are
-    /// put back as they were, and each part runs optimistically on its own. Returns what is left to run
+    /// commit a group, as with one session, instead of one a session. Each write still checks its
+    /// session's sequence; when the call fails, nothing was written, the parts' copies are put back
+    /// as they were, and each part runs optimistically on its own. Returns what is left to run
     /// together: the parts with heartbeats and those that lost their optimistic write.
     async fn run_parts(&self, ops: Vec<Op>) -> Vec<Op> {
         let mut parts: Vec<Vec<Op>> = Vec::new();

@@ -372,15 +372,15 @@ impl Store {
         Ok(tx)
     }
 
-    /// Sends writes that optimistic [`Tx`]s held back (see [`Tx::hold`]), of several sessions,
-    /// at once, in order of session id (so two coordinators' writes lock the rows they share in
-    /// the same order as far as PostgreSQL's plan follows it; a deadlock it breaks fails the
-    /// call like a lost write). Each write still checks its own session's sequence, so one that
-    /// lost fails them all and nothing is written. The group commit holds its sessions' writes back this
-    /// way: one call however many sessions a group holds. On SQLite, one call on the one
-    /// writer connection (`BEGIN IMMEDIATE`, each write, `COMMIT`); on PostgreSQL, one
-    /// statement (a transaction of one a batch when they exceed one statement's rows) on the
-    /// group commit's own connection.
+    /// Sends writes that optimistic [`Tx`]s held back (see [`Tx::hold`]), of several sessions, at
+    /// once, in order of session id (so two coordinators' writes lock the rows they share in the
+    /// same order as far as PostgreSQL's plan follows it; a deadlock it breaks fails the call like
+    /// a lost write). Each write still checks its own session's sequence, so one that lost fails
+    /// them all and nothing is written. The group commit holds its sessions' writes back this way:
+    /// one call however many sessions a group holds. On SQLite, one call on the one writer
+    /// connection (`BEGIN IMMEDIATE`, each write, `COMMIT`); on PostgreSQL, one statement (a
+    /// transaction of one a batch when they exceed one statement's rows) on the group commit's own
+    /// connection.
     pub(crate) async fn write_held(&self, mut writes: Vec<HeldWrite>) -> Result<(), Error> {
         if writes.is_empty() {
             return Ok(());
