@@ -485,12 +485,15 @@ async fn troupe_watch_on_a_terminal_draws_bars_and_running_tasks() -> anyhow::Re
         "{running}"
     );
     // At the end: every bar full, transitions printed above them, no running line left.
+    // Waited for whole: the view redraws its lines one by one, and CI once captured the
+    // screen with `all` at 3/3 while the wave bar and the running line were not redrawn yet.
+    let running_line = |l: &str| l.contains("IMPL-") && !l.contains("->");
     let done = troupe_testkit::eventually_within(
-        "the live view reaching 3/3",
+        "the live view reaching 3/3 with no running task left",
         Duration::from_secs(120),
         || async {
             let screen = tmux.screen().unwrap_or_default();
-            screen.contains("3/3").then_some(screen)
+            (screen.contains("3/3") && !screen.lines().any(running_line)).then_some(screen)
         },
     )
     .await;
@@ -499,12 +502,7 @@ async fn troupe_watch_on_a_terminal_draws_bars_and_running_tasks() -> anyhow::Re
         "{done}"
     );
     // Running-task lines (`IMPL-1  4s attempt 1 on …`) are gone; transitions (`->`) stay.
-    assert!(
-        !done
-            .lines()
-            .any(|l| l.contains("IMPL-") && !l.contains("->")),
-        "{done}"
-    );
+    assert!(!done.lines().any(running_line), "{done}");
 
     // Not a terminal: the same session as plain lines, no bars.
     let plain = stdout_of(&troupe(&["watch", &session, "--connect", &url]).await?);
