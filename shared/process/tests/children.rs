@@ -81,6 +81,14 @@ impl Helper {
         };
         assert!(alive(leader) && alive(grandchild));
         assert_eq!(stat(grandchild).expect("grandchild stat").pgrp, leader);
+        // The helper records its group once `spawn` returned, which may be after the group's
+        // script wrote its pids (CI once looked in between).
+        if let Some(records) = records {
+            let record = records.join(leader.to_string());
+            eventually("the helper's record of its group", || {
+                record.is_file().then_some(())
+            });
+        }
         helper
     }
 
