@@ -1,10 +1,13 @@
-//! Demand: the tasks that completions' `claim_next`s already queued on a session will take,
-//! for the next completion's `claim_next` to tell whether its session has a ready task left
-//! for it (see `GroupCommit::complete`). Without it, completions that arrive together all stay
-//! in a session with one ready task left: one gets it, the others come back empty-handed and
-//! their workers claim again (a round trip and a pick each). In the bench's 1,000 sessions of
-//! 25 tasks, where workers often meet at a session's last tasks, 1,537 of 25,000 completions
-//! came back empty that way; 47 with it.
+//! Demand: the tasks that claims already queued on a session will take (completions'
+//! `claim_next`s, and claims a pick sent there), for the next completion's `claim_next` to
+//! tell whether its session has a ready task left for it (see `GroupCommit::complete`), and
+//! for picks to pass over a session whose ready tasks are spoken for (see [`crate::picks`]).
+//! Without it, completions that arrive together all stay in a session with one ready task
+//! left: one gets it, the others come back empty-handed and their workers claim again (a
+//! round trip and a pick each). In the bench's 1,000 sessions of 25 tasks, where workers often
+//! meet at a session's last tasks, 1,537 of 25,000 completions came back empty that way; 47
+//! with it. The claims a pick sends are counted on SQLite only, where workers that pick
+//! together go to one session (see [`crate::picks`]).
 //!
 //! While a group works on a session its copy is out of reach, so the group leaves behind how
 //! many tasks were ready when it took the copy, when the session's tasks depend on none

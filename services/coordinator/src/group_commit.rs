@@ -21,7 +21,8 @@
 //! picks again. A completion's `claim_next` stays in its session for a turn (see [`crate::turns`]),
 //! and goes on to another session when its own has nothing ready for it once the claims already
 //! queued there took theirs (as far as the session's copy tells: see [`crate::demand`]); that claim
-//! is made in the completion's group, its write sent with the completion's (see `run_parts`).
+//! is made in the completion's group, its write sent with the completion's (see `run_parts`), in
+//! that session's part when the group has one. Which session: see [`crate::picks`].
 //!
 //! A group of completions and claims of one active eager session first runs optimistically
 //! (see `run_optimistic`): no lock, its tasks from the in-memory copy of the session
@@ -64,6 +65,7 @@ use crate::lifecycle::complete::{self, Completion};
 use crate::lifecycle::heartbeat::heartbeat_in;
 use crate::lifecycle::routing::Filter;
 use crate::lifecycle::task_cache::{self, Budget, TaskCache};
+use crate::picks::{self, Picks};
 use crate::store::sessions::{self, SessionRow};
 use crate::store::{Dialect, HeldWrite, Store, Tx};
 use crate::task::Task;
@@ -73,7 +75,7 @@ use crate::turns::Turns;
 #[derive(Debug)]
 enum Op {
     Claim {
-        /// The session [`Store::pick_session`] chose.
+        /// The session [`Store::pick_sessions`] chose.
         session_id: String,
         request: ClaimRequest,
         reply: oneshot::Sender<Result<Vec<Claimed>, Error>>,
@@ -211,6 +213,14 @@ pub(crate) struct GroupCommit {
     demand: Arc<Demand>,
     /// The bound on the tasks of all copies, [`CACHED_TASKS`].
     budget: Budget,
+    /// Sessions a read named for the next picks (see [`crate::picks`]).
+    picks: Arc<Picks>,
+    /// Whether workers that pick together go to one session, with visits (see
+    /// [`crate::turns`]) and completions' claims joining their session's part of a group:
+    /// SQLite only. On PostgreSQL, 1,000 sessions burned at half the rate in one run of two
+    /// that way, for a reason not yet found (docs/performance.md, "nineteenth run"); there
+    /// every pick reads.
+    clusters: bool,
 }
 
 /// A parked claim: its request and where its answer goes once a group took it.
@@ -305,15 +315,17 @@ fn gone() -> Error {
 impl GroupCommit {
     pub(crate) fn new(store: Store) -> Self {
         Self {
-            store,
+            store: store.clone(),
             lanes: Arc::default(),
             apart: Arc::default(),
             sessions: Arc::default(),
             parked: Arc::default(),
             next_parked: Arc::default(),
-            turns: Arc::default(),
+            turns: Arc::new(Turns::new(store.dialect() == Dialect::Sqlite)),
             demand: Arc::default(),
             budget: Budget::new(CACHED_TASKS),
+            picks: Arc::default(),
+            clusters: store.dialect() == Dialect::Sqlite,
         }
     }
 
@@ -474,7 +486,7 @@ impl GroupCommit {
     }
 
     /// Claims up to `request.max` ready tasks of its roles from the session served least
-    /// recently that has one (see [`Store::pick_session`]).
+    /// recently that has one (see [`Store::pick_sessions`]).
     pub(crate) async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Claimed>, Error> {
         self.claim_from(request, None).await
     }
@@ -490,12 +502,16 @@ impl GroupCommit {
         loop {
             let session_id = match picked.take() {
                 Some(session_id) => session_id,
-                None => match self.store.pick_session(request.filter()).await? {
+                None => match self.pick(request, None).await? {
                     Some(session_id) => session_id,
                     None => break,
                 },
             };
             let (reply, answer) = oneshot::channel();
+            // Counted until answered (see `complete`).
+            let _queued = self
+                .clusters
+                .then(|| self.demand.queue(&session_id, request.max as usize));
             let op = Op::Claim {
                 session_id: session_id.clone(),
                 request: request.clone(),
@@ -506,6 +522,7 @@ impl GroupCommit {
             if !claimed.is_empty() {
                 return Ok(claimed);
             }
+            self.picks.emptied(&session_id);
             // A provider quota may be what holds the ready tasks back: asking again changes
             // nothing (the long poll waits for a change, or the quota's next rebuild).
             if request.quotas.engaged() {
@@ -557,8 +574,8 @@ impl GroupCommit {
         let (mut ask, mut elsewhere) = (None, None);
         if let Some(request) = &claim_next
             && (self.turns.over(&request.worker_id, session_id)
-                || self.runs_dry(session_id, task_id))
-            && let Ok(Some(picked)) = self.store.pick_session(request.filter()).await
+                || self.runs_dry(session_id, Some(task_id)))
+            && let Ok(Some(picked)) = self.pick(request, Some(session_id)).await
             && picked != session_id
             && let Some(request) = claim_next.take()
         {
@@ -568,7 +585,12 @@ impl GroupCommit {
                 request: request.clone(),
                 reply,
             });
-            elsewhere = Some((answer, request, picked));
+            // Counted until answered, so that the picks meanwhile pass the session over when
+            // the claims already sent there will take what it has ready.
+            let queued = self
+                .clusters
+                .then(|| self.demand.queue(&picked, request.max as usize));
+            elsewhere = Some((answer, request, picked, queued));
         }
         let queued = claim_next
             .as_ref()
@@ -589,7 +611,7 @@ impl GroupCommit {
         };
         self.submit(self.lane(session_id), op);
         let (task, mut next) = answer.await.unwrap_or_else(|_| Err(gone()))?;
-        if let Some((answer, request, picked)) = elsewhere {
+        if let Some((answer, request, picked, _queued)) = elsewhere {
             next = match answer.await {
                 Ok(claimed) => claimed,
                 // Not taken by the group: claimed now, after the completion's commit.
@@ -614,18 +636,47 @@ impl GroupCommit {
         Ok((task, next))
     }
 
-    /// Whether a completion of `task_id` leaves `session_id` with nothing ready for its
-    /// `claim_next` once the claims queued there took theirs, as far as its copy tells (or, while
-    /// a group has the copy out, what it left in [`Demand`]; false without either): the claim
-    /// would come back empty.
-    fn runs_dry(&self, session_id: &str, task_id: &str) -> bool {
+    /// The session `request` goes to: the active one with a ready task for it served least
+    /// recently, as the last read for its filter tells while that is fresh (see
+    /// [`crate::picks`]), else as a new read tells. `leaving`: the session whose turn the
+    /// worker ends, which a read already made does not send it back to.
+    async fn pick(
+        &self,
+        request: &ClaimRequest,
+        leaving: Option<&str>,
+    ) -> Result<Option<String>, Error> {
+        let (filter, worker) = (request.filter(), request.worker_id.as_str());
+        if !self.clusters {
+            let sessions = self.store.pick_sessions(filter, 1).await?;
+            return Ok(sessions.into_iter().next());
+        }
+        // Passed over: sessions with nothing ready, and those whose visit is over.
+        let passed =
+            |session_id: &str| self.runs_dry(session_id, None) || self.turns.visited(session_id);
+        if let Some(session_id) = self.picks.next(filter, worker, leaving, passed) {
+            return Ok(Some(session_id));
+        }
+        let at = std::time::Instant::now();
+        let sessions = self.store.pick_sessions(filter, picks::PER_READ).await?;
+        self.picks.keep(filter, at, worker, &sessions);
+        if let Some(session_id) = sessions.first() {
+            self.turns.visit_begins(session_id);
+        }
+        Ok(sessions.into_iter().next())
+    }
+
+    /// Whether `session_id` has nothing ready for another claim once the claims queued there
+    /// took theirs (and, with `completing`, that task's completion readies nothing), as far as
+    /// its copy tells (or, while a group has the copy out, what it left in [`Demand`]; false
+    /// without either): the claim would come back empty.
+    fn runs_dry(&self, session_id: &str, completing: Option<&str>) -> bool {
         let (queued, ready_out) = self.demand.of(session_id);
         match self
             .sessions()
             .get(session_id)
             .and_then(|copy| copy.tasks.as_ref())
         {
-            Some(tasks) => tasks.runs_dry(task_id, queued),
+            Some(tasks) => tasks.runs_dry(completing, queued),
             None => ready_out.is_some_and(|ready| ready <= queued),
         }
     }
@@ -738,22 +789,51 @@ impl GroupCommit {
             };
             asks.extend(ask.map(|ask| (at, ask)));
         }
+        let parts = if self.clusters {
+            claimed_last(parts, &mut asks)
+        } else {
+            parts
+        };
         let mut sessions: Vec<String> = parts
             .iter()
             .map(|part| part[0].session_id().to_owned())
             .collect();
         let mut rest = Vec::new();
+        // Each part worked out, with how many claims of completions it took in (at its end).
         let mut worked = Vec::with_capacity(parts.len());
         let mut ready = vec![false; parts.len()];
-        for (at, part) in parts.into_iter().enumerate() {
+        // Whether the part's write is held back.
+        let mut held = vec![false; parts.len()];
+        // Only on the shared lane, for sessions of that lane: a session's own lane (see
+        // `lane`) must not take the copies the shared lane's groups work on.
+        let shared = self.lane(&sessions[0]).is_empty();
+        for (at, mut part) in parts.into_iter().enumerate() {
+            let (mut taken, hold) = if shared && self.clusters {
+                take_asks(&mut asks, &mut part, at, &ready, &held)
+            } else {
+                (0, Hold::WithCopy)
+            };
             // A part with heartbeats is declined at once, its copy untouched.
-            match self.prepare(&part, Hold::WithCopy).await {
+            let mut result = self.prepare(&part, hold).await;
+            if taken > 0 && matches!(result, Err(GroupError::Contended)) {
+                // It could not hold its write back: the claims it took in are made once their
+                // completions are committed, and the part runs as it would have.
+                part.truncate(part.len() - taken);
+                taken = 0;
+                result = self.prepare(&part, Hold::WithCopy).await;
+            }
+            match result {
                 Ok(prepared) => {
                     ready[at] = true;
-                    worked.push((part, prepared));
+                    held[at] = prepared.held.is_some();
+                    worked.push((part, prepared, taken));
                 }
                 Err(GroupError::Contended) => rest.extend(part),
-                Err(err) => self.settle(part, Err(err)).await,
+                Err(err) => {
+                    // The claims it took in are made once their completions are committed.
+                    part.truncate(part.len() - taken);
+                    self.settle(part, Err(err)).await;
+                }
             }
         }
         // The claims of completions worked out, in sessions of their own: a part each, whose
@@ -761,9 +841,6 @@ impl GroupCommit {
         // failed, or its session is already in the group) is made after the commit.
         let asked = worked.len();
         let mut claims: Vec<Vec<Op>> = Vec::new();
-        // Only on the shared lane, for sessions of that lane: a session's own lane (see
-        // `lane`) must not take the copies the shared lane's groups work on.
-        let shared = self.lane(&sessions[0]).is_empty();
         for (at, ask) in asks {
             if !ready[at] || !shared || !self.lane(&ask.session_id).is_empty() {
                 continue;
@@ -790,12 +867,12 @@ impl GroupCommit {
         }
         for part in claims {
             if let Ok(prepared) = self.prepare(&part, Hold::Only).await {
-                worked.push((part, prepared));
+                worked.push((part, prepared, 0));
             }
         }
         let writes: Vec<HeldWrite> = worked
             .iter_mut()
-            .filter_map(|(_, prepared)| prepared.held.take())
+            .filter_map(|(_, prepared, _)| prepared.held.take())
             .collect();
         // None held back (every part wrote at once, or none worked out) costs no call.
         let written = match self.store.write_held(writes).await {
@@ -805,7 +882,7 @@ impl GroupCommit {
                 false
             }
         };
-        for (i, (part, prepared)) in worked.into_iter().enumerate() {
+        for (i, (mut part, prepared, taken)) in worked.into_iter().enumerate() {
             let session_id = part[0].session_id();
             if written || prepared.before.is_none() {
                 let result = self.finish(session_id, prepared).await;
@@ -817,6 +894,7 @@ impl GroupCommit {
             if i >= asked {
                 continue;
             }
+            part.truncate(part.len() - taken);
             match self.run_optimistic(&part).await {
                 Err(GroupError::Contended) => rest.extend(part),
                 result => self.settle(part, result).await,
@@ -1321,6 +1399,83 @@ fn one_batch<'a>(session: &SessionRow, mut filters: impl Iterator<Item = Filter<
         && filters.all(|these| Some(these) == first)
 }
 
+/// `parts` with those whose session a completion of another part claims in (see
+/// [`Elsewhere`]) after the others, so that such a claim joins its session's part (see
+/// [`take_asks`]); `asks` follow their parts.
+fn claimed_last(parts: Vec<Vec<Op>>, asks: &mut [(usize, Elsewhere)]) -> Vec<Vec<Op>> {
+    let claimed: Vec<bool> = parts
+        .iter()
+        .enumerate()
+        .map(|(at, part)| {
+            asks.iter()
+                .any(|(from, ask)| *from != at && ask.session_id == part[0].session_id())
+        })
+        .collect();
+    if !claimed.contains(&true) {
+        return parts;
+    }
+    let mut order: Vec<usize> = (0..parts.len()).collect();
+    order.sort_by_key(|&at| claimed[at]);
+    let mut place = vec![0; parts.len()];
+    for (new, &old) in order.iter().enumerate() {
+        place[old] = new;
+    }
+    for (from, _) in asks.iter_mut() {
+        *from = place[*from];
+    }
+    let mut parts: Vec<Option<Vec<Op>>> = parts.into_iter().map(Some).collect();
+    order
+        .into_iter()
+        .filter_map(|at| parts[at].take())
+        .collect()
+}
+
+/// Takes out of `asks` the claims of completions (see [`Elsewhere`]) for the session of `part`,
+/// the `at`-th part of a group, whose completions are in parts already worked out (`ready`), and
+/// appends them to `part`: such a claim is then written with its session's part, in the
+/// same call as its completion when that is held back (`held`), else after it. The claims
+/// of other filters than `part`'s own are left (a part claims for one filter). Returns how
+/// many it took, and how `part` must write: held back when one of their completions is.
+fn take_asks(
+    asks: &mut Vec<(usize, Elsewhere)>,
+    part: &mut Vec<Op>,
+    at: usize,
+    ready: &[bool],
+    held: &[bool],
+) -> (usize, Hold) {
+    let session_id = part[0].session_id().to_owned();
+    let mut filter = part.iter().find_map(Op::claim_request).cloned();
+    let (mut taken, mut hold) = (0, Hold::WithCopy);
+    let mut left = Vec::with_capacity(asks.len());
+    for (from, ask) in std::mem::take(asks) {
+        let fits = from < at
+            && ready[from]
+            && ask.session_id == session_id
+            && filter
+                .as_ref()
+                .is_none_or(|first| first.filter() == ask.request.filter());
+        if !fits {
+            left.push((from, ask));
+            continue;
+        }
+        if held[from] {
+            hold = Hold::Only;
+        }
+        filter.get_or_insert_with(|| ask.request.clone());
+        part.push(Op::Claim {
+            request: ClaimRequest {
+                now: crate::convert::now_ms(),
+                ..ask.request
+            },
+            reply: ask.reply,
+            session_id: ask.session_id,
+        });
+        taken += 1;
+    }
+    *asks = left;
+    (taken, hold)
+}
+
 /// Sends an operation its answer (a caller that went away is not waiting for it).
 fn answer(op: Op, outcome: Result<Outcome, Error>) {
     match op {
@@ -1505,15 +1660,15 @@ mod tests {
         let ready = copy.tasks.as_ref().and_then(TaskCache::ready_alone);
         assert_eq!(ready, Some(2));
         let out = group.demand.take_out(&there, ready);
-        assert!(!group.runs_dry(&there, "IMPL-1"));
+        assert!(!group.runs_dry(&there, Some("IMPL-1")));
         let queued = group.demand.queue(&there, 2);
         assert!(
-            group.runs_dry(&there, "IMPL-1"),
+            group.runs_dry(&there, Some("IMPL-1")),
             "both ready tasks spoken for"
         );
         drop(out);
         assert!(
-            !group.runs_dry(&there, "IMPL-1"),
+            !group.runs_dry(&there, Some("IMPL-1")),
             "unknown once the group is over"
         );
         drop(queued);

@@ -40,6 +40,7 @@ mod group_commit;
 mod grpc;
 mod lifecycle;
 mod metrics;
+mod picks;
 mod quota;
 mod repos;
 mod service;

@@ -139,16 +139,18 @@ impl TaskCache {
     }
 
     /// Whether no more than `queued` tasks are ready (claims queued will take them), and
-    /// completing `task_id` readies nothing (no task waits for it).
-    pub(crate) fn runs_dry(&self, task_id: &str, queued: usize) -> bool {
+    /// completing `task_id` (if any) readies nothing (no task waits for it).
+    pub(crate) fn runs_dry(&self, task_id: Option<&str>, queued: usize) -> bool {
         self.ready.len() <= queued
-            && self.dependents.get(task_id).is_none_or(|dependents| {
-                dependents.iter().all(|id| {
-                    self.tasks
-                        .get(id)
-                        .is_none_or(|task| task.state != TaskState::Pending)
+            && task_id
+                .and_then(|task_id| self.dependents.get(task_id))
+                .is_none_or(|dependents| {
+                    dependents.iter().all(|id| {
+                        self.tasks
+                            .get(id)
+                            .is_none_or(|task| task.state != TaskState::Pending)
+                    })
                 })
-            })
     }
 
     /// How many tasks are ready, when no task depends on another: then that is all a claim

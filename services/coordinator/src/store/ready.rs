@@ -14,16 +14,18 @@ use crate::task::Task;
 
 impl Store {
     /// Of the active sessions with a ready task of `roles` (any when empty) that a worker
-    /// offering `offer` can run, the one served least recently (`updated_at`, which each
-    /// claim and completion moves), read without locks: so sessions take turns. The claim then
+    /// offering `offer` can run, the `limit` served least recently, in that order
+    /// (`updated_at`, which each claim and completion moves), read without locks: so sessions
+    /// take turns (see [`crate::picks`]). The claim then
     /// queues on its group (see [`crate::group_commit`]), which takes its best ready tasks
     /// under the lock. At most one index probe per active session (`sessions_served`, then
     /// `tasks_session_ready`). A worker never picks a session for tasks it cannot run (they
     /// would stay its pick forever, and its claims come back empty).
-    pub(crate) async fn pick_session(
+    pub(crate) async fn pick_sessions(
         &self,
         (roles, offer): Filter<'_>,
-    ) -> Result<Option<String>, Error> {
+        limit: usize,
+    ) -> Result<Vec<String>, Error> {
         let role_filter = role_filter("t.role", roles, 1);
         let (routing, patterns) = routing::sql_filter("t.backends", offer, 1 + roles.len());
         // The states are constants written into the statement, not parameters: PostgreSQL's
@@ -37,7 +39,7 @@ impl Store {
             "SELECT s.id FROM sessions s WHERE s.state = {} AND (SELECT 1 FROM tasks t \
              WHERE t.session_id = s.id AND t.state = {}{role_filter}{routing} \
              ORDER BY t.role, t.priority, t.path_ms DESC, t.created_at, t.position LIMIT 1) = 1 \
-             ORDER BY s.updated_at, s.id LIMIT 1",
+             ORDER BY s.updated_at, s.id LIMIT {limit}",
             SessionState::Active as i32,
             TaskState::Ready as i32,
         );
@@ -48,8 +50,11 @@ impl Store {
         for pattern in patterns {
             query = query.bind(pattern);
         }
-        let row = query.fetch_optional(&self.reader).await?;
-        Ok(row.map(|row| row.try_get("id")).transpose()?)
+        let rows = query.fetch_all(&self.reader).await?;
+        Ok(rows
+            .iter()
+            .map(|row| row.try_get("id"))
+            .collect::<Result<_, _>>()?)
     }
 
     /// The ready tasks of active sessions that may be capability gaps, as (session id, task

@@ -5,7 +5,7 @@
 //! - A session of 50,000 tasks: a list of 500 tasks by id walked the session's whole range of
 //!   another index, 0.6 s, where the primary key takes 1 ms.
 //! - 1,000 sessions taken in one after another: a claim's pick of a session (see
-//!   `Store::pick_session`) probed the ready tasks of every active session and sorted them,
+//!   `Store::pick_sessions`) probed the ready tasks of every active session and sorted them,
 //!   10 ms a pick and most of the database's time, where the turn-order index stops at the
 //!   first session with a ready task.
 //!

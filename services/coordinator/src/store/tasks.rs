@@ -351,7 +351,7 @@ pub(crate) async fn load_claimable(
 ) -> Result<Vec<Task>, Error> {
     let role_filter = role_filter("role", roles, 3);
     let (routing, patterns) = routing::sql_filter("backends", offer, 3 + roles.len());
-    // The state is a constant in the statement (see `Store::pick_session`).
+    // The state is a constant in the statement (see `Store::pick_sessions`).
     let mut query = sqlx::query(sqlx::AssertSqlSafe(format!(
         "SELECT {TASK_COLUMNS} FROM tasks WHERE session_id = $1 AND state = {}{role_filter}{routing} \
          ORDER BY priority, path_ms DESC, created_at, position LIMIT $2",
@@ -435,7 +435,7 @@ pub(crate) async fn any_task_in(
     session_id: &str,
     states: &[TaskState],
 ) -> Result<bool, Error> {
-    // The states are written into the statement (see [`Store::pick_session`]).
+    // The states are written into the statement (see [`Store::pick_sessions`]).
     let states: Vec<String> = states
         .iter()
         .map(|state| (*state as i32).to_string())
@@ -506,7 +506,7 @@ pub(crate) async fn read_batch(
                 these.join(", ")
             ));
             // Their pending dependents, through the dependency index. States are constants
-            // in the statement (see `pick_session`).
+            // in the statement (see `pick_sessions`).
             // From `task_deps` to the tasks (CROSS JOIN keeps that order on SQLite, whose
             // planner would otherwise walk every pending task of the session); a task waiting
             // on two of them comes twice, and is kept once below.
