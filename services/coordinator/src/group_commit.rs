@@ -118,6 +118,20 @@ struct Elsewhere {
     reply: oneshot::Sender<Result<Vec<Claimed>, Error>>,
 }
 
+impl Elsewhere {
+    /// The claim, as of now, for a group to make in its session's part.
+    fn into_claim(self) -> Op {
+        Op::Claim {
+            request: ClaimRequest {
+                now: crate::convert::now_ms(),
+                ..self.request
+            },
+            reply: self.reply,
+            session_id: self.session_id,
+        }
+    }
+}
+
 impl Op {
     /// A claim's request, or a completion's `claim_next`.
     fn claim_request(&self) -> Option<&ClaimRequest> {
@@ -314,18 +328,19 @@ fn gone() -> Error {
 
 impl GroupCommit {
     pub(crate) fn new(store: Store) -> Self {
+        let clusters = store.dialect() == Dialect::Sqlite;
         Self {
-            store: store.clone(),
+            store,
             lanes: Arc::default(),
             apart: Arc::default(),
             sessions: Arc::default(),
             parked: Arc::default(),
             next_parked: Arc::default(),
-            turns: Arc::new(Turns::new(store.dialect() == Dialect::Sqlite)),
+            turns: Arc::new(Turns::new(clusters)),
             demand: Arc::default(),
             budget: Budget::new(CACHED_TASKS),
             picks: Arc::default(),
-            clusters: store.dialect() == Dialect::Sqlite,
+            clusters,
         }
     }
 
@@ -508,10 +523,7 @@ impl GroupCommit {
                 },
             };
             let (reply, answer) = oneshot::channel();
-            // Counted until answered (see `complete`).
-            let _queued = self
-                .clusters
-                .then(|| self.demand.queue(&session_id, request.max as usize));
+            let _queued = self.sent(&session_id, request);
             let op = Op::Claim {
                 session_id: session_id.clone(),
                 request: request.clone(),
@@ -585,11 +597,7 @@ impl GroupCommit {
                 request: request.clone(),
                 reply,
             });
-            // Counted until answered, so that the picks meanwhile pass the session over when
-            // the claims already sent there will take what it has ready.
-            let queued = self
-                .clusters
-                .then(|| self.demand.queue(&picked, request.max as usize));
+            let queued = self.sent(&picked, &request);
             elsewhere = Some((answer, request, picked, queued));
         }
         let queued = claim_next
@@ -663,6 +671,14 @@ impl GroupCommit {
             self.turns.visit_begins(session_id);
         }
         Ok(sessions.into_iter().next())
+    }
+
+    /// Counts a claim a pick sent to `session_id` in [`Demand`] until the returned guard drops
+    /// (when it is answered), so that picks meanwhile pass the session over when the claims
+    /// already sent there will take what it has ready; with `clusters` only.
+    fn sent(&self, session_id: &str, request: &ClaimRequest) -> Option<Queued> {
+        self.clusters
+            .then(|| self.demand.queue(session_id, request.max as usize))
     }
 
     /// Whether `session_id` has nothing ready for another claim once the claims queued there
@@ -845,14 +861,7 @@ impl GroupCommit {
             if !ready[at] || !shared || !self.lane(&ask.session_id).is_empty() {
                 continue;
             }
-            let op = Op::Claim {
-                request: ClaimRequest {
-                    now: crate::convert::now_ms(),
-                    ..ask.request
-                },
-                reply: ask.reply,
-                session_id: ask.session_id,
-            };
+            let op = ask.into_claim();
             match claims
                 .iter_mut()
                 .find(|part| part[0].session_id() == op.session_id())
@@ -1462,14 +1471,7 @@ fn take_asks(
             hold = Hold::Only;
         }
         filter.get_or_insert_with(|| ask.request.clone());
-        part.push(Op::Claim {
-            request: ClaimRequest {
-                now: crate::convert::now_ms(),
-                ..ask.request
-            },
-            reply: ask.reply,
-            session_id: ask.session_id,
-        });
+        part.push(ask.into_claim());
         taken += 1;
     }
     *asks = left;
